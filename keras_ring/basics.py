@@ -1,0 +1,63 @@
+"""Process-level API: init, shutdown and where this process sits in the job."""
+
+from __future__ import annotations
+
+from keras_ring.runtime import RUNTIME
+
+
+def init() -> None:
+    """Starts keras_ring in this process.
+
+    Under ``mpirun -np N`` (or ``keras-ring-run``) it bootstraps through mpi4py and connects
+    the ranks; a plain ``python train.py`` is a world of size 1 and needs no MPI. Calling it
+    again is harmless; after ``shutdown()`` it starts afresh.
+
+    Example:
+
+    ```python
+    import keras_ring
+    keras_ring.init()
+    print(keras_ring.rank(), keras_ring.size())
+    ```
+    """
+    RUNTIME.init()
+
+
+def shutdown() -> None:
+    """Stops the runtime: its thread, sockets and shared resources. Also runs at exit."""
+    RUNTIME.shutdown()
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return RUNTIME.initialized
+
+
+def rank() -> int:
+    """This process's rank in ``[0, size())``."""
+    return RUNTIME.topology("keras_ring.rank()").rank
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    return RUNTIME.topology("keras_ring.size()").size
+
+
+def local_rank() -> int:
+    """This process's index among the processes on its host (use it to pick a GPU)."""
+    return RUNTIME.topology("keras_ring.local_rank()").local_rank
+
+
+def local_size() -> int:
+    """The number of processes on this host."""
+    return RUNTIME.topology("keras_ring.local_size()").local_size
+
+
+def cross_rank() -> int:
+    """The index of this process's host among the hosts (ranks with equal local_rank)."""
+    return RUNTIME.topology("keras_ring.cross_rank()").cross_rank
+
+
+def cross_size() -> int:
+    """The number of hosts that have a process with this local_rank."""
+    return RUNTIME.topology("keras_ring.cross_size()").cross_size

@@ -1,0 +1,120 @@
+"""How ranks find each other: rank, size, host map and the addresses the transports need.
+
+The bootstrap runs once in ``init()`` and hands the C++ runtime a complete peer table. Under
+an MPI launcher it uses mpi4py (only for this exchange: MPI is not the data plane); a plain
+``python train.py`` is a world of one and imports no MPI at all.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+
+from keras_ring.config import Config
+
+# Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, Slurm's PMI) set in ranks.
+_LAUNCHER_VARIABLES = (
+    "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
+    "HYDRA_CONTROL_FD", "PMI_FD",
+)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job."""
+
+    rank: int
+    size: int
+    local_rank: int  # index among the ranks on this host
+    local_size: int
+    cross_rank: int  # index among the ranks with this local_rank (i.e. the host's index)
+    cross_size: int
+    host_ids: tuple[str, ...]  # per rank, what identifies its host
+
+    @classmethod
+    def from_host_ids(cls, rank: int, host_ids: list[str]) -> "Topology":
+        size = len(host_ids)
+        local = [r for r in range(size) if host_ids[r] == host_ids[rank]]
+        local_rank_of = [
+            sum(1 for q in range(r) if host_ids[q] == host_ids[r]) for r in range(size)
+        ]
+        cross = [r for r in range(size) if local_rank_of[r] == local_rank_of[rank]]
+        return cls(
+            rank=rank, size=size, local_rank=local.index(rank), local_size=len(local),
+            cross_rank=cross.index(rank), cross_size=len(cross), host_ids=tuple(host_ids),
+        )
+
+
+@dataclass
+class PeerTable:
+    """Everything the runtime needs to connect: topology, addresses, job token, listener."""
+
+    topology: Topology
+    addresses: list[tuple[str, int]] = field(default_factory=list)
+    job_token: int = 0
+    listener: socket.socket | None = None
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+
+def launched_by_mpi() -> bool:
+    """True when an MPI launcher started this process."""
+    return any(v in os.environ for v in _LAUNCHER_VARIABLES)
+
+
+def _listen(multi_host: bool, backlog: int) -> socket.socket:
+    # One host: loopback only, nothing is exposed. Several: every interface.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("0.0.0.0" if multi_host else "127.0.0.1", 0))
+    sock.listen(max(backlog, 8))
+    return sock
+
+
+def _advertised_address(config: Config) -> str:
+    if config.advertise_address:
+        return config.advertise_address
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def single_process() -> PeerTable:
+    return PeerTable(Topology.from_host_ids(0, [socket.gethostname()]))
+
+
+def mpi_bootstrap(config: Config) -> PeerTable:
+    """Exchanges host identities, addresses and a job token over MPI_COMM_WORLD."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    host_id = config.host_id or socket.gethostname()
+    host_ids = comm.allgather(host_id)
+    topology = Topology.from_host_ids(rank, host_ids)
+    if size == 1:
+        return PeerTable(topology)
+    multi_host = len(set(host_ids)) > 1
+    listener = _listen(multi_host, size)
+    port = listener.getsockname()[1]
+    address = _advertised_address(config) if multi_host else "127.0.0.1"
+    addresses = comm.allgather((address, port))
+    # Peers on this host are reached over loopback whatever they advertise.
+    addresses = [
+        ("127.0.0.1", p) if host_ids[r] == host_id else (a, p)
+        for r, (a, p) in enumerate(addresses)
+    ]
+    token = comm.bcast(secrets.randbits(63) if rank == 0 else None, root=0)
+    return PeerTable(topology, addresses, token, listener)
+
+
+def bootstrap(config: Config) -> PeerTable:
+    """The peer table for this process, from whichever launcher started it."""
+    if launched_by_mpi():
+        return mpi_bootstrap(config)
+    return single_process()

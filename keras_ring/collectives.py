@@ -1,0 +1,254 @@
+"""Collective operations on tensors and Python objects.
+
+Every function works eagerly and inside ``tf.function``; results are bitwise identical on
+every rank. Invalid arguments raise before anything is communicated.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_ring import errors
+from keras_ring.ops import wrappers
+from keras_ring.runtime import RUNTIME
+
+
+class ReduceOp(enum.IntEnum):
+    """How allreduce combines the ranks' values (the values are part of the op library ABI)."""
+
+    Sum = 0
+    Average = 1
+    Min = 2
+    Max = 3
+    Product = 4
+
+
+Sum = ReduceOp.Sum
+Average = ReduceOp.Average
+Min = ReduceOp.Min
+Max = ReduceOp.Max
+Product = ReduceOp.Product
+
+REDUCE_DTYPES = (
+    tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64,
+)
+GATHER_DTYPES = REDUCE_DTYPES + (tf.bool,)
+
+
+def _check_dtype(tensor: tf.Tensor, allowed: tuple, what: str) -> None:
+    if tensor.dtype not in allowed:
+        names = ", ".join(d.name for d in allowed)
+        raise TypeError(f"keras_ring.{what} does not support dtype {tensor.dtype.name}; supported: {names}")
+
+
+def _check_op(op: Any) -> ReduceOp:
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(
+            f"op must be one of keras_ring.Sum, Average, Min, Max, Product; got {op!r}"
+        ) from None
+
+
+def _check_name(name: str | None) -> str:
+    if name is None:
+        return ""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string or None, got {type(name).__name__}")
+    return name
+
+
+def _to_tensor(value: Any, what: str) -> tf.Tensor:
+    try:
+        return tf.convert_to_tensor(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"keras_ring.{what} needs a tensor, got {type(value).__name__}: {e}") from None
+
+
+def _run(fn, *args):
+    """Calls an op; in eager mode its errors become keras_ring's error classes."""
+    try:
+        return fn(*args)
+    except tf.errors.OpError as e:
+        translated = errors.translate(e)
+        if translated is e:
+            raise
+        raise translated from None
+
+
+def allreduce(
+    tensor: Any,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor | tf.IndexedSlices:
+    """Reduces ``tensor`` over all ranks and returns the result on every rank.
+
+    Args:
+        tensor: a tensor (or anything convertible) of a supported dtype. ``tf.IndexedSlices``
+            are allgathered (values and indices) for ``Sum`` and ``Average``.
+        op: ``Sum``, ``Average``, ``Min``, ``Max`` or ``Product``. Average of integers
+            divides the sum exactly, truncating toward zero.
+        name: a name shared by all ranks; it is checked across ranks and used in errors.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+
+    Example:
+
+    ```python
+    mean_loss = keras_ring.allreduce(loss, op=keras_ring.Average, name="loss")
+    ```
+    """
+    RUNTIME.topology("keras_ring.allreduce()")
+    op = _check_op(op)
+    tensor_name = _check_name(name)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_indexed_slices(tensor, op, tensor_name, prescale_factor, postscale_factor)
+    tensor = _to_tensor(tensor, "allreduce")
+    _check_dtype(tensor, REDUCE_DTYPES, "allreduce")
+    return _run(wrappers.allreduce, tensor, int(op), float(prescale_factor), float(postscale_factor), tensor_name)
+
+
+def _allreduce_indexed_slices(slices, op, name, prescale, postscale):
+    if op not in (Sum, Average):
+        raise ValueError(f"allreduce of IndexedSlices supports Sum and Average, got {op.name}")
+    values = allgather(slices.values, name=f"{name}.values" if name else None)
+    indices = allgather(slices.indices, name=f"{name}.indices" if name else None)
+    scale = prescale * postscale / (RUNTIME.topology().size if op == Average else 1)
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    op: ReduceOp = Average,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[tf.Tensor]:
+    """Allreduces a list of tensors as one collective: one fused ring pass per dtype.
+
+    Args:
+        tensors: tensors of any shapes and supported dtypes, mixed freely.
+        op, name, prescale_factor, postscale_factor: as for :func:`allreduce`.
+
+    Returns:
+        The reduced tensors, in the order given.
+
+    Example:
+
+    ```python
+    grads = keras_ring.grouped_allreduce(grads, op=keras_ring.Average)
+    ```
+    """
+    RUNTIME.topology("keras_ring.grouped_allreduce()")
+    op = _check_op(op)
+    tensor_name = _check_name(name)
+    if isinstance(tensors, (tf.Tensor, np.ndarray)):
+        raise TypeError("grouped_allreduce takes a list of tensors; use allreduce for one tensor")
+    tensors = [_to_tensor(t, "grouped_allreduce") for t in tensors]
+    for t in tensors:
+        _check_dtype(t, REDUCE_DTYPES, "grouped_allreduce")
+    if not tensors:
+        return []
+    return list(
+        _run(wrappers.grouped_allreduce, tensors, int(op), float(prescale_factor), float(postscale_factor), tensor_name)
+    )
+
+
+def allgather(tensor: Any, name: str | None = None) -> tf.Tensor:
+    """Concatenates every rank's tensor along the first dimension, in rank order.
+
+    The first dimension may differ between ranks; the others must match. A scalar counts as
+    one row, so gathering scalars gives a vector of ``size()`` entries.
+
+    Example:
+
+    ```python
+    all_labels = keras_ring.allgather(labels)  # shape [sum of every rank's batch, ...]
+    ```
+    """
+    RUNTIME.topology("keras_ring.allgather()")
+    tensor = _to_tensor(tensor, "allgather")
+    _check_dtype(tensor, GATHER_DTYPES, "allgather")
+    return _run(wrappers.allgather, tensor, _check_name(name))
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
+    """Returns the root rank's ``tensor`` on every rank (shapes and dtypes must match).
+
+    Example:
+
+    ```python
+    w = keras_ring.broadcast(w, root_rank=0)
+    ```
+    """
+    RUNTIME.topology("keras_ring.broadcast()")
+    tensor = _to_tensor(tensor, "broadcast")
+    _check_dtype(tensor, GATHER_DTYPES, "broadcast")
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
+    return _run(wrappers.broadcast, tensor, int(root_rank), _check_name(name))
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
+    """Assigns the root rank's values to ``variables`` (tf or Keras variables) on every rank."""
+    RUNTIME.topology("keras_ring.broadcast_variables()")
+    for i, var in enumerate(variables):
+        var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=f"broadcast_variables.{i}"))
+
+
+def _pickle(obj: Any) -> tf.Tensor:
+    buf = io.BytesIO()
+    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return tf.constant(np.frombuffer(buf.getvalue(), dtype=np.uint8))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+    """Returns the root rank's ``obj`` (any picklable object) on every rank. Eager only."""
+    topo = RUNTIME.topology("keras_ring.broadcast_object()")
+    payload = _pickle(obj) if topo.rank == root_rank else tf.zeros([0], tf.uint8)
+    length = broadcast(tf.constant([int(payload.shape[0])], tf.int64), root_rank, name="broadcast_object.length")
+    if topo.rank != root_rank:
+        payload = tf.zeros([int(length[0])], tf.uint8)
+    data = broadcast(payload, root_rank, name="broadcast_object.data")
+    return obj if topo.rank == root_rank else pickle.loads(data.numpy().tobytes())
+
+
+def allgather_object(obj: Any) -> list[Any]:
+    """Returns a list with every rank's ``obj`` (any picklable object), in rank order."""
+    RUNTIME.topology("keras_ring.allgather_object()")
+    payload = _pickle(obj)
+    lengths = allgather(tf.constant([int(payload.shape[0])], tf.int64), name="allgather_object.lengths").numpy()
+    data = allgather(payload, name="allgather_object.data").numpy().tobytes()
+    out, offset = [], 0
+    for n in lengths:
+        out.append(pickle.loads(data[offset:offset + int(n)]))
+        offset += int(n)
+    return out
+
+
+def barrier() -> None:
+    """Returns once every rank has called it (bounded by ``KERAS_RING_TIMEOUT_SECONDS``)."""
+    import ctypes
+
+    lib = RUNTIME.library("keras_ring.barrier()")
+    err = ctypes.create_string_buffer(4096)
+    rc = lib.c.keras_ring_barrier(b"barrier", err, len(err))
+    if rc != 0:
+        message = err.value.decode(errors="replace")
+        for tf_class, ours in errors._BY_TF_CLASS:
+            if tf_class.__name__ and rc == tf_class(None, None, "").error_code:
+                e = ours(None, None, message)
+                e._describe(message)
+                raise e
+        raise errors.KerasRingError(message)

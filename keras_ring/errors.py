@@ -1,0 +1,96 @@
+"""keras_ring's exceptions.
+
+Errors raised by collectives are subclasses of the matching ``tf.errors`` class, so code that
+catches TensorFlow's errors keeps working, and they carry what failed as attributes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import tensorflow as tf
+
+_LABEL = re.compile(r"keras_ring: (?P<collective>\w+ (?:'[^']*'|#\d+))")
+_TF_SUFFIX = re.compile(r"\s*\[Op:[^\]]*\].*$", re.S)
+_RANK = re.compile(r"\brank (?P<rank>\d+)\b")
+
+
+class KerasRingError(Exception):
+    """Base of every keras_ring error.
+
+    Attributes:
+        collective: the failing collective, e.g. ``"allreduce 'grad_dense_1'"``, or None.
+        rank: the rank the error is about (dead, waited for, or diverging), or None.
+        reason: the message without the collective prefix.
+    """
+
+    collective: str | None = None
+    rank: int | None = None
+    reason: str = ""
+
+    def _describe(self, message: str) -> None:
+        m = _LABEL.search(message)
+        self.collective = m.group("collective") if m else None
+        self.reason = message[m.end():].lstrip(": ") if m else message
+        r = _RANK.search(self.reason)
+        self.rank = int(r.group("rank")) if r else None
+
+
+class NotInitializedError(KerasRingError, ValueError):
+    """A keras_ring function was called before ``keras_ring.init()`` or after ``shutdown()``."""
+
+    def __init__(self, what: str = "this function"):
+        super().__init__(
+            f"keras_ring has not been initialized: call keras_ring.init() before {what}"
+        )
+
+
+class InitError(KerasRingError, RuntimeError):
+    """``keras_ring.init()`` could not bootstrap or connect the ranks."""
+
+
+class CollectiveMismatchError(KerasRingError, tf.errors.FailedPreconditionError):
+    """Ranks submitted different collectives (shape, dtype, op, root or name differ)."""
+
+
+class CollectiveArgumentError(KerasRingError, tf.errors.InvalidArgumentError):
+    """A collective's argument is invalid on some rank (e.g. a root rank out of range)."""
+
+
+class CollectiveTimeoutError(KerasRingError, tf.errors.DeadlineExceededError):
+    """A peer did not take part within ``KERAS_RING_TIMEOUT_SECONDS``."""
+
+
+class PeerFailureError(KerasRingError, tf.errors.UnavailableError):
+    """A peer process is gone (exited, crashed, killed) or its connection broke."""
+
+
+class CollectiveAbortedError(KerasRingError, tf.errors.AbortedError):
+    """The runtime was aborted (an earlier failure, or shutdown) while the collective waited."""
+
+
+_BY_TF_CLASS = [
+    (tf.errors.FailedPreconditionError, CollectiveMismatchError),
+    (tf.errors.InvalidArgumentError, CollectiveArgumentError),
+    (tf.errors.DeadlineExceededError, CollectiveTimeoutError),
+    (tf.errors.UnavailableError, PeerFailureError),
+    (tf.errors.AbortedError, CollectiveAbortedError),
+    (tf.errors.CancelledError, CollectiveAbortedError),
+]
+
+
+def translate(error: tf.errors.OpError) -> Exception:
+    """Maps a TensorFlow error raised by a keras_ring op to keras_ring's class for it."""
+    message = error.message
+    if "keras_ring" not in message:
+        return error
+    # Drop TensorFlow's decorations ("{{function_node ...}} ", " [Op:...] name: ...").
+    message = _TF_SUFFIX.sub("", message[message.index("keras_ring"):]).strip()
+    if "has not been initialized" in message:
+        return NotInitializedError("running a collective")
+    for tf_class, ours in _BY_TF_CLASS:
+        if isinstance(error, tf_class):
+            err = ours(error.node_def, error.op, message)
+            err._describe(message)
+            return err
+    return error

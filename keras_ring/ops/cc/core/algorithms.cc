@@ -1,0 +1,134 @@
+#include "algorithms.h"
+
+#include <algorithm>
+
+#include "reduce.h"
+
+namespace keras_ring {
+namespace {
+
+struct Span {
+  size_t offset;  // in elements
+  size_t count;
+};
+
+// Splits count elements into n nearly equal chunks; the first count % n get one extra.
+Span Chunk(size_t count, int n, int index) {
+  const size_t base = count / static_cast<size_t>(n);
+  const size_t extra = count % static_cast<size_t>(n);
+  const size_t i = static_cast<size_t>(index);
+  return Span{i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
+}
+
+int Mod(int a, int n) { return ((a % n) + n) % n; }
+
+void FinishScaling(DataType dtype, ReduceOp op, void* data, size_t count, int size,
+                   double postscale) {
+  if (op == ReduceOp::kAverage) {
+    AverageScale(dtype, data, count, size, postscale);
+  } else {
+    Scale(dtype, data, count, postscale);
+  }
+}
+
+}  // namespace
+
+Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
+                     void* buf, size_t count, double prescale, double postscale) {
+  const int n = t.size();
+  const int r = t.rank();
+  const size_t esize = DataTypeSize(dtype);
+  char* base = static_cast<char*>(buf);
+  Scale(dtype, buf, count, prescale);
+  if (n == 1 || count == 0) {
+    FinishScaling(dtype, op, buf, count, n, postscale);
+    return Status::OK();
+  }
+  const int right = Mod(r + 1, n);
+  const int left = Mod(r - 1, n);
+  const size_t seg = std::max<size_t>(1, cfg.segment_bytes / esize);
+  const ReduceFn reduce = [dtype, op, esize](void* dst, const void* src, size_t bytes) {
+    Reduce(dtype, op, dst, src, bytes / esize);
+  };
+
+  // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1.
+  for (int step = 0; step < n - 1; ++step) {
+    const Span s = Chunk(count, n, Mod(r - step, n));
+    const Span v = Chunk(count, n, Mod(r - step - 1, n));
+    for (size_t off = 0; off < std::max(s.count, v.count); off += seg) {
+      const size_t sc = off < s.count ? std::min(seg, s.count - off) : 0;
+      const size_t vc = off < v.count ? std::min(seg, v.count - off) : 0;
+      KR_RETURN_IF_ERROR(t.SendRecvReduce(right, base + (s.offset + off) * esize, sc * esize,
+                                          left, base + (v.offset + off) * esize, vc * esize,
+                                          reduce, Deadline::After(cfg.timeout_seconds)));
+    }
+  }
+  const Span own = Chunk(count, n, Mod(r + 1, n));
+  FinishScaling(dtype, op, base + own.offset * esize, own.count, n, postscale);
+
+  // Allgather of the finished chunks.
+  for (int step = 0; step < n - 1; ++step) {
+    const Span s = Chunk(count, n, Mod(r + 1 - step, n));
+    const Span v = Chunk(count, n, Mod(r - step, n));
+    for (size_t off = 0; off < std::max(s.count, v.count); off += seg) {
+      const size_t sc = off < s.count ? std::min(seg, s.count - off) : 0;
+      const size_t vc = off < v.count ? std::min(seg, v.count - off) : 0;
+      KR_RETURN_IF_ERROR(t.SendRecv(right, base + (s.offset + off) * esize, sc * esize, left,
+                                    base + (v.offset + off) * esize, vc * esize,
+                                    Deadline::After(cfg.timeout_seconds)));
+    }
+  }
+  return Status::OK();
+}
+
+Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
+                      const std::vector<size_t>& block_bytes) {
+  const int n = t.size();
+  const int r = t.rank();
+  if (n == 1) return Status::OK();
+  std::vector<size_t> offsets(block_bytes.size() + 1, 0);
+  for (size_t i = 0; i < block_bytes.size(); ++i) offsets[i + 1] = offsets[i] + block_bytes[i];
+  char* base = static_cast<char*>(out);
+  const int right = Mod(r + 1, n);
+  const int left = Mod(r - 1, n);
+  const size_t seg = std::max<size_t>(1, cfg.segment_bytes);
+  for (int step = 0; step < n - 1; ++step) {
+    const int sb = Mod(r - step, n);
+    const int vb = Mod(r - step - 1, n);
+    const size_t slen = block_bytes[static_cast<size_t>(sb)];
+    const size_t vlen = block_bytes[static_cast<size_t>(vb)];
+    // At least one (possibly empty) exchange per step keeps every rank in lock step.
+    size_t off = 0;
+    do {
+      const size_t sc = off < slen ? std::min(seg, slen - off) : 0;
+      const size_t vc = off < vlen ? std::min(seg, vlen - off) : 0;
+      KR_RETURN_IF_ERROR(t.SendRecv(right, base + offsets[static_cast<size_t>(sb)] + off, sc, left,
+                                    base + offsets[static_cast<size_t>(vb)] + off, vc,
+                                    Deadline::After(cfg.timeout_seconds)));
+      off += seg;
+    } while (off < std::max(slen, vlen));
+  }
+  return Status::OK();
+}
+
+Status ChainBroadcast(Transport& t, const AlgoConfig& cfg, void* buf, size_t bytes, int root) {
+  const int n = t.size();
+  if (n == 1 || bytes == 0) return Status::OK();
+  const int pos = Mod(t.rank() - root, n);  // position along the chain
+  const int right = Mod(t.rank() + 1, n);
+  const int left = Mod(t.rank() - 1, n);
+  char* base = static_cast<char*>(buf);
+  const size_t seg = std::max<size_t>(1, cfg.segment_bytes);
+  for (size_t off = 0; off < bytes; off += seg) {
+    const size_t len = std::min(seg, bytes - off);
+    if (pos > 0) {
+      KR_RETURN_IF_ERROR(t.Recv(left, base + off, len, Deadline::After(cfg.timeout_seconds)));
+    }
+    if (pos < n - 1) {
+      KR_RETURN_IF_ERROR(t.Send(right, base + off, len, Deadline::After(cfg.timeout_seconds)));
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace keras_ring

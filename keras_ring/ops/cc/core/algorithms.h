@@ -1,0 +1,35 @@
+// Collective algorithms written only against Transport. Each takes a per-wait timeout: any
+// single wait for a peer is bounded, while a long transfer that keeps moving is not cut off.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+#include "transport.h"
+
+namespace keras_ring {
+
+struct AlgoConfig {
+  double timeout_seconds = 300.0;
+  size_t segment_bytes = 1 << 20;  // unit of one transfer step; bounds scratch memory
+};
+
+// In-place ring allreduce (reduce-scatter, then allgather) of `count` elements at `buf`.
+// prescale is applied before the reduction, postscale (and 1/size for Average) after it, on
+// the chunk this rank owns, so every rank ends with bitwise identical results.
+Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
+                     void* buf, size_t count, double prescale, double postscale);
+
+// Ring allgather of blocks of different sizes: block r (block_bytes[r] bytes) belongs to
+// rank r, blocks lie back to back in rank order in `out`, and this rank's block must
+// already be in place.
+Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
+                      const std::vector<size_t>& block_bytes);
+
+// Pipelined chain broadcast: root -> root+1 -> ... in segments. `buf` holds the data on the
+// root and receives it elsewhere.
+Status ChainBroadcast(Transport& t, const AlgoConfig& cfg, void* buf, size_t bytes, int root);
+
+}  // namespace keras_ring

@@ -1,0 +1,60 @@
+#include "common.h"
+
+namespace keras_ring {
+
+size_t DataTypeSize(DataType t) {
+  switch (t) {
+    case DataType::kFloat16:
+    case DataType::kBFloat16:
+      return 2;
+    case DataType::kFloat32:
+    case DataType::kInt32:
+      return 4;
+    case DataType::kFloat64:
+    case DataType::kInt64:
+      return 8;
+    case DataType::kInt8:
+    case DataType::kUInt8:
+    case DataType::kBool:
+      return 1;
+  }
+  return 0;
+}
+
+const char* DataTypeName(DataType t) {
+  switch (t) {
+    case DataType::kFloat16: return "float16";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kInt8: return "int8";
+    case DataType::kUInt8: return "uint8";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+    case DataType::kBool: return "bool";
+  }
+  return "unknown";
+}
+
+bool IsValidDataType(int32_t t) { return t >= 0 && t < kNumDataTypes; }
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "Sum";
+    case ReduceOp::kAverage: return "Average";
+    case ReduceOp::kMin: return "Min";
+    case ReduceOp::kMax: return "Max";
+    case ReduceOp::kProduct: return "Product";
+  }
+  return "unknown";
+}
+
+bool IsValidReduceOp(int32_t op) { return op >= 0 && op <= 4; }
+
+int Deadline::remaining_ms(int cap_ms) const {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t_ - Clock::now()).count();
+  if (left <= 0) return 0;
+  return left > cap_ms ? cap_ms : static_cast<int>(left);
+}
+
+}  // namespace keras_ring

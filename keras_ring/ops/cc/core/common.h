@@ -1,0 +1,102 @@
+// Basic vocabulary of the collective runtime: status, data types, reduce ops, deadlines.
+// Nothing here knows about TensorFlow or MPI.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace keras_ring {
+
+// Codes share their numbering with TensorFlow's / absl's canonical codes so the adapter
+// can map them one to one.
+enum class Code : int {
+  kOk = 0,
+  kCancelled = 1,
+  kInvalidArgument = 3,
+  kDeadlineExceeded = 4,
+  kFailedPrecondition = 9,
+  kAborted = 10,
+  kInternal = 13,
+  kUnavailable = 14,
+};
+
+class Status {
+ public:
+  Status() = default;
+  Status(Code code, std::string message, int peer = -1)
+      : code_(code), message_(std::move(message)), peer_(peer) {}
+  static Status OK() { return Status(); }
+
+  bool ok() const { return code_ == Code::kOk; }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+  // The rank this error is about (the one waited for, dead, or diverging), or -1.
+  int peer() const { return peer_; }
+  // True for errors after which the data plane can no longer be trusted.
+  bool fatal() const {
+    return code_ == Code::kDeadlineExceeded || code_ == Code::kUnavailable ||
+           code_ == Code::kAborted || code_ == Code::kInternal;
+  }
+
+ private:
+  Code code_ = Code::kOk;
+  std::string message_;
+  int peer_ = -1;
+};
+
+#define KR_RETURN_IF_ERROR(expr)        \
+  do {                                  \
+    ::keras_ring::Status _s = (expr);   \
+    if (!_s.ok()) return _s;            \
+  } while (0)
+
+// Values are part of the C API and of the signature exchanged between ranks.
+enum class DataType : int32_t {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,
+  kFloat64 = 3,
+  kInt8 = 4,
+  kUInt8 = 5,
+  kInt32 = 6,
+  kInt64 = 7,
+  kBool = 8,
+};
+constexpr int kNumDataTypes = 9;
+
+size_t DataTypeSize(DataType t);
+const char* DataTypeName(DataType t);
+bool IsValidDataType(int32_t t);
+
+enum class ReduceOp : int32_t {
+  kSum = 0,
+  kAverage = 1,
+  kMin = 2,
+  kMax = 3,
+  kProduct = 4,
+};
+const char* ReduceOpName(ReduceOp op);
+bool IsValidReduceOp(int32_t op);
+
+using Clock = std::chrono::steady_clock;
+
+// An absolute point in time after which a wait gives up. Every blocking call takes one.
+class Deadline {
+ public:
+  static Deadline After(double seconds) {
+    return Deadline(Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(seconds)));
+  }
+  explicit Deadline(Clock::time_point t) : t_(t) {}
+  bool expired() const { return Clock::now() >= t_; }
+  // Milliseconds left, clamped to [0, cap_ms]; for poll()-style APIs.
+  int remaining_ms(int cap_ms = 1 << 30) const;
+  Clock::time_point time() const { return t_; }
+
+ private:
+  Clock::time_point t_;
+};
+
+}  // namespace keras_ring

@@ -1,0 +1,256 @@
+#include "reduce.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace keras_ring {
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {  // Inf or NaN
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {  // normal
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {  // zero
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t FloatToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) {  // Inf or NaN (keep NaN quiet)
+    return sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  }
+  if (x >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: overflow to Inf
+  if (x < 0x38800000u) {                         // result is subnormal or zero
+    if (x < 0x33000000u) return sign;            // < half the smallest subnormal
+    const uint32_t e = x >> 23;
+    uint32_t mant = (x & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // 14..24
+    uint32_t result = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (result & 1u))) ++result;
+    return sign | static_cast<uint16_t>(result);
+  }
+  // Normal: rebias exponent, round mantissa to 10 bits (carry may bump the exponent).
+  uint32_t result = ((x >> 13) - (112u << 10));
+  const uint32_t rem = x & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (result & 1u))) ++result;
+  return sign | static_cast<uint16_t>(result);
+}
+
+float BFloat16ToFloat(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t FloatToBFloat16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // NaN
+  const uint32_t rounding = 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>((x + rounding) >> 16);
+}
+
+namespace {
+
+// Integer arithmetic goes through the unsigned type so overflow wraps instead of being UB.
+template <typename T>
+inline T WrapAdd(T a, T b) {
+  using U = std::make_unsigned_t<T>;
+  return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+}
+template <typename T>
+inline T WrapMul(T a, T b) {
+  using U = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+  return static_cast<T>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+}
+
+template <typename T>
+inline T Max(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    return (a > b || a != a) ? a : b;  // NaN in either operand wins
+  } else {
+    return a > b ? a : b;
+  }
+}
+template <typename T>
+inline T Min(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    return (a < b || a != a) ? a : b;
+  } else {
+    return a < b ? a : b;
+  }
+}
+
+template <typename T>
+void ReduceTyped(ReduceOp op, T* __restrict dst, const T* __restrict src, size_t n) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage:
+      if constexpr (std::is_floating_point_v<T>) {
+        for (size_t i = 0; i < n; ++i) dst[i] = dst[i] + src[i];
+      } else {
+        for (size_t i = 0; i < n; ++i) dst[i] = WrapAdd(dst[i], src[i]);
+      }
+      break;
+    case ReduceOp::kProduct:
+      if constexpr (std::is_floating_point_v<T>) {
+        for (size_t i = 0; i < n; ++i) dst[i] = dst[i] * src[i];
+      } else {
+        for (size_t i = 0; i < n; ++i) dst[i] = WrapMul(dst[i], src[i]);
+      }
+      break;
+    case ReduceOp::kMin:
+      for (size_t i = 0; i < n; ++i) dst[i] = Min(dst[i], src[i]);
+      break;
+    case ReduceOp::kMax:
+      for (size_t i = 0; i < n; ++i) dst[i] = Max(dst[i], src[i]);
+      break;
+  }
+}
+
+// 16-bit floats reduce through float32 in blocks, so the float loop stays vectorisable.
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void Reduce16(ReduceOp op, uint16_t* dst, const uint16_t* src, size_t n) {
+  constexpr size_t kBlock = 256;
+  float a[kBlock], b[kBlock];
+  for (size_t off = 0; off < n; off += kBlock) {
+    const size_t m = n - off < kBlock ? n - off : kBlock;
+    for (size_t i = 0; i < m; ++i) {
+      a[i] = ToF(dst[off + i]);
+      b[i] = ToF(src[off + i]);
+    }
+    ReduceTyped<float>(op, a, b, m);
+    for (size_t i = 0; i < m; ++i) dst[off + i] = FromF(a[i]);
+  }
+}
+
+template <typename T>
+void ScaleTyped(T* buf, size_t n, double factor) {
+  if constexpr (std::is_floating_point_v<T>) {
+    for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(static_cast<double>(buf[i]) * factor);
+  } else {
+    constexpr double lo = static_cast<double>(std::numeric_limits<T>::min());
+    constexpr double hi = static_cast<double>(std::numeric_limits<T>::max());
+    for (size_t i = 0; i < n; ++i) {
+      double v = std::trunc(static_cast<double>(buf[i]) * factor);
+      v = v < lo ? lo : (v > hi ? hi : v);
+      buf[i] = static_cast<T>(v);
+    }
+  }
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void Scale16(uint16_t* buf, size_t n, double factor) {
+  for (size_t i = 0; i < n; ++i) {
+    buf[i] = FromF(static_cast<float>(static_cast<double>(ToF(buf[i])) * factor));
+  }
+}
+
+template <typename T>
+void DivideTyped(T* buf, size_t n, int64_t divisor) {
+  const T d = static_cast<T>(divisor);
+  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] / d);
+}
+
+bool IsInteger(DataType t) {
+  return t == DataType::kInt8 || t == DataType::kUInt8 || t == DataType::kInt32 ||
+         t == DataType::kInt64;
+}
+
+}  // namespace
+
+void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, double factor) {
+  if (!IsInteger(dtype)) {
+    Scale(dtype, buf, count, factor / static_cast<double>(divisor));
+    return;
+  }
+  if (divisor != 1) {
+    switch (dtype) {
+      case DataType::kInt8: DivideTyped(static_cast<int8_t*>(buf), count, divisor); break;
+      case DataType::kUInt8: DivideTyped(static_cast<uint8_t*>(buf), count, divisor); break;
+      case DataType::kInt32: DivideTyped(static_cast<int32_t*>(buf), count, divisor); break;
+      case DataType::kInt64: DivideTyped(static_cast<int64_t*>(buf), count, divisor); break;
+      default: break;
+    }
+  }
+  Scale(dtype, buf, count, factor);
+}
+
+bool IsReducible(DataType dtype) { return dtype != DataType::kBool; }
+
+void Reduce(DataType dtype, ReduceOp op, void* dst, const void* src, size_t count) {
+  switch (dtype) {
+    case DataType::kFloat16:
+      Reduce16<HalfToFloat, FloatToHalf>(op, static_cast<uint16_t*>(dst),
+                                         static_cast<const uint16_t*>(src), count);
+      break;
+    case DataType::kBFloat16:
+      Reduce16<BFloat16ToFloat, FloatToBFloat16>(op, static_cast<uint16_t*>(dst),
+                                                 static_cast<const uint16_t*>(src), count);
+      break;
+    case DataType::kFloat32:
+      ReduceTyped(op, static_cast<float*>(dst), static_cast<const float*>(src), count);
+      break;
+    case DataType::kFloat64:
+      ReduceTyped(op, static_cast<double*>(dst), static_cast<const double*>(src), count);
+      break;
+    case DataType::kInt8:
+      ReduceTyped(op, static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), count);
+      break;
+    case DataType::kUInt8:
+      ReduceTyped(op, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count);
+      break;
+    case DataType::kInt32:
+      ReduceTyped(op, static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count);
+      break;
+    case DataType::kInt64:
+      ReduceTyped(op, static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count);
+      break;
+    case DataType::kBool:
+      break;
+  }
+}
+
+void Scale(DataType dtype, void* buf, size_t count, double factor) {
+  if (factor == 1.0) return;
+  switch (dtype) {
+    case DataType::kFloat16:
+      Scale16<HalfToFloat, FloatToHalf>(static_cast<uint16_t*>(buf), count, factor);
+      break;
+    case DataType::kBFloat16:
+      Scale16<BFloat16ToFloat, FloatToBFloat16>(static_cast<uint16_t*>(buf), count, factor);
+      break;
+    case DataType::kFloat32: ScaleTyped(static_cast<float*>(buf), count, factor); break;
+    case DataType::kFloat64: ScaleTyped(static_cast<double*>(buf), count, factor); break;
+    case DataType::kInt8: ScaleTyped(static_cast<int8_t*>(buf), count, factor); break;
+    case DataType::kUInt8: ScaleTyped(static_cast<uint8_t*>(buf), count, factor); break;
+    case DataType::kInt32: ScaleTyped(static_cast<int32_t*>(buf), count, factor); break;
+    case DataType::kInt64: ScaleTyped(static_cast<int64_t*>(buf), count, factor); break;
+    case DataType::kBool: break;
+  }
+}
+
+}  // namespace keras_ring

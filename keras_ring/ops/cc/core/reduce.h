@@ -1,0 +1,33 @@
+// Type-erased reduction kernels used by the algorithms. Loops are written so the compiler
+// vectorises them (restrict pointers, no branches in the float paths).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common.h"
+
+namespace keras_ring {
+
+// dst[i] = dst[i] (op) src[i] for i < count. Average reduces like Sum; scaling is separate.
+// Integer Sum and Product wrap around like the hardware does. Min/Max propagate NaN.
+void Reduce(DataType dtype, ReduceOp op, void* dst, const void* src, size_t count);
+
+// buf[i] *= factor. Floats compute in double and round once; integers truncate toward
+// zero and saturate at the type's limits.
+void Scale(DataType dtype, void* buf, size_t count, double factor);
+
+// Finishes an Average: floats are multiplied by factor/divisor in double and rounded once;
+// integers are divided exactly (truncating toward zero), then scaled by factor.
+void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, double factor);
+
+// True if Reduce supports the pair (bool supports none).
+bool IsReducible(DataType dtype);
+
+// IEEE binary16 and bfloat16 conversions, round to nearest even.
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+float BFloat16ToFloat(uint16_t b);
+uint16_t FloatToBFloat16(float f);
+
+}  // namespace keras_ring

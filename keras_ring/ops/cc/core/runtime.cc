@@ -1,0 +1,281 @@
+#include "runtime.h"
+
+#include <algorithm>
+#include <cstring>
+#include <iostream>
+
+namespace keras_ring {
+
+int64_t TensorRef::num_elements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+namespace {
+
+std::mutex g_instance_mu;
+std::shared_ptr<Runtime> g_instance;  // the one runtime of this process, if initialised
+
+void CopyIfDistinct(void* dst, const void* src, size_t bytes) {
+  if (dst != src && bytes > 0) std::memcpy(dst, src, bytes);
+}
+
+}  // namespace
+
+std::shared_ptr<Runtime> Runtime::Get() {
+  std::lock_guard<std::mutex> lock(g_instance_mu);
+  return g_instance;
+}
+
+void Runtime::Install(std::shared_ptr<Runtime> runtime) {
+  std::lock_guard<std::mutex> lock(g_instance_mu);
+  g_instance = std::move(runtime);
+}
+
+std::shared_ptr<Runtime> Runtime::Uninstall() {
+  std::lock_guard<std::mutex> lock(g_instance_mu);
+  return std::move(g_instance);
+}
+
+Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> transport)
+    : options_(options), transport_(std::move(transport)) {
+  algo_.timeout_seconds = options_.timeout_seconds;
+  algo_.segment_bytes = options_.segment_bytes;
+  worker_ = std::thread([this] { WorkerLoop(); });
+}
+
+Runtime::~Runtime() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  // A collective still in flight at shutdown cannot complete without us; end it now
+  // rather than after the timeout.
+  transport_->Abort();
+  if (worker_.joinable()) worker_.join();
+}
+
+void Runtime::Submit(Request request) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopping_) {
+      queue_.push_back(std::move(request));
+      cv_.notify_all();
+      return;
+    }
+  }
+  request.done(Status(Code::kFailedPrecondition,
+                      "keras_ring: the runtime is shutting down; call keras_ring.init() again"));
+}
+
+Status Runtime::Run(Request request) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  Status result;
+  request.done = [&](const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    result = s;
+    finished = true;
+    cv.notify_all();
+  };
+  Submit(std::move(request));
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return finished; });  // the worker bounds every wait, so this ends
+  return result;
+}
+
+void Runtime::WorkerLoop() {
+  uint64_t seq = 0;
+  while (true) {
+    Request request;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) break;  // stopping and drained
+      request = std::move(queue_.front());
+      queue_.pop_front();
+      if (stopping_) {
+        lock.unlock();
+        request.done(Status(Code::kCancelled, "keras_ring: shut down before " +
+                                                  std::string(KindName(request.kind)) +
+                                                  " '" + request.name + "' ran"));
+        continue;
+      }
+    }
+    ++seq;
+    Status s = Execute(request, seq);
+    request.done(s);
+  }
+  if (transport_) transport_->Abort();
+}
+
+Signature Runtime::MakeSignature(const Request& r, uint64_t seq) const {
+  Signature s;
+  s.seq = seq;
+  s.kind = static_cast<int32_t>(r.kind);
+  s.reduce_op = static_cast<int32_t>(r.op);
+  s.root = r.root;
+  s.prescale = r.prescale;
+  s.postscale = r.postscale;
+  s.SetName(r.name);
+  if (r.kind == Kind::kGroupedAllreduce) {
+    uint64_t h = 1469598103934665603ull;
+    int64_t total = 0;
+    for (const TensorRef& t : r.tensors) {
+      h = HashMix(h, static_cast<uint64_t>(t.dtype));
+      h = HashMix(h, static_cast<uint64_t>(t.num_elements()));
+      total += t.num_elements();
+    }
+    s.dtype = r.tensors.empty() ? 0 : static_cast<int32_t>(r.tensors[0].dtype);
+    s.ndims = static_cast<int32_t>(r.tensors.size());
+    s.count = total;
+    s.layout_hash = h;
+    return s;
+  }
+  if (r.tensors.empty()) return s;  // barrier
+  const TensorRef& t = r.tensors[0];
+  s.dtype = static_cast<int32_t>(t.dtype);
+  s.ndims = static_cast<int32_t>(t.shape.size());
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    if (i < kMaxSignatureDims) {
+      s.dims[i] = t.shape[i];
+    } else {
+      h = HashMix(h, static_cast<uint64_t>(t.shape[i]));
+    }
+  }
+  s.layout_hash = t.shape.size() > kMaxSignatureDims ? h : 0;
+  if (r.kind == Kind::kAllgather) {
+    s.count = t.shape.empty() ? 1 : t.shape[0];
+    s.row_elems = 1;
+    for (size_t i = 1; i < t.shape.size(); ++i) s.row_elems *= t.shape[i];
+  } else {
+    s.count = t.num_elements();
+  }
+  return s;
+}
+
+Status Runtime::Fail(const Request& request, uint64_t seq, const Status& cause) {
+  Signature sig = MakeSignature(request, seq);
+  std::string msg = "keras_ring: " + sig.Label() + " failed on rank " +
+                    std::to_string(options_.rank) + ": " + cause.message();
+  if (cause.code() == Code::kDeadlineExceeded) {
+    msg += " (KERAS_RING_TIMEOUT_SECONDS=" + std::to_string(static_cast<int>(options_.timeout_seconds)) + ")";
+  }
+  return Status(cause.code(), msg, cause.peer());
+}
+
+Status Runtime::Execute(Request& request, uint64_t seq) {
+  if (!broken_.ok()) {
+    return Status(broken_.code(), "keras_ring: cannot run " + MakeSignature(request, seq).Label() +
+                                      " because an earlier collective failed: " +
+                                      broken_.message(),
+                  broken_.peer());
+  }
+  std::vector<Signature> sigs;
+  Status s = ExchangeSignatures(*transport_, options_.timeout_seconds,
+                                MakeSignature(request, seq), &sigs);
+  if (s.ok()) {
+    s = CheckSignatures(sigs);
+    if (!s.ok()) {
+      // Every rank saw the same table and fails the same way; no data moved, so the
+      // runtime stays usable.
+      return Status(s.code(), "keras_ring: " + s.message(), s.peer());
+    }
+    switch (request.kind) {
+      case Kind::kAllreduce: s = ExecuteAllreduce(request); break;
+      case Kind::kGroupedAllreduce: s = ExecuteGrouped(request); break;
+      case Kind::kAllgather: s = ExecuteAllgather(request, sigs); break;
+      case Kind::kBroadcast: s = ExecuteBroadcast(request); break;
+      case Kind::kBarrier: break;
+    }
+  }
+  if (s.ok()) return s;
+  Status failed = Fail(request, seq, s);
+  if (s.fatal()) {
+    // The byte streams may be out of step now: stop trusting them, and close them so every
+    // peer sees this rank gone at once instead of waiting for its own timeout.
+    broken_ = failed;
+    transport_->Abort();
+  }
+  return failed;
+}
+
+Status Runtime::ExecuteAllreduce(Request& r) {
+  TensorRef& t = r.tensors[0];
+  CopyIfDistinct(t.output, t.input, t.num_bytes());
+  return RingAllreduce(*transport_, algo_, t.dtype, r.op, t.output,
+                       static_cast<size_t>(t.num_elements()), r.prescale, r.postscale);
+}
+
+Status Runtime::ExecuteGrouped(Request& r) {
+  // One fused ring pass per dtype, dtypes in order of first appearance.
+  std::vector<DataType> order;
+  for (const TensorRef& t : r.tensors) {
+    if (std::find(order.begin(), order.end(), t.dtype) == order.end()) order.push_back(t.dtype);
+  }
+  for (DataType dtype : order) {
+    std::vector<TensorRef*> members;
+    size_t bytes = 0;
+    for (TensorRef& t : r.tensors) {
+      if (t.dtype == dtype) {
+        members.push_back(&t);
+        bytes += t.num_bytes();
+      }
+    }
+    const size_t count = bytes / DataTypeSize(dtype);
+    if (members.size() == 1) {
+      TensorRef& t = *members[0];
+      CopyIfDistinct(t.output, t.input, bytes);
+      KR_RETURN_IF_ERROR(RingAllreduce(*transport_, algo_, dtype, r.op, t.output, count,
+                                       r.prescale, r.postscale));
+      continue;
+    }
+    if (fusion_.size() < bytes) fusion_.resize(bytes);
+    size_t off = 0;
+    for (TensorRef* t : members) {
+      CopyIfDistinct(fusion_.data() + off, t->input, t->num_bytes());
+      off += t->num_bytes();
+    }
+    KR_RETURN_IF_ERROR(RingAllreduce(*transport_, algo_, dtype, r.op, fusion_.data(), count,
+                                     r.prescale, r.postscale));
+    off = 0;
+    for (TensorRef* t : members) {
+      CopyIfDistinct(t->output, fusion_.data() + off, t->num_bytes());
+      off += t->num_bytes();
+    }
+  }
+  return Status::OK();
+}
+
+Status Runtime::ExecuteAllgather(Request& r, const std::vector<Signature>& sigs) {
+  TensorRef& t = r.tensors[0];
+  const size_t esize = DataTypeSize(t.dtype);
+  int64_t total_rows = 0;
+  std::vector<size_t> block_bytes;
+  for (const Signature& s : sigs) {
+    total_rows += s.count;
+    block_bytes.push_back(static_cast<size_t>(s.count * s.row_elems) * esize);
+  }
+  void* out = nullptr;
+  Status alloc = r.allocate_output(total_rows, &out);
+  if (!alloc.ok()) {
+    // Peers are about to exchange data with us; failing alone would leave them waiting.
+    return Status(Code::kAborted, "could not allocate the allgather output: " + alloc.message());
+  }
+  size_t offset = 0;
+  for (int i = 0; i < options_.rank; ++i) offset += block_bytes[static_cast<size_t>(i)];
+  CopyIfDistinct(static_cast<char*>(out) + offset, t.input, t.num_bytes());
+  return RingAllgatherv(*transport_, algo_, out, block_bytes);
+}
+
+Status Runtime::ExecuteBroadcast(Request& r) {
+  TensorRef& t = r.tensors[0];
+  if (options_.rank == r.root) CopyIfDistinct(t.output, t.input, t.num_bytes());
+  return ChainBroadcast(*transport_, algo_, t.output, t.num_bytes(), r.root);
+}
+
+}  // namespace keras_ring

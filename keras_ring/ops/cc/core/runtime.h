@@ -1,0 +1,99 @@
+// The collective runtime: one object per process, made by init and destroyed by shutdown.
+// It owns the transport and one background worker that executes requests strictly in
+// submission order, so every rank runs the same collectives in the same order.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "algorithms.h"
+#include "common.h"
+#include "signature.h"
+#include "transport.h"
+
+namespace keras_ring {
+
+struct TensorRef {
+  DataType dtype = DataType::kFloat32;
+  std::vector<int64_t> shape;
+  const void* input = nullptr;
+  void* output = nullptr;  // may equal input (in place); null for allgather until allocated
+  int64_t num_elements() const;
+  size_t num_bytes() const { return static_cast<size_t>(num_elements()) * DataTypeSize(dtype); }
+};
+
+// One collective as submitted by a kernel (or the C API). `done` is called exactly once,
+// from the worker thread (or from Submit when the runtime cannot take it).
+struct Request {
+  Kind kind = Kind::kAllreduce;
+  std::string name;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  double prescale = 1.0;
+  double postscale = 1.0;
+  std::vector<TensorRef> tensors;
+  // Allgather only: allocates the output for `total_rows` rows; sets tensors[0].output.
+  std::function<Status(int64_t total_rows, void** output)> allocate_output;
+  std::function<void(const Status&)> done;
+};
+
+struct RuntimeOptions {
+  int rank = 0;
+  int size = 1;
+  double timeout_seconds = 300.0;
+  size_t segment_bytes = 1 << 20;
+};
+
+class Runtime {
+ public:
+  Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> transport);
+  ~Runtime();  // fails queued requests, stops the worker, closes the transport
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  int rank() const { return options_.rank; }
+  int size() const { return options_.size; }
+  const RuntimeOptions& options() const { return options_; }
+
+  // Queues the request; never blocks on the network.
+  void Submit(Request request);
+
+  // Submits and waits (for the C API: barrier and tests).
+  Status Run(Request request);
+
+  // The process-wide instance, shared so kernels keep it alive while they use it.
+  static std::shared_ptr<Runtime> Get();
+  static void Install(std::shared_ptr<Runtime> runtime);
+  static std::shared_ptr<Runtime> Uninstall();
+
+ private:
+  void WorkerLoop();
+  Status Execute(Request& request, uint64_t seq);
+  Status ExecuteAllreduce(Request& request);
+  Status ExecuteGrouped(Request& request);
+  Status ExecuteAllgather(Request& request, const std::vector<Signature>& sigs);
+  Status ExecuteBroadcast(Request& request);
+  Signature MakeSignature(const Request& request, uint64_t seq) const;
+  Status Fail(const Request& request, uint64_t seq, const Status& cause);
+
+  RuntimeOptions options_;
+  std::unique_ptr<Transport> transport_;
+  AlgoConfig algo_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Request> queue_;
+  bool stopping_ = false;
+  Status broken_;  // first fatal error; every later request fails with it
+  std::vector<char> fusion_;  // reusable buffer for grouped allreduce (worker only)
+  std::thread worker_;
+};
+
+}  // namespace keras_ring

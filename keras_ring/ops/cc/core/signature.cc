@@ -1,0 +1,171 @@
+#include "signature.h"
+
+#include <cstring>
+#include <functional>
+#include <sstream>
+
+#include "algorithms.h"
+
+namespace keras_ring {
+
+const char* KindName(Kind k) {
+  switch (k) {
+    case Kind::kAllreduce: return "allreduce";
+    case Kind::kGroupedAllreduce: return "grouped_allreduce";
+    case Kind::kAllgather: return "allgather";
+    case Kind::kBroadcast: return "broadcast";
+    case Kind::kBarrier: return "barrier";
+  }
+  return "collective";
+}
+
+void Signature::SetName(const std::string& n) {
+  std::memset(name, 0, sizeof name);
+  std::memcpy(name, n.data(), std::min(n.size(), sizeof name - 1));
+}
+
+std::string Signature::Label() const {
+  std::string label = KindName(static_cast<Kind>(kind));
+  if (name[0] != '\0') return label + " '" + name + "'";
+  return label + " #" + std::to_string(seq);
+}
+
+uint64_t HashMix(uint64_t h, uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xffu;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+Status ExchangeSignatures(Transport& t, double timeout_seconds, const Signature& mine,
+                          std::vector<Signature>* all) {
+  all->assign(static_cast<size_t>(t.size()), Signature());
+  (*all)[static_cast<size_t>(t.rank())] = mine;
+  AlgoConfig cfg;
+  cfg.timeout_seconds = timeout_seconds;
+  cfg.segment_bytes = sizeof(Signature);
+  std::vector<size_t> sizes(static_cast<size_t>(t.size()), sizeof(Signature));
+  return RingAllgatherv(t, cfg, all->data(), sizes);
+}
+
+namespace {
+
+std::string ShapeString(const Signature& s) {
+  if (static_cast<Kind>(s.kind) == Kind::kGroupedAllreduce) {
+    return std::to_string(s.ndims) + " tensors, " + std::to_string(s.count) + " elements";
+  }
+  std::ostringstream out;
+  out << "shape [";
+  for (int i = 0; i < s.ndims && i < kMaxSignatureDims; ++i) out << (i ? ", " : "") << s.dims[i];
+  if (s.ndims > kMaxSignatureDims) out << ", ...";
+  out << "] (" << s.count << (s.count == 1 ? " element)" : " elements)");
+  return out.str();
+}
+
+std::string RowShapeString(const Signature& s) {
+  std::ostringstream out;
+  out << "[";
+  for (int i = 1; i < s.ndims && i < kMaxSignatureDims; ++i) out << (i > 1 ? ", " : "") << s.dims[i];
+  out << "]";
+  return out.str();
+}
+
+struct Field {
+  const char* what;
+  std::function<bool(const Signature&, const Signature&)> same;
+  std::function<std::string(const Signature&)> show;
+};
+
+bool SameShape(const Signature& a, const Signature& b) {
+  if (a.count != b.count || a.ndims != b.ndims || a.layout_hash != b.layout_hash) return false;
+  for (int i = 0; i < kMaxSignatureDims; ++i) {
+    if (a.dims[i] != b.dims[i]) return false;
+  }
+  return true;
+}
+
+bool SameRowShape(const Signature& a, const Signature& b) {
+  if (a.row_elems != b.row_elems || a.ndims != b.ndims || a.layout_hash != b.layout_hash) {
+    return false;
+  }
+  for (int i = 1; i < kMaxSignatureDims; ++i) {
+    if (a.dims[i] != b.dims[i]) return false;
+  }
+  return true;
+}
+
+std::vector<Field> FieldsFor(Kind kind) {
+  std::vector<Field> f;
+  f.push_back({"operation", [](auto& a, auto& b) { return a.kind == b.kind; },
+               [](auto& s) { return std::string(KindName(static_cast<Kind>(s.kind))); }});
+  f.push_back({"name",
+               [](auto& a, auto& b) {
+                 return a.name[0] == '\0' || b.name[0] == '\0' || std::strcmp(a.name, b.name) == 0;
+               },
+               [](auto& s) { return "'" + std::string(s.name) + "'"; }});
+  if (kind == Kind::kBarrier) return f;
+  f.push_back({"dtype", [](auto& a, auto& b) { return a.dtype == b.dtype; },
+               [](auto& s) { return std::string(DataTypeName(static_cast<DataType>(s.dtype))); }});
+  if (kind == Kind::kAllreduce || kind == Kind::kGroupedAllreduce) {
+    f.push_back({"reduce op", [](auto& a, auto& b) { return a.reduce_op == b.reduce_op; },
+                 [](auto& s) { return std::string(ReduceOpName(static_cast<ReduceOp>(s.reduce_op))); }});
+    f.push_back({"prescale factor", [](auto& a, auto& b) { return a.prescale == b.prescale; },
+                 [](auto& s) { return std::to_string(s.prescale); }});
+    f.push_back({"postscale factor", [](auto& a, auto& b) { return a.postscale == b.postscale; },
+                 [](auto& s) { return std::to_string(s.postscale); }});
+  }
+  if (kind == Kind::kBroadcast) {
+    f.push_back({"root rank", [](auto& a, auto& b) { return a.root == b.root; },
+                 [](auto& s) { return "root " + std::to_string(s.root); }});
+  }
+  if (kind == Kind::kAllgather) {
+    f.push_back({"shape", SameRowShape,
+                 [](auto& s) { return "rows of shape " + RowShapeString(s); }});
+  } else {
+    f.push_back({"shape", SameShape, ShapeString});
+  }
+  return f;
+}
+
+}  // namespace
+
+Status CheckSignatures(const std::vector<Signature>& all) {
+  const Signature& ref = all[0];
+  const int size = static_cast<int>(all.size());
+  for (int r = 0; r < size; ++r) {
+    const Signature& s = all[static_cast<size_t>(r)];
+    if (static_cast<Kind>(s.kind) == Kind::kBroadcast && (s.root < 0 || s.root >= size)) {
+      return Status(Code::kInvalidArgument,
+                    s.Label() + ": root_rank " + std::to_string(s.root) + " on rank " +
+                        std::to_string(r) + " is out of range for " + std::to_string(size) +
+                        " ranks (valid: 0.." + std::to_string(size - 1) + ")",
+                    r);
+    }
+  }
+  // Kind first: other fields only make sense when the operations agree.
+  for (const Field& field : FieldsFor(static_cast<Kind>(ref.kind))) {
+    std::vector<int> differ;
+    for (size_t r = 1; r < all.size(); ++r) {
+      if (!field.same(ref, all[r])) differ.push_back(static_cast<int>(r));
+    }
+    if (differ.empty()) continue;
+    const Signature& other = all[static_cast<size_t>(differ[0])];
+    std::ostringstream msg;
+    msg << ref.Label() << " " << field.what << " mismatch: rank 0 has " << field.show(ref)
+        << ", rank " << differ[0] << " has " << field.show(other);
+    if (field.what == std::string("operation")) {
+      msg << " " << other.Label().substr(other.Label().find(' ') + 1);
+    }
+    if (differ.size() > 1) {
+      msg << " (ranks differing from rank 0:";
+      for (int d : differ) msg << " " << d;
+      msg << ")";
+    }
+    msg << "; every rank must submit the same collectives in the same order";
+    return Status(Code::kFailedPrecondition, msg.str(), differ[0]);
+  }
+  return Status::OK();
+}
+
+}  // namespace keras_ring

@@ -1,0 +1,58 @@
+// What each rank says it is about to do. Signatures are exchanged before any data moves, so
+// programs that diverge across ranks fail with a message instead of reducing garbage.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "transport.h"
+
+namespace keras_ring {
+
+enum class Kind : int32_t {
+  kAllreduce = 0,
+  kGroupedAllreduce = 1,
+  kAllgather = 2,
+  kBroadcast = 3,
+  kBarrier = 4,
+};
+const char* KindName(Kind k);
+
+constexpr int kMaxSignatureDims = 8;
+
+// Plain data with a fixed layout; every rank runs the same build, so it is sent as bytes.
+struct Signature {
+  uint64_t seq = 0;
+  int32_t kind = 0;
+  int32_t dtype = 0;
+  int32_t reduce_op = 0;
+  int32_t root = -1;
+  int64_t count = 0;      // elements; for allgather the first dimension (rows)
+  int64_t row_elems = 0;  // allgather: elements per row
+  int32_t ndims = 0;      // rank of the shape; for grouped, number of tensors
+  int32_t reserved = 0;
+  int64_t dims[kMaxSignatureDims] = {};
+  uint64_t layout_hash = 0;  // dims beyond the 8th; grouped: dtypes and counts of all tensors
+  double prescale = 1.0;
+  double postscale = 1.0;
+  char name[128] = {};
+
+  void SetName(const std::string& n);
+  std::string Label() const;  // "allreduce 'grad_dense_1'" or "allreduce #12"
+};
+
+// Allgathers the signatures of all ranks (in rank order) through the transport. This is
+// also a barrier: it returns only once every rank has submitted the same collective.
+Status ExchangeSignatures(Transport& t, double timeout_seconds, const Signature& mine,
+                          std::vector<Signature>* all);
+
+// Compares all ranks' signatures; a FailedPrecondition status says what differed and on
+// which ranks. Every rank computes the same verdict from the same table.
+Status CheckSignatures(const std::vector<Signature>& all);
+
+// Mixes a value into a running hash (FNV-1a on the value's bytes).
+uint64_t HashMix(uint64_t h, uint64_t v);
+
+}  // namespace keras_ring

@@ -1,0 +1,52 @@
+// Sockets between every pair of ranks, non-blocking, every wait bounded by a deadline.
+// Works on one host (loopback) and across hosts.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport.h"
+
+namespace keras_ring {
+
+struct PeerAddress {
+  std::string host;  // numeric address or resolvable name
+  int port = 0;
+};
+
+class TcpTransport : public Transport {
+ public:
+  // Builds the full mesh: this rank accepts connections from higher ranks on `listen_fd`
+  // (already bound and listening; the transport takes a duplicate) and connects to lower
+  // ranks. `job_token` must be the same on every rank; connections with another token are
+  // refused, so a stray process cannot join the job.
+  static Status Create(int rank, int size, int listen_fd, const std::vector<PeerAddress>& peers,
+                       uint64_t job_token, Deadline deadline, std::unique_ptr<TcpTransport>* out);
+  ~TcpTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* name() const override { return "tcp"; }
+
+  Status Send(int peer, const void* data, size_t bytes, Deadline deadline) override;
+  Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
+  Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
+                  size_t recv_bytes, Deadline deadline) override;
+  void Abort() override;
+
+ private:
+  TcpTransport(int rank, int size) : rank_(rank), size_(size), fds_(size, -1) {}
+  Status ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token, Deadline deadline);
+  Status AcceptFrom(int listen_fd, uint64_t job_token, Deadline deadline);
+  Status PeerGone(int peer, const char* what, int err) const;
+
+  int rank_;
+  int size_;
+  std::vector<int> fds_;  // socket per peer, -1 for self
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace keras_ring

@@ -1,0 +1,50 @@
+// The only thing the algorithms know about moving bytes. Implementations: tcp (any hosts),
+// local (threads in one process, for tests); shm and nccl slot in behind the same interface.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <vector>
+
+#include "common.h"
+
+namespace keras_ring {
+
+// Reduces `count` elements of a received segment into `dst`: dst (op)= src.
+using ReduceFn = std::function<void(void* dst, const void* src, size_t bytes)>;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* name() const = 0;
+
+  // Point-to-point transfers between this rank and `peer`. Messages between a pair arrive in
+  // the order sent; there is no framing, both sides know the sizes. Every call returns by the
+  // deadline: kDeadlineExceeded names the peer waited for, kUnavailable a peer that is gone.
+  virtual Status Send(int peer, const void* data, size_t bytes, Deadline deadline) = 0;
+  virtual Status Recv(int peer, void* data, size_t bytes, Deadline deadline) = 0;
+
+  // Sends to `to` while receiving from `from` (one ring step). Must not deadlock when every
+  // rank of a ring calls it at once, whatever the sizes.
+  virtual Status SendRecv(int to, const void* send_data, size_t send_bytes, int from,
+                          void* recv_data, size_t recv_bytes, Deadline deadline) = 0;
+
+  // SendRecv whose received bytes are reduced into `dst` instead of stored. The default goes
+  // through a scratch buffer; a transport that can read the peer's data in place (shm)
+  // overrides it to save a copy.
+  virtual Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from,
+                                void* dst, size_t recv_bytes, const ReduceFn& reduce,
+                                Deadline deadline);
+
+  // Unblocks every wait and makes peers notice (they see this rank gone). After Abort only
+  // the destructor may be called.
+  virtual void Abort() = 0;
+
+ protected:
+  std::vector<char> scratch_;
+};
+
+}  // namespace keras_ring

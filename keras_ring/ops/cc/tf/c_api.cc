@@ -1,0 +1,98 @@
+#include "c_api.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/local_transport.h"
+#include "../core/runtime.h"
+#include "../core/tcp_transport.h"
+
+#ifndef KERAS_RING_BUILD_INFO
+#define KERAS_RING_BUILD_INFO "unknown"
+#endif
+
+using keras_ring::Code;
+using keras_ring::Runtime;
+using keras_ring::Status;
+
+namespace {
+
+int Report(const Status& s, char* err, size_t err_len) {
+  if (err != nullptr && err_len > 0) {
+    std::strncpy(err, s.message().c_str(), err_len - 1);
+    err[err_len - 1] = '\0';
+  }
+  return static_cast<int>(s.code());
+}
+
+}  // namespace
+
+extern "C" {
+
+int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
+                    const int* ports, uint64_t job_token, double timeout_seconds,
+                    size_t segment_bytes, char* err, size_t err_len) {
+  if (Runtime::Get() != nullptr) return 0;  // init() twice is harmless
+  if (size < 1 || rank < 0 || rank >= size) {
+    return Report(Status(Code::kInvalidArgument, "rank " + std::to_string(rank) +
+                                                     " out of range for size " +
+                                                     std::to_string(size)),
+                  err, err_len);
+  }
+  keras_ring::RuntimeOptions options;
+  options.rank = rank;
+  options.size = size;
+  options.timeout_seconds = timeout_seconds;
+  if (segment_bytes > 0) options.segment_bytes = segment_bytes;
+  std::unique_ptr<keras_ring::Transport> transport;
+  if (size == 1) {
+    // A world of one never communicates; the local transport keeps the runtime uniform.
+    transport = std::make_unique<keras_ring::LocalTransport>(
+        std::make_shared<keras_ring::LocalFabric>(1), 0);
+  } else {
+    std::vector<keras_ring::PeerAddress> peers;
+    for (int i = 0; i < size; ++i) peers.push_back({hosts[i], ports[i]});
+    std::unique_ptr<keras_ring::TcpTransport> tcp;
+    Status s = keras_ring::TcpTransport::Create(rank, size, listen_fd, peers, job_token,
+                                                keras_ring::Deadline::After(timeout_seconds),
+                                                &tcp);
+    if (!s.ok()) {
+      return Report(Status(s.code(), "keras_ring.init() could not connect the ranks: " +
+                                         s.message()),
+                    err, err_len);
+    }
+    transport = std::move(tcp);
+  }
+  Runtime::Install(std::make_shared<Runtime>(options, std::move(transport)));
+  return 0;
+}
+
+int keras_ring_shutdown(void) {
+  std::shared_ptr<Runtime> runtime = Runtime::Uninstall();
+  // Kernels still running hold their own references; the last one destroys the runtime.
+  runtime.reset();
+  return 0;
+}
+
+int keras_ring_is_initialized(void) { return Runtime::Get() != nullptr ? 1 : 0; }
+
+int keras_ring_barrier(const char* name, char* err, size_t err_len) {
+  std::shared_ptr<Runtime> runtime = Runtime::Get();
+  if (runtime == nullptr) {
+    return Report(Status(Code::kFailedPrecondition,
+                         "keras_ring has not been initialized; call keras_ring.init() first"),
+                  err, err_len);
+  }
+  keras_ring::Request request;
+  request.kind = keras_ring::Kind::kBarrier;
+  request.name = name != nullptr ? name : "";
+  return Report(runtime->Run(std::move(request)), err, err_len);
+}
+
+const char* keras_ring_build_info(void) { return KERAS_RING_BUILD_INFO; }
+
+}  // extern "C"

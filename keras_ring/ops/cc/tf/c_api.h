@@ -1,0 +1,25 @@
+// The C face of the runtime, called from Python through ctypes (bootstrap, shutdown,
+// barrier). Functions return 0 or a status code and write a message into `err`.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Starts the runtime. `listen_fd` is a bound, listening TCP socket of this process (the
+// runtime keeps a duplicate); hosts/ports are every rank's address in rank order.
+int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
+                    const int* ports, uint64_t job_token, double timeout_seconds,
+                    size_t segment_bytes, char* err, size_t err_len);
+int keras_ring_shutdown(void);
+int keras_ring_is_initialized(void);
+int keras_ring_barrier(const char* name, char* err, size_t err_len);
+// The version string of this build, to detect a stale library.
+const char* keras_ring_build_info(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,72 @@
+// Op registrations and shape functions. Collectives are stateful so that TensorFlow keeps
+// them in program order inside tf.function (automatic control dependencies).
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace keras_ring_tf {
+
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+REGISTER_OP("KerasRingAllreduce")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("tensor_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
+    .Doc("Reduces `tensor` across all ranks; every rank gets the same result.");
+
+REGISTER_OP("KerasRingGroupedAllreduce")
+    .Input("tensors: T")
+    .Output("outputs: T")
+    .Attr("T: list({half, bfloat16, float, double, int8, uint8, int32, int64})")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("tensor_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return absl::OkStatus();
+    })
+    .Doc("Allreduces a list of tensors as one collective: one fused pass per dtype.");
+
+REGISTER_OP("KerasRingAllgather")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, bool}")
+    .Attr("tensor_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle in = c->input(0);
+      if (!c->RankKnown(in)) {
+        c->set_output(0, c->UnknownShape());
+        return absl::OkStatus();
+      }
+      if (c->Rank(in) == 0) {  // scalars gather into a vector of one entry per rank
+        c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+        return absl::OkStatus();
+      }
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc("Concatenates every rank's tensor along the first dimension, in rank order.");
+
+REGISTER_OP("KerasRingBroadcast")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, bool}")
+    .Attr("root_rank: int")
+    .Attr("tensor_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
+    .Doc("Every rank receives the root rank's tensor.");
+
+}  // namespace keras_ring_tf

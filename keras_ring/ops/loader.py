@@ -1,0 +1,77 @@
+"""Loads the op library once per process: the TensorFlow ops and the runtime's C API.
+
+A library built for another TensorFlow is rebuilt here instead of failing later with an
+undefined-symbol error; where that is impossible the error names the command that rebuilds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import types
+from dataclasses import dataclass
+
+from keras_ring.ops import build
+
+
+class OpLibraryError(ImportError):
+    """The op library is missing, stale, or does not load in this environment."""
+
+
+@dataclass(frozen=True)
+class Library:
+    """The loaded op library: `ops` holds the generated op functions, `c` the C API."""
+
+    ops: types.ModuleType
+    c: ctypes.CDLL
+    path: str
+
+
+def _declare_c_api(c: ctypes.CDLL) -> None:
+    c.keras_ring_init.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+        ctypes.POINTER(ctypes.c_int), ctypes.c_uint64, ctypes.c_double, ctypes.c_size_t,
+        ctypes.c_char_p, ctypes.c_size_t,
+    ]
+    c.keras_ring_init.restype = ctypes.c_int
+    c.keras_ring_shutdown.argtypes = []
+    c.keras_ring_shutdown.restype = ctypes.c_int
+    c.keras_ring_is_initialized.argtypes = []
+    c.keras_ring_is_initialized.restype = ctypes.c_int
+    c.keras_ring_barrier.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    c.keras_ring_barrier.restype = ctypes.c_int
+    c.keras_ring_build_info.argtypes = []
+    c.keras_ring_build_info.restype = ctypes.c_char_p
+
+
+def _load(path: str) -> Library:
+    import tensorflow as tf
+
+    ops = tf.load_op_library(path)
+    # Same path, same handle: ctypes sees the very runtime the kernels use.
+    c = ctypes.CDLL(path)
+    _declare_c_api(c)
+    return Library(ops=ops, c=c, path=path)
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> Library:
+    """Returns the loaded library, building it first if it is missing or stale."""
+    import tensorflow as tf
+
+    try:
+        path = build.ensure_built()
+    except build.BuildError as e:
+        raise OpLibraryError(f"keras_ring could not build its op library: {e}") from None
+    try:
+        return _load(str(path))
+    except tf.errors.NotFoundError as e:
+        # Typically "undefined symbol": built against another TensorFlow than the stamp says.
+        try:
+            path = build.ensure_built(force=True)
+            return _load(str(path))
+        except (build.BuildError, tf.errors.NotFoundError):
+            raise OpLibraryError(
+                f"keras_ring's op library {path} does not load with TensorFlow {tf.__version__}: "
+                f"{e.message.strip()}\nRebuild it with: {build.REBUILD_COMMAND}"
+            ) from None

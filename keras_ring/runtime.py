@@ -1,0 +1,85 @@
+"""The Python side of the runtime: one object that owns this process's keras_ring state."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import threading
+
+from keras_ring import bootstrap as _bootstrap
+from keras_ring.bootstrap import Topology
+from keras_ring.config import Config
+from keras_ring.errors import InitError, NotInitializedError
+from keras_ring.ops import Library, library
+
+
+class Runtime:
+    """Holds the topology and the loaded library between ``init()`` and ``shutdown()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._topology: Topology | None = None
+        self._config: Config | None = None
+        self._atexit_registered = False
+
+    @property
+    def initialized(self) -> bool:
+        return self._topology is not None
+
+    def topology(self, what: str = "this function") -> Topology:
+        topology = self._topology
+        if topology is None:
+            raise NotInitializedError(what)
+        return topology
+
+    def library(self, what: str = "this function") -> Library:
+        self.topology(what)
+        return library()
+
+    @property
+    def config(self) -> Config:
+        assert self._config is not None
+        return self._config
+
+    def init(self) -> None:
+        with self._lock:
+            if self._topology is not None:
+                return
+            config = Config.from_env()
+            lib = library()
+            table = _bootstrap.bootstrap(config)
+            try:
+                self._start_native(lib, table, config)
+            finally:
+                table.close()
+            self._topology = table.topology
+            self._config = config
+            if not self._atexit_registered:
+                atexit.register(self.shutdown)
+                self._atexit_registered = True
+
+    @staticmethod
+    def _start_native(lib: Library, table: _bootstrap.PeerTable, config: Config) -> None:
+        topo = table.topology
+        n = topo.size
+        hosts = (ctypes.c_char_p * n)(*[a.encode() for a, _ in table.addresses] or [b""] * n)
+        ports = (ctypes.c_int * n)(*[p for _, p in table.addresses] or [0] * n)
+        listen_fd = table.listener.fileno() if table.listener is not None else -1
+        err = ctypes.create_string_buffer(4096)
+        rc = lib.c.keras_ring_init(
+            topo.rank, n, listen_fd, hosts, ports, table.job_token, config.timeout_seconds,
+            config.segment_bytes, err, len(err),
+        )
+        if rc != 0:
+            raise InitError(f"rank {topo.rank}: {err.value.decode(errors='replace')}")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._topology is None:
+                return
+            library().c.keras_ring_shutdown()
+            self._topology = None
+
+
+# The one runtime object of this process.
+RUNTIME = Runtime()
