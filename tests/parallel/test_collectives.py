@@ -1,0 +1,179 @@
+"""Every collective x dtype x op against numpy references, eagerly and in tf.function."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ring as kr
+from tests.reference import (GATHER_DTYPES, OP_NAMES, REDUCE_DTYPES, assert_same, rank_input,
+                             reduce_reference)
+
+MODES = ["eager", "function"]
+
+
+def _maybe_function(fn, mode):
+    return fn if mode == "eager" else tf.function(fn)
+
+
+def test_topology_matches_launcher(world):
+    import os
+
+    rank, size = world
+    assert rank == int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", -1)))
+    assert size == int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", -1)))
+    # One host: every rank is local, there is one "cross" group per local rank.
+    assert kr.local_rank() == rank and kr.local_size() == size
+    assert kr.cross_rank() == 0 and kr.cross_size() == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", OP_NAMES)
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: d.name)
+def test_allreduce(world, dtype, op, mode):
+    rank, size = world
+    shape = (3, 5)
+    inputs = [rank_input(dtype, shape, r, seed=11, op=op) for r in range(size)]
+    fn = _maybe_function(lambda x: kr.allreduce(x, op=getattr(kr, op), name=f"ar_{op}"), mode)
+    out = fn(tf.constant(inputs[rank]))
+    assert out.shape == shape and out.dtype == dtype
+    assert_same(out.numpy(), reduce_reference(inputs, op, dtype))
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.int32, tf.int8], ids=lambda d: d.name)
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_allreduce_scale_factors(world, dtype, op):
+    rank, size = world
+    inputs = [rank_input(dtype, (17,), r, seed=5) for r in range(size)]
+    out = kr.allreduce(tf.constant(inputs[rank]), op=getattr(kr, op), prescale_factor=0.5, postscale_factor=4.0)
+    expected = reduce_reference(inputs, op, dtype, prescale=0.5, postscale=4.0)
+    assert_same(out.numpy(), expected)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 7, 1000, 300_001])
+def test_allreduce_sizes(world, count):
+    """Zero elements, fewer elements than ranks, primes, and more than one 1 MiB segment."""
+    rank, size = world
+    inputs = [rank_input(tf.float32, (count,), r, seed=count) for r in range(size)]
+    out = kr.allreduce(tf.constant(inputs[rank]), op=kr.Sum)
+    assert_same(out.numpy(), reduce_reference(inputs, "Sum", tf.float32))
+
+
+def test_allreduce_scalar(world):
+    rank, size = world
+    out = kr.allreduce(tf.constant(float(rank + 1)), op=kr.Sum)
+    assert out.shape == () and out.numpy() == size * (size + 1) / 2
+
+
+def test_allreduce_results_bitwise_identical_on_every_rank(world):
+    rank, size = world
+    x = np.random.default_rng([3, rank]).standard_normal(10_001).astype(np.float32) / 7
+    for op in (kr.Sum, kr.Average):
+        out = kr.allreduce(tf.constant(x), op=op).numpy()
+        gathered = kr.allgather(tf.constant(out.view(np.int32)[None, :])).numpy()
+        assert all(np.array_equal(gathered[0], row) for row in gathered)
+
+
+def test_allreduce_nan_and_inf_propagate(world):
+    rank, size = world
+    x = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    if rank == size - 1:
+        x[0] = np.nan
+        x[1] = np.inf
+    for op in (kr.Sum, kr.Min, kr.Max):
+        out = kr.allreduce(tf.constant(x), op=op).numpy()
+        assert np.isnan(out[0]), (op, out)
+        assert out[1] == (np.inf if op != kr.Min else 2.0), (op, out)
+
+
+def test_integer_sum_wraps(world):
+    rank, size = world
+    out = kr.allreduce(tf.constant([127, -128], tf.int8), op=kr.Sum).numpy()
+    with np.errstate(over="ignore"):
+        expected = np.array([127 * size, -128 * size], np.int64).astype(np.int8)
+    assert_same(out, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allreduce_mixed_dtypes_and_shapes(world, mode):
+    rank, size = world
+    specs = [(tf.float32, (3, 4)), (tf.int32, (5,)), (tf.float32, ()), (tf.float16, (0,)),
+             (tf.float64, (2, 2, 2)), (tf.int32, (1,)), (tf.bfloat16, (9,)), (tf.float32, (300_000,))]
+    per_rank = [[rank_input(d, s, r, seed=i) for i, (d, s) in enumerate(specs)] for r in range(size)]
+    fn = _maybe_function(lambda xs: kr.grouped_allreduce(xs, op=kr.Sum, name="group"), mode)
+    outs = fn([tf.constant(x) for x in per_rank[rank]])
+    assert len(outs) == len(specs)
+    for i, (dtype, shape) in enumerate(specs):
+        assert tuple(outs[i].shape) == shape and outs[i].dtype == dtype
+        assert_same(outs[i].numpy(), reduce_reference([p[i] for p in per_rank], "Sum", dtype))
+
+
+def test_grouped_allreduce_average_and_empty(world):
+    rank, size = world
+    outs = kr.grouped_allreduce([tf.fill([4], float(rank)), tf.fill([2], 2.0 * rank)], op=kr.Average)
+    mean = sum(range(size)) / size
+    np.testing.assert_array_equal(outs[0].numpy(), np.full(4, mean, np.float32))
+    np.testing.assert_array_equal(outs[1].numpy(), np.full(2, 2 * mean, np.float32))
+    assert kr.grouped_allreduce([]) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", GATHER_DTYPES, ids=lambda d: d.name)
+def test_allgather_varying_first_dimension(world, dtype, mode):
+    rank, size = world
+    inputs = [rank_input(dtype, (r % 3, 2, 3), r, seed=21) for r in range(size)]  # rank 0: 0 rows
+    fn = _maybe_function(lambda x: kr.allgather(x, name="gather"), mode)
+    out = fn(tf.constant(inputs[rank]))
+    assert out.dtype == dtype
+    assert_same(out.numpy(), np.concatenate(inputs, axis=0))
+
+
+def test_allgather_large_and_scalar(world):
+    rank, size = world
+    big = [np.full((100_000 + r, 3), r, np.float32) for r in range(size)]
+    assert_same(kr.allgather(tf.constant(big[rank])).numpy(), np.concatenate(big))
+    out = kr.allgather(tf.constant(rank * 10, tf.int64))
+    assert_same(out.numpy(), np.arange(size, dtype=np.int64) * 10)
+
+
+def test_allgather_shape_function():
+    spec = tf.TensorSpec([None, 3, 4], tf.float32)
+    concrete = tf.function(lambda x: kr.allgather(x)).get_concrete_function(spec)
+    assert concrete.structured_outputs.shape.as_list() == [None, 3, 4]
+    concrete = tf.function(lambda x: kr.allreduce(x)).get_concrete_function(tf.TensorSpec([2, 5], tf.float32))
+    assert concrete.structured_outputs.shape.as_list() == [2, 5]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", GATHER_DTYPES, ids=lambda d: d.name)
+def test_broadcast_from_every_root(world, dtype, mode):
+    rank, size = world
+    for root in range(size):
+        inputs = [rank_input(dtype, (4, 3), r, seed=31 + root) for r in range(size)]
+        fn = _maybe_function(lambda x: kr.broadcast(x, root_rank=root, name="bcast"), mode)
+        assert_same(fn(tf.constant(inputs[rank])).numpy(), inputs[root])
+
+
+def test_broadcast_large_and_empty(world):
+    rank, size = world
+    x = np.full(1_500_000, rank, np.float32)
+    assert_same(kr.broadcast(tf.constant(x), root_rank=size - 1).numpy(), np.full(1_500_000, size - 1, np.float32))
+    assert kr.broadcast(tf.zeros([0, 7]), root_rank=0).shape == (0, 7)
+
+
+def test_broadcast_variables(world):
+    rank, size = world
+    tf_var = tf.Variable(tf.fill([3], float(rank)))
+    import keras
+
+    keras_var = keras.Variable(np.full((2, 2), rank, np.float32))
+    kr.broadcast_variables([tf_var, keras_var], root_rank=size - 1)
+    assert_same(tf_var.numpy(), np.full(3, size - 1, np.float32))
+    assert_same(np.asarray(keras_var.numpy()), np.full((2, 2), size - 1, np.float32))
+
+
+def test_objects(world):
+    rank, size = world
+    obj = {"rank": rank, "payload": list(range(rank * 100))}
+    assert kr.broadcast_object(obj, root_rank=size - 1) == {"rank": size - 1, "payload": list(range((size - 1) * 100))}
+    assert kr.allgather_object(("r", rank)) == [("r", r) for r in range(size)]
+    kr.barrier()

@@ -1,0 +1,116 @@
+"""Divergent programs end in an error on every rank, never a hang or a wrong result,
+and the runtime keeps working afterwards."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ring as kr
+
+
+def _expect_on_every_rank(fn, error_class, *fragments):
+    with pytest.raises(error_class) as info:
+        fn()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    # Still usable: a correct collective right after the failed one.
+    out = kr.allreduce(tf.constant([1.0]), op=kr.Sum).numpy()
+    assert out[0] == kr.size()
+    return info.value
+
+
+def test_shape_mismatch(world):
+    rank, size = world
+    err = _expect_on_every_rank(
+        lambda: kr.allreduce(tf.ones([17 + (rank == size - 1)]), name="grad_dense_1"),
+        kr.CollectiveMismatchError,
+        "allreduce 'grad_dense_1' shape mismatch", "rank 0 has shape [17] (17 elements)",
+        f"rank {size - 1} has shape [18] (18 elements)",
+    )
+    assert isinstance(err, tf.errors.FailedPreconditionError)
+    assert err.collective == "allreduce 'grad_dense_1'"
+
+
+def test_same_count_different_shape(world):
+    rank, size = world
+    shape = [2, 3] if rank == 0 else [3, 2]
+    _expect_on_every_rank(lambda: kr.allreduce(tf.ones(shape)), kr.CollectiveMismatchError,
+                          "shape mismatch", "[2, 3]", "[3, 2]")
+
+
+def test_dtype_mismatch(world):
+    rank, size = world
+    dtype = tf.float32 if rank == 0 else tf.float64
+    _expect_on_every_rank(lambda: kr.allreduce(tf.ones([4], dtype), name="d"), kr.CollectiveMismatchError,
+                          "dtype mismatch", "float32", "float64")
+
+
+def test_op_mismatch(world):
+    rank, size = world
+    op = kr.Sum if rank == 0 else kr.Max
+    _expect_on_every_rank(lambda: kr.allreduce(tf.ones([4]), op=op), kr.CollectiveMismatchError,
+                          "reduce op mismatch", "Sum", "Max")
+
+
+def test_scale_mismatch(world):
+    rank, size = world
+    _expect_on_every_rank(lambda: kr.allreduce(tf.ones([4]), prescale_factor=1.0 + rank),
+                          kr.CollectiveMismatchError, "prescale factor mismatch")
+
+
+def test_root_mismatch(world):
+    rank, size = world
+    _expect_on_every_rank(lambda: kr.broadcast(tf.ones([4]), root_rank=0 if rank == 0 else 1),
+                          kr.CollectiveMismatchError, "root rank mismatch", "root 0", "root 1")
+
+
+def test_root_out_of_range_on_one_rank(world):
+    rank, size = world
+    root = size if rank == size - 1 else 0
+    err = _expect_on_every_rank(lambda: kr.broadcast(tf.ones([4]), root_rank=root, name="w"),
+                                kr.CollectiveArgumentError, f"root_rank {size}",
+                                f"out of range for {size} ranks")
+    assert err.rank == size - 1
+
+
+def test_name_mismatch(world):
+    rank, size = world
+    _expect_on_every_rank(lambda: kr.allreduce(tf.ones([2]), name=f"t{rank % 2}"),
+                          kr.CollectiveMismatchError, "name mismatch", "'t0'", "'t1'")
+
+
+def test_different_collectives(world):
+    rank, size = world
+
+    def diverge():
+        x = tf.ones([3])
+        return kr.allreduce(x, name="a") if rank == 0 else kr.allgather(x, name="b")
+
+    _expect_on_every_rank(diverge, kr.CollectiveMismatchError, "operation mismatch",
+                          "rank 0 has allreduce", "allgather 'b'")
+
+
+def test_allgather_row_shape_mismatch(world):
+    rank, size = world
+    _expect_on_every_rank(lambda: kr.allgather(tf.ones([2, 3 + (rank == size - 1)])),
+                          kr.CollectiveMismatchError, "allgather", "shape mismatch")
+
+
+def test_grouped_layout_mismatch(world):
+    rank, size = world
+    tensors = [tf.ones([3]), tf.ones([2])] if rank == 0 else [tf.ones([2]), tf.ones([3])]
+    _expect_on_every_rank(lambda: kr.grouped_allreduce(tensors, name="g"),
+                          kr.CollectiveMismatchError, "grouped_allreduce 'g' shape mismatch")
+
+
+def test_mismatch_inside_tf_function(world):
+    rank, size = world
+
+    @tf.function
+    def step(x):
+        return kr.allreduce(x, name="in_function")
+
+    with pytest.raises(tf.errors.FailedPreconditionError, match="in_function' shape mismatch"):
+        step(tf.ones([5 + rank]))
+    assert step(tf.ones([5])).numpy().tolist() == [1.0] * 5
