@@ -1,0 +1,158 @@
+"""The whole Python API in a world of one (no MPI launcher, no MPI import)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ring as kr
+from tests.reference import GATHER_DTYPES, OP_NAMES, REDUCE_DTYPES, assert_same, rank_input, reduce_reference
+
+CALLS_BEFORE_INIT = [
+    ("rank", lambda: kr.rank()),
+    ("size", lambda: kr.size()),
+    ("local_rank", lambda: kr.local_rank()),
+    ("local_size", lambda: kr.local_size()),
+    ("cross_rank", lambda: kr.cross_rank()),
+    ("cross_size", lambda: kr.cross_size()),
+    ("allreduce", lambda: kr.allreduce(tf.ones([2]))),
+    ("grouped_allreduce", lambda: kr.grouped_allreduce([tf.ones([2])])),
+    ("allgather", lambda: kr.allgather(tf.ones([2]))),
+    ("broadcast", lambda: kr.broadcast(tf.ones([2]), 0)),
+    ("broadcast_variables", lambda: kr.broadcast_variables([tf.Variable(1.0)], 0)),
+    ("broadcast_object", lambda: kr.broadcast_object(1, 0)),
+    ("allgather_object", lambda: kr.allgather_object(1)),
+    ("barrier", lambda: kr.barrier()),
+]
+
+
+@pytest.fixture
+def initialized():
+    kr.init()
+    yield
+    kr.shutdown()
+
+
+@pytest.mark.parametrize("name,call", CALLS_BEFORE_INIT, ids=[c[0] for c in CALLS_BEFORE_INIT])
+def test_every_call_before_init_says_to_call_init(name, call):
+    assert not kr.is_initialized()
+    with pytest.raises(kr.NotInitializedError, match=r"call keras_ring.init\(\)"):
+        call()
+
+
+@pytest.mark.parametrize("name,call", CALLS_BEFORE_INIT[:8], ids=[c[0] for c in CALLS_BEFORE_INIT[:8]])
+def test_calls_after_shutdown_say_to_call_init(name, call):
+    kr.init()
+    kr.shutdown()
+    with pytest.raises(kr.NotInitializedError):
+        call()
+
+
+def test_init_twice_shutdown_and_init_again():
+    kr.init()
+    kr.init()
+    assert kr.is_initialized()
+    assert (kr.rank(), kr.size(), kr.local_rank(), kr.local_size(), kr.cross_rank(), kr.cross_size()) == (0, 1, 0, 1, 0, 1)
+    kr.shutdown()
+    kr.shutdown()
+    assert not kr.is_initialized()
+    kr.init()
+    assert kr.allreduce(tf.constant([2.0]), op=kr.Sum).numpy().tolist() == [2.0]
+    kr.shutdown()
+
+
+def test_single_process_needs_no_mpi():
+    code = "import sys, keras_ring as kr; kr.init(); assert kr.size() == 1; print('mpi4py.MPI' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: d.name)
+def test_allreduce_world_of_one(initialized, dtype, op):
+    x = rank_input(dtype, (2, 3), 0, seed=1, op=op)
+    out = kr.allreduce(tf.constant(x), op=getattr(kr, op), postscale_factor=2.0)
+    assert_same(out.numpy(), reduce_reference([x], op, dtype, postscale=2.0))
+
+
+@pytest.mark.parametrize("dtype", GATHER_DTYPES, ids=lambda d: d.name)
+def test_allgather_and_broadcast_world_of_one(initialized, dtype):
+    x = rank_input(dtype, (3, 2), 0, seed=2)
+    assert_same(kr.allgather(tf.constant(x)).numpy(), x)
+    assert_same(kr.broadcast(tf.constant(x), root_rank=0).numpy(), x)
+
+
+def test_scalars_and_empty_tensors(initialized):
+    assert kr.allreduce(tf.constant(3.0)).shape == ()
+    assert kr.allreduce(tf.zeros([0, 4])).shape == (0, 4)
+    assert kr.allgather(tf.constant(5)).numpy().tolist() == [5]
+    assert kr.allgather(tf.zeros([0, 4])).shape == (0, 4)
+    assert kr.broadcast(tf.constant(True), 0).numpy()
+    assert [t.shape for t in kr.grouped_allreduce([tf.constant(1.0), tf.zeros([0])])] == [(), (0,)]
+
+
+def test_tf_function_and_variables(initialized):
+    v = tf.Variable([1.0, 2.0])
+    f = tf.function(lambda: kr.allreduce(v, op=kr.Sum) + kr.allgather(v) + kr.broadcast(v, 0))
+    assert f().numpy().tolist() == [3.0, 6.0]
+
+
+def test_objects_and_barrier(initialized):
+    assert kr.broadcast_object({"a": [1, 2]}, root_rank=0) == {"a": [1, 2]}
+    assert kr.allgather_object("x") == ["x"]
+    kr.barrier()
+
+
+UNSUPPORTED = {
+    "string": lambda: tf.constant(["a", "b"]),
+    "complex64": lambda: tf.zeros([2], tf.complex64),
+    "uint16": lambda: tf.zeros([2], tf.uint16),
+    "int16": lambda: tf.zeros([2], tf.int16),
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(UNSUPPORTED))
+def test_unsupported_dtypes_are_type_errors(initialized, dtype):
+    x = UNSUPPORTED[dtype]()
+    calls = {"allreduce": kr.allreduce, "allgather": kr.allgather, "broadcast": lambda t: kr.broadcast(t, 0),
+             "grouped_allreduce": lambda t: kr.grouped_allreduce([tf.ones([1]), t])}
+    for what, call in calls.items():
+        with pytest.raises(TypeError, match=f"keras_ring.{what} does not support dtype {dtype}"):
+            call(x)
+
+
+def test_bool_is_not_reducible(initialized):
+    with pytest.raises(TypeError, match="does not support dtype bool"):
+        kr.allreduce(tf.constant([True]))
+
+
+def test_invalid_arguments(initialized):
+    with pytest.raises(ValueError, match="op must be one of"):
+        kr.allreduce(tf.ones([2]), op=7)
+    with pytest.raises(TypeError, match="needs a tensor"):
+        kr.allreduce(object())
+    with pytest.raises(TypeError, match="list of tensors"):
+        kr.grouped_allreduce(tf.ones([2]))
+    with pytest.raises(TypeError, match="root_rank must be an int"):
+        kr.broadcast(tf.ones([2]), root_rank="0")
+    with pytest.raises(kr.CollectiveArgumentError, match="root_rank 1 on rank 0 is out of range for 1 ranks"):
+        kr.broadcast(tf.ones([2]), root_rank=1)
+    # The runtime stays usable after argument errors.
+    assert kr.allreduce(tf.ones([2]), op=kr.Sum).numpy().tolist() == [1.0, 1.0]
+
+
+def test_indexed_slices(initialized):
+    slices = tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([3]), dense_shape=tf.constant([5, 2]))
+    out = kr.allreduce(slices, op=kr.Average)
+    assert isinstance(out, tf.IndexedSlices)
+    assert out.values.numpy().tolist() == [[1.0, 2.0]] and out.indices.numpy().tolist() == [3]
+
+
+def test_bad_environment_values_name_the_variable(monkeypatch):
+    monkeypatch.setenv("KERAS_RING_TIMEOUT_SECONDS", "soon")
+    with pytest.raises(ValueError, match="KERAS_RING_TIMEOUT_SECONDS must be a number"):
+        kr.init()
+    assert not kr.is_initialized()

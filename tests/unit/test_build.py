@@ -1,0 +1,57 @@
+"""The op library is rebuilt, never loaded stale, when TensorFlow or the sources change."""
+
+import json
+import shutil
+
+import tensorflow as tf
+
+from keras_ring.ops import build
+
+
+def test_stamp_names_this_tensorflow():
+    s = build.stamp()
+    assert s["tf_version"] == tf.__version__ and len(s["sources"]) == 16
+
+
+def test_library_for_another_tensorflow_is_rebuilt(tmp_path):
+    lib = build.library_path()
+    assert build.is_current(lib, build.stamp()), "make venv should have built a current library"
+    shutil.copy(lib, tmp_path / build.LIB_NAME)
+    stale = dict(build.stamp(), tf_version="2.15.0")
+    (tmp_path / "_keras_ring_ops.json").write_text(json.dumps(stale))
+    assert not build.is_current(tmp_path / build.LIB_NAME, build.stamp())
+    path = build.ensure_built(tmp_path)
+    assert build.is_current(path, build.stamp())
+    assert json.loads((tmp_path / "_keras_ring_ops.json").read_text())["tf_version"] == tf.__version__
+    # The rebuilt binary carries its build info (loading a second copy would register the
+    # ops twice in this process, so it is read, not loaded).
+    assert f"tf={tf.__version__};src=".encode() in path.read_bytes()
+
+
+def test_current_library_is_not_rebuilt(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("ensure_built rebuilt a current library")
+
+    monkeypatch.setattr(build, "build", fail)
+    assert build.ensure_built() == build.library_path()
+
+
+def test_missing_compiler_error_names_the_rebuild_command(monkeypatch):
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    try:
+        build._compiler()
+    except build.BuildError as e:
+        assert "keras_ring.ops.build" in str(e) and "C++17 compiler" in str(e)
+    else:
+        raise AssertionError("no error without a compiler")
+
+
+def test_gpu_free_build_has_cpu_kernels_for_every_op():
+    from tensorflow.python.framework import kernels
+
+    build.ensure_built()
+    tf.load_op_library(str(build.library_path()))
+    for op in ("KerasRingAllreduce", "KerasRingGroupedAllreduce", "KerasRingAllgather", "KerasRingBroadcast"):
+        devices = {k.device_type for k in kernels.get_registered_kernels_for_op(op).kernel}
+        assert "CPU" in devices, (op, devices)
