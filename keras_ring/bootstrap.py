@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import sys
 from dataclasses import dataclass, field
 
 from keras_ring.config import Config
@@ -89,10 +90,25 @@ def single_process() -> PeerTable:
 
 
 def mpi_bootstrap(config: Config) -> PeerTable:
-    """Exchanges host identities, addresses and a job token over MPI_COMM_WORLD."""
+    """Exchanges host identities, addresses and a job token over MPI_COMM_WORLD.
+
+    When keras_ring is the one that brings MPI up, it also takes it down right after the
+    exchange: an MPI still initialised at exit makes survivors of a dead rank hang in
+    MPI_Finalize, and MPI's own shared-memory segments would outlive a killed job. A program
+    that imported mpi4py itself keeps its MPI.
+    """
+    user_owns_mpi = "mpi4py.MPI" in sys.modules
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+    try:
+        return _exchange(MPI.COMM_WORLD, config)
+    finally:
+        if not user_owns_mpi and MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+
+
+def _exchange(comm, config: Config) -> PeerTable:
+
     rank, size = comm.Get_rank(), comm.Get_size()
     host_id = config.host_id or socket.gethostname()
     host_ids = comm.allgather(host_id)

@@ -20,6 +20,9 @@ class Runtime:
         self._lock = threading.Lock()
         self._topology: Topology | None = None
         self._config: Config | None = None
+        # Bootstrapped once per process (MPI can be initialised only once); the listening
+        # socket stays open so a later init() reconnects to the same addresses.
+        self._table: _bootstrap.PeerTable | None = None
         self._atexit_registered = False
 
     @property
@@ -47,11 +50,10 @@ class Runtime:
                 return
             config = Config.from_env()
             lib = library()
-            table = _bootstrap.bootstrap(config)
-            try:
-                self._start_native(lib, table, config)
-            finally:
-                table.close()
+            if self._table is None:
+                self._table = _bootstrap.bootstrap(config)
+            table = self._table
+            self._start_native(lib, table, config)
             self._topology = table.topology
             self._config = config
             if not self._atexit_registered:
