@@ -34,6 +34,25 @@ def _int(name: str, default: int, minimum: int = 1) -> int:
     return value
 
 
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true/false), got {raw!r}")
+
+
+def _power_of_two(name: str, default: int) -> int:
+    value = _int(name, default, minimum=4096)
+    if value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class Config:
     """What the environment asks for; see the README's table of variables."""
@@ -42,6 +61,8 @@ class Config:
     segment_bytes: int
     host_id: str | None
     advertise_address: str | None
+    use_shm: bool
+    shm_channel_bytes: int
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -50,4 +71,6 @@ class Config:
             segment_bytes=_int("KERAS_RING_SEGMENT_BYTES", 1 << 20, minimum=64),
             host_id=os.environ.get("KERAS_RING_HOST_ID") or None,
             advertise_address=os.environ.get("KERAS_RING_ADVERTISE_ADDRESS") or None,
+            use_shm=_bool("KERAS_RING_SHM", True),
+            shm_channel_bytes=_power_of_two("KERAS_RING_SHM_CHANNEL_BYTES", 1 << 20),
         )

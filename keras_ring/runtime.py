@@ -66,11 +66,14 @@ class Runtime:
         n = topo.size
         hosts = (ctypes.c_char_p * n)(*[a.encode() for a, _ in table.addresses] or [b""] * n)
         ports = (ctypes.c_int * n)(*[p for _, p in table.addresses] or [0] * n)
+        host_names = list(dict.fromkeys(topo.host_ids))
+        host_index = (ctypes.c_int * n)(*[host_names.index(h) for h in topo.host_ids])
         listen_fd = table.listener.fileno() if table.listener is not None else -1
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(
-            topo.rank, n, listen_fd, hosts, ports, table.job_token, config.timeout_seconds,
-            config.segment_bytes, err, len(err),
+            topo.rank, n, listen_fd, hosts, ports, host_index, table.job_token,
+            config.timeout_seconds, config.segment_bytes, int(config.use_shm),
+            config.shm_channel_bytes, err, len(err),
         )
         if rc != 0:
             raise InitError(f"rank {topo.rank}: {err.value.decode(errors='replace')}")

@@ -30,7 +30,8 @@ class Library:
 def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_init.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
-        ctypes.POINTER(ctypes.c_int), ctypes.c_uint64, ctypes.c_double, ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.c_uint64,
+        ctypes.c_double, ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t,
         ctypes.c_char_p, ctypes.c_size_t,
     ]
     c.keras_ring_init.restype = ctypes.c_int

@@ -1,6 +1,7 @@
 #include "algorithms.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "reduce.h"
 
@@ -35,46 +36,64 @@ void FinishScaling(DataType dtype, ReduceOp op, void* data, size_t count, int si
 
 Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
                      void* buf, size_t count, double prescale, double postscale) {
+  return RingAllreduce(t, cfg, dtype, op, buf, buf, count, prescale, postscale);
+}
+
+Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
+                     const void* input, void* output, size_t count, double prescale,
+                     double postscale) {
   const int n = t.size();
   const int r = t.rank();
   const size_t esize = DataTypeSize(dtype);
-  char* base = static_cast<char*>(buf);
-  Scale(dtype, buf, count, prescale);
+  char* out = static_cast<char*>(output);
+  if (prescale != 1.0 || n == 1 || count == 0) {
+    // Scaling must not touch the caller's input: work in place on the output.
+    if (input != output && count > 0) std::memcpy(output, input, count * esize);
+    input = output;
+    Scale(dtype, output, count, prescale);
+  }
+  const char* in = static_cast<const char*>(input);
   if (n == 1 || count == 0) {
-    FinishScaling(dtype, op, buf, count, n, postscale);
+    FinishScaling(dtype, op, output, count, n, postscale);
     return Status::OK();
   }
   const int right = Mod(r + 1, n);
   const int left = Mod(r - 1, n);
   const size_t seg = std::max<size_t>(1, cfg.segment_bytes / esize);
-  const ReduceFn reduce = [dtype, op, esize](void* dst, const void* src, size_t bytes) {
-    Reduce(dtype, op, dst, src, bytes / esize);
+  const ReduceFn reduce = [dtype, op, esize](void* dst, const void* local, const void* peer,
+                                             size_t bytes) {
+    Reduce(dtype, op, dst, local, peer, bytes / esize);
   };
 
-  // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1.
+  // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1. Step 0
+  // sends straight from the input, and each received chunk is combined with the input's
+  // (every chunk is reduced at most once per rank), so the input is never copied.
   for (int step = 0; step < n - 1; ++step) {
     const Span s = Chunk(count, n, Mod(r - step, n));
     const Span v = Chunk(count, n, Mod(r - step - 1, n));
+    const char* send_base = step == 0 ? in : out;
     for (size_t off = 0; off < std::max(s.count, v.count); off += seg) {
       const size_t sc = off < s.count ? std::min(seg, s.count - off) : 0;
       const size_t vc = off < v.count ? std::min(seg, v.count - off) : 0;
-      KR_RETURN_IF_ERROR(t.SendRecvReduce(right, base + (s.offset + off) * esize, sc * esize,
-                                          left, base + (v.offset + off) * esize, vc * esize,
-                                          reduce, Deadline::After(cfg.timeout_seconds)));
+      const size_t recv_at = (v.offset + off) * esize;
+      KR_RETURN_IF_ERROR(t.SendRecvReduce(right, send_base + (s.offset + off) * esize,
+                                          sc * esize, left, out + recv_at, in + recv_at,
+                                          vc * esize, esize, reduce,
+                                          Deadline::After(cfg.timeout_seconds)));
     }
   }
   const Span own = Chunk(count, n, Mod(r + 1, n));
-  FinishScaling(dtype, op, base + own.offset * esize, own.count, n, postscale);
+  FinishScaling(dtype, op, out + own.offset * esize, own.count, n, postscale);
 
-  // Allgather of the finished chunks.
+  // Allgather of the finished chunks (chunk r, never reduced here, arrives first).
   for (int step = 0; step < n - 1; ++step) {
     const Span s = Chunk(count, n, Mod(r + 1 - step, n));
     const Span v = Chunk(count, n, Mod(r - step, n));
     for (size_t off = 0; off < std::max(s.count, v.count); off += seg) {
       const size_t sc = off < s.count ? std::min(seg, s.count - off) : 0;
       const size_t vc = off < v.count ? std::min(seg, v.count - off) : 0;
-      KR_RETURN_IF_ERROR(t.SendRecv(right, base + (s.offset + off) * esize, sc * esize, left,
-                                    base + (v.offset + off) * esize, vc * esize,
+      KR_RETURN_IF_ERROR(t.SendRecv(right, out + (s.offset + off) * esize, sc * esize, left,
+                                    out + (v.offset + off) * esize, vc * esize,
                                     Deadline::After(cfg.timeout_seconds)));
     }
   }

@@ -21,6 +21,10 @@ struct AlgoConfig {
 // the chunk this rank owns, so every rank ends with bitwise identical results.
 Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
                      void* buf, size_t count, double prescale, double postscale);
+// Out of place: `input` is only read (it may equal `output`).
+Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
+                     const void* input, void* output, size_t count, double prescale,
+                     double postscale);
 
 // Ring allgather of blocks of different sizes: block r (block_bytes[r] bytes) belongs to
 // rank r, blocks lie back to back in rank order in `out`, and this rank's block must

@@ -104,46 +104,47 @@ inline T Min(T a, T b) {
   }
 }
 
+// dst[i] = a[i] (op) b[i]. dst may alias a (the compiler versions the loop for that).
 template <typename T>
-void ReduceTyped(ReduceOp op, T* __restrict dst, const T* __restrict src, size_t n) {
+void ReduceTyped(ReduceOp op, T* dst, const T* a, const T* __restrict b, size_t n) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAverage:
       if constexpr (std::is_floating_point_v<T>) {
-        for (size_t i = 0; i < n; ++i) dst[i] = dst[i] + src[i];
+        for (size_t i = 0; i < n; ++i) dst[i] = a[i] + b[i];
       } else {
-        for (size_t i = 0; i < n; ++i) dst[i] = WrapAdd(dst[i], src[i]);
+        for (size_t i = 0; i < n; ++i) dst[i] = WrapAdd(a[i], b[i]);
       }
       break;
     case ReduceOp::kProduct:
       if constexpr (std::is_floating_point_v<T>) {
-        for (size_t i = 0; i < n; ++i) dst[i] = dst[i] * src[i];
+        for (size_t i = 0; i < n; ++i) dst[i] = a[i] * b[i];
       } else {
-        for (size_t i = 0; i < n; ++i) dst[i] = WrapMul(dst[i], src[i]);
+        for (size_t i = 0; i < n; ++i) dst[i] = WrapMul(a[i], b[i]);
       }
       break;
     case ReduceOp::kMin:
-      for (size_t i = 0; i < n; ++i) dst[i] = Min(dst[i], src[i]);
+      for (size_t i = 0; i < n; ++i) dst[i] = Min(a[i], b[i]);
       break;
     case ReduceOp::kMax:
-      for (size_t i = 0; i < n; ++i) dst[i] = Max(dst[i], src[i]);
+      for (size_t i = 0; i < n; ++i) dst[i] = Max(a[i], b[i]);
       break;
   }
 }
 
 // 16-bit floats reduce through float32 in blocks, so the float loop stays vectorisable.
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
-void Reduce16(ReduceOp op, uint16_t* dst, const uint16_t* src, size_t n) {
+void Reduce16(ReduceOp op, uint16_t* dst, const uint16_t* a, const uint16_t* b, size_t n) {
   constexpr size_t kBlock = 256;
-  float a[kBlock], b[kBlock];
+  float fa[kBlock], fb[kBlock];
   for (size_t off = 0; off < n; off += kBlock) {
     const size_t m = n - off < kBlock ? n - off : kBlock;
     for (size_t i = 0; i < m; ++i) {
-      a[i] = ToF(dst[off + i]);
-      b[i] = ToF(src[off + i]);
+      fa[i] = ToF(a[off + i]);
+      fb[i] = ToF(b[off + i]);
     }
-    ReduceTyped<float>(op, a, b, m);
-    for (size_t i = 0; i < m; ++i) dst[off + i] = FromF(a[i]);
+    ReduceTyped<float>(op, fa, fa, fb, m);
+    for (size_t i = 0; i < m; ++i) dst[off + i] = FromF(fa[i]);
   }
 }
 
@@ -155,9 +156,10 @@ void ScaleTyped(T* buf, size_t n, double factor) {
     constexpr double lo = static_cast<double>(std::numeric_limits<T>::min());
     constexpr double hi = static_cast<double>(std::numeric_limits<T>::max());
     for (size_t i = 0; i < n; ++i) {
-      double v = std::trunc(static_cast<double>(buf[i]) * factor);
-      v = v < lo ? lo : (v > hi ? hi : v);
-      buf[i] = static_cast<T>(v);
+      const double v = std::trunc(static_cast<double>(buf[i]) * factor);
+      // For int64, hi rounds up to 2^63, which does not fit: saturate at >=, never cast it.
+      buf[i] = v <= lo ? std::numeric_limits<T>::min()
+                       : (v >= hi ? std::numeric_limits<T>::max() : static_cast<T>(v));
     }
   }
 }
@@ -202,36 +204,36 @@ void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, doub
 bool IsReducible(DataType dtype) { return dtype != DataType::kBool; }
 
 void Reduce(DataType dtype, ReduceOp op, void* dst, const void* src, size_t count) {
+  Reduce(dtype, op, dst, dst, src, count);
+}
+
+void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b, size_t count) {
+#define KR_REDUCE_CASE(DT, T)                                                        \
+  case DT:                                                                           \
+    ReduceTyped(op, static_cast<T*>(dst), static_cast<const T*>(a),                  \
+                static_cast<const T*>(b), count);                                    \
+    break;
   switch (dtype) {
     case DataType::kFloat16:
       Reduce16<HalfToFloat, FloatToHalf>(op, static_cast<uint16_t*>(dst),
-                                         static_cast<const uint16_t*>(src), count);
+                                         static_cast<const uint16_t*>(a),
+                                         static_cast<const uint16_t*>(b), count);
       break;
     case DataType::kBFloat16:
       Reduce16<BFloat16ToFloat, FloatToBFloat16>(op, static_cast<uint16_t*>(dst),
-                                                 static_cast<const uint16_t*>(src), count);
+                                                 static_cast<const uint16_t*>(a),
+                                                 static_cast<const uint16_t*>(b), count);
       break;
-    case DataType::kFloat32:
-      ReduceTyped(op, static_cast<float*>(dst), static_cast<const float*>(src), count);
-      break;
-    case DataType::kFloat64:
-      ReduceTyped(op, static_cast<double*>(dst), static_cast<const double*>(src), count);
-      break;
-    case DataType::kInt8:
-      ReduceTyped(op, static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), count);
-      break;
-    case DataType::kUInt8:
-      ReduceTyped(op, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count);
-      break;
-    case DataType::kInt32:
-      ReduceTyped(op, static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count);
-      break;
-    case DataType::kInt64:
-      ReduceTyped(op, static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count);
-      break;
+    KR_REDUCE_CASE(DataType::kFloat32, float)
+    KR_REDUCE_CASE(DataType::kFloat64, double)
+    KR_REDUCE_CASE(DataType::kInt8, int8_t)
+    KR_REDUCE_CASE(DataType::kUInt8, uint8_t)
+    KR_REDUCE_CASE(DataType::kInt32, int32_t)
+    KR_REDUCE_CASE(DataType::kInt64, int64_t)
     case DataType::kBool:
       break;
   }
+#undef KR_REDUCE_CASE
 }
 
 void Scale(DataType dtype, void* buf, size_t count, double factor) {

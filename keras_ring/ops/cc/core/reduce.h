@@ -12,6 +12,9 @@ namespace keras_ring {
 // dst[i] = dst[i] (op) src[i] for i < count. Average reduces like Sum; scaling is separate.
 // Integer Sum and Product wrap around like the hardware does. Min/Max propagate NaN.
 void Reduce(DataType dtype, ReduceOp op, void* dst, const void* src, size_t count);
+// dst[i] = a[i] (op) b[i]; dst may be a (but not b). Lets the first ring step read the
+// input tensor directly instead of copying it to the output first.
+void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b, size_t count);
 
 // buf[i] *= factor. Floats compute in double and round once; integers truncate toward
 // zero and saturate at the type's limits.

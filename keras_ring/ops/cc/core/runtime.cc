@@ -206,8 +206,7 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
 
 Status Runtime::ExecuteAllreduce(Request& r) {
   TensorRef& t = r.tensors[0];
-  CopyIfDistinct(t.output, t.input, t.num_bytes());
-  return RingAllreduce(*transport_, algo_, t.dtype, r.op, t.output,
+  return RingAllreduce(*transport_, algo_, t.dtype, r.op, t.input, t.output,
                        static_cast<size_t>(t.num_elements()), r.prescale, r.postscale);
 }
 
@@ -229,9 +228,8 @@ Status Runtime::ExecuteGrouped(Request& r) {
     const size_t count = bytes / DataTypeSize(dtype);
     if (members.size() == 1) {
       TensorRef& t = *members[0];
-      CopyIfDistinct(t.output, t.input, bytes);
-      KR_RETURN_IF_ERROR(RingAllreduce(*transport_, algo_, dtype, r.op, t.output, count,
-                                       r.prescale, r.postscale));
+      KR_RETURN_IF_ERROR(RingAllreduce(*transport_, algo_, dtype, r.op, t.input, t.output,
+                                       count, r.prescale, r.postscale));
       continue;
     }
     if (fusion_.size() < bytes) fusion_.resize(bytes);

@@ -37,6 +37,9 @@ class TcpTransport : public Transport {
                   size_t recv_bytes, Deadline deadline) override;
   void Abort() override;
 
+  // The socket to `peer` (-1 for self); other transports watch it to notice a dead peer.
+  int fd(int peer) const { return fds_[static_cast<size_t>(peer)]; }
+
  private:
   TcpTransport(int rank, int size) : rank_(rank), size_(size), fds_(size, -1) {}
   Status ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token, Deadline deadline);

@@ -10,8 +10,10 @@
 
 namespace keras_ring {
 
-// Reduces `count` elements of a received segment into `dst`: dst (op)= src.
-using ReduceFn = std::function<void(void* dst, const void* src, size_t bytes)>;
+// Combines a received segment with local data: dst = local (op) peer, `bytes` long.
+// dst may equal local.
+using ReduceFn =
+    std::function<void(void* dst, const void* local, const void* peer, size_t bytes)>;
 
 class Transport {
  public:
@@ -32,11 +34,12 @@ class Transport {
   virtual Status SendRecv(int to, const void* send_data, size_t send_bytes, int from,
                           void* recv_data, size_t recv_bytes, Deadline deadline) = 0;
 
-  // SendRecv whose received bytes are reduced into `dst` instead of stored. The default goes
-  // through a scratch buffer; a transport that can read the peer's data in place (shm)
-  // overrides it to save a copy.
+  // SendRecv whose received bytes are combined with `local` into `dst` instead of stored.
+  // The default goes through a scratch buffer; a transport that can read the peer's data in
+  // place (shm) overrides it to save a copy.
   virtual Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from,
-                                void* dst, size_t recv_bytes, const ReduceFn& reduce,
+                                void* dst, const void* local, size_t recv_bytes,
+                                size_t element_bytes, const ReduceFn& reduce,
                                 Deadline deadline);
 
   // Unblocks every wait and makes peers notice (they see this rank gone). After Abort only

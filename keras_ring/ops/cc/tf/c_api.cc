@@ -9,7 +9,7 @@
 
 #include "../core/local_transport.h"
 #include "../core/runtime.h"
-#include "../core/tcp_transport.h"
+#include "../core/routed_transport.h"
 
 #ifndef KERAS_RING_BUILD_INFO
 #define KERAS_RING_BUILD_INFO "unknown"
@@ -34,8 +34,9 @@ int Report(const Status& s, char* err, size_t err_len) {
 extern "C" {
 
 int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
-                    const int* ports, uint64_t job_token, double timeout_seconds,
-                    size_t segment_bytes, char* err, size_t err_len) {
+                    const int* ports, const int* host_index, uint64_t job_token,
+                    double timeout_seconds, size_t segment_bytes, int use_shm,
+                    size_t shm_channel_bytes, char* err, size_t err_len) {
   if (Runtime::Get() != nullptr) return 0;  // init() twice is harmless
   if (size < 1 || rank < 0 || rank >= size) {
     return Report(Status(Code::kInvalidArgument, "rank " + std::to_string(rank) +
@@ -54,18 +55,24 @@ int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
     transport = std::make_unique<keras_ring::LocalTransport>(
         std::make_shared<keras_ring::LocalFabric>(1), 0);
   } else {
-    std::vector<keras_ring::PeerAddress> peers;
-    for (int i = 0; i < size; ++i) peers.push_back({hosts[i], ports[i]});
-    std::unique_ptr<keras_ring::TcpTransport> tcp;
-    Status s = keras_ring::TcpTransport::Create(rank, size, listen_fd, peers, job_token,
-                                                keras_ring::Deadline::After(timeout_seconds),
-                                                &tcp);
+    keras_ring::HostTransportConfig config;
+    config.rank = rank;
+    config.size = size;
+    config.listen_fd = listen_fd;
+    for (int i = 0; i < size; ++i) {
+      config.peers.push_back({hosts[i], ports[i]});
+      config.host_index.push_back(host_index[i]);
+    }
+    config.job_token = job_token;
+    config.timeout_seconds = timeout_seconds;
+    config.use_shm = use_shm != 0;
+    if (shm_channel_bytes > 0) config.shm.channel_bytes = shm_channel_bytes;
+    Status s = keras_ring::ConnectHostTransport(config, &transport);
     if (!s.ok()) {
       return Report(Status(s.code(), "keras_ring.init() could not connect the ranks: " +
                                          s.message()),
                     err, err_len);
     }
-    transport = std::move(tcp);
   }
   Runtime::Install(std::make_shared<Runtime>(options, std::move(transport)));
   return 0;

@@ -9,11 +9,14 @@
 extern "C" {
 #endif
 
-// Starts the runtime. `listen_fd` is a bound, listening TCP socket of this process (the
-// runtime keeps a duplicate); hosts/ports are every rank's address in rank order.
+// Starts the runtime. `listen_fd` is a bound, listening TCP socket of this process (used
+// while connecting); hosts/ports are every rank's address in rank order and host_index
+// every rank's host (equal = same host, which enables shared memory when use_shm is set,
+// identically on all ranks). Zero sizes mean the defaults.
 int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
-                    const int* ports, uint64_t job_token, double timeout_seconds,
-                    size_t segment_bytes, char* err, size_t err_len);
+                    const int* ports, const int* host_index, uint64_t job_token,
+                    double timeout_seconds, size_t segment_bytes, int use_shm,
+                    size_t shm_channel_bytes, char* err, size_t err_len);
 int keras_ring_shutdown(void);
 int keras_ring_is_initialized(void);
 int keras_ring_barrier(const char* name, char* err, size_t err_len);

@@ -1,0 +1,124 @@
+#include "routed_transport.h"
+
+namespace keras_ring {
+
+Status ConnectHostTransport(const HostTransportConfig& config, std::unique_ptr<Transport>* out) {
+  std::unique_ptr<TcpTransport> tcp;
+  KR_RETURN_IF_ERROR(TcpTransport::Create(config.rank, config.size, config.listen_fd,
+                                          config.peers, config.job_token,
+                                          Deadline::After(config.timeout_seconds), &tcp));
+  if (!config.use_shm) {
+    *out = std::move(tcp);
+    return Status::OK();
+  }
+  std::vector<int> local;
+  std::vector<int> liveness(static_cast<size_t>(config.size), -1);
+  const int mine = config.host_index[static_cast<size_t>(config.rank)];
+  for (int r = 0; r < config.size; ++r) {
+    liveness[static_cast<size_t>(r)] = tcp->fd(r);
+    if (r != config.rank && config.host_index[static_cast<size_t>(r)] == mine) local.push_back(r);
+  }
+  ShmOptions shm_options = config.shm;
+  shm_options.job_token = config.job_token;
+  std::unique_ptr<ShmTransport> shm;
+  // Collective: every rank takes part, also one without local peers.
+  KR_RETURN_IF_ERROR(ShmTransport::Create(*tcp, local, liveness, shm_options,
+                                          config.timeout_seconds, &shm));
+  *out = std::make_unique<RoutedTransport>(std::move(tcp), std::move(shm));
+  return Status::OK();
+}
+
+RoutedTransport::RoutedTransport(std::unique_ptr<TcpTransport> tcp,
+                                 std::unique_ptr<ShmTransport> shm)
+    : tcp_(std::move(tcp)), shm_(std::move(shm)) {
+  sender_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || (has_pending_ && pending_); });
+      if (stop_) return;
+      auto job = std::move(pending_);
+      pending_ = nullptr;
+      lock.unlock();
+      Status s = job();
+      lock.lock();
+      pending_result_ = s;
+      has_pending_ = false;
+      cv_.notify_all();
+    }
+  });
+}
+
+RoutedTransport::~RoutedTransport() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  sender_.join();
+}
+
+Status RoutedTransport::WithConcurrentSend(const std::function<Status()>& send,
+                                           const std::function<Status()>& recv) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_ = send;
+    has_pending_ = true;
+  }
+  cv_.notify_all();
+  Status r = recv();
+  if (!r.ok()) Abort();  // unblocks the send half too; the error is fatal anyway
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return !has_pending_; });
+  return r.ok() ? pending_result_ : r;
+}
+
+Status RoutedTransport::Send(int peer, const void* data, size_t bytes, Deadline deadline) {
+  return Route(peer).Send(peer, data, bytes, deadline);
+}
+
+Status RoutedTransport::Recv(int peer, void* data, size_t bytes, Deadline deadline) {
+  return Route(peer).Recv(peer, data, bytes, deadline);
+}
+
+Status RoutedTransport::SendRecv(int to, const void* send_data, size_t send_bytes, int from,
+                                 void* recv_data, size_t recv_bytes, Deadline deadline) {
+  Transport& out = Route(to);
+  Transport& in = Route(from);
+  if (&out == &in || send_bytes == 0 || recv_bytes == 0) {
+    if (&out == &in) {
+      return out.SendRecv(to, send_data, send_bytes, from, recv_data, recv_bytes, deadline);
+    }
+    if (send_bytes > 0) KR_RETURN_IF_ERROR(out.Send(to, send_data, send_bytes, deadline));
+    return recv_bytes > 0 ? in.Recv(from, recv_data, recv_bytes, deadline) : Status::OK();
+  }
+  return WithConcurrentSend([&] { return out.Send(to, send_data, send_bytes, deadline); },
+                            [&] { return in.Recv(from, recv_data, recv_bytes, deadline); });
+}
+
+Status RoutedTransport::SendRecvReduce(int to, const void* send_data, size_t send_bytes,
+                                       int from, void* dst, const void* local,
+                                       size_t recv_bytes, size_t element_bytes,
+                                       const ReduceFn& reduce, Deadline deadline) {
+  Transport& out = Route(to);
+  Transport& in = Route(from);
+  if (&out == &in) {
+    return out.SendRecvReduce(to, send_data, send_bytes, from, dst, local, recv_bytes,
+                              element_bytes, reduce, deadline);
+  }
+  auto receive = [&] {
+    return recv_bytes > 0 ? in.SendRecvReduce(-1, nullptr, 0, from, dst, local, recv_bytes,
+                                              element_bytes, reduce, deadline)
+                          : Status::OK();
+  };
+  if (send_bytes == 0) return receive();
+  if (recv_bytes == 0) return out.Send(to, send_data, send_bytes, deadline);
+  return WithConcurrentSend([&] { return out.Send(to, send_data, send_bytes, deadline); },
+                            receive);
+}
+
+void RoutedTransport::Abort() {
+  tcp_->Abort();
+  if (shm_ != nullptr) shm_->Abort();
+}
+
+}  // namespace keras_ring

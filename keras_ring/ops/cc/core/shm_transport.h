@@ -1,0 +1,73 @@
+// Ranks on one host exchange data through POSIX shared memory: each rank owns a segment
+// with one single-producer/single-consumer byte ring per sender. Waiting spins briefly, then
+// sleeps on a futex "doorbell" in the waiter's own segment, so oversubscribed ranks do not
+// steal each other's cores. Segments are unlinked as soon as every peer has mapped them, so
+// nothing is left in /dev/shm even when a rank is killed.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport.h"
+
+namespace keras_ring {
+
+struct ShmOptions {
+  uint64_t job_token = 0;
+  size_t channel_bytes = 1 << 20;  // per sender; a power of two
+  int spin_iterations = 2000;      // before sleeping on the futex
+};
+
+class ShmTransport : public Transport {
+ public:
+  // Collective over `control` (all ranks must call it): creates this rank's segment, maps
+  // the segments of the ranks in `local` (same host), then unlinks its own. `liveness_fds`
+  // (per rank, -1 if none) are sockets whose EOF means the peer is gone.
+  static Status Create(Transport& control, const std::vector<int>& local,
+                       const std::vector<int>& liveness_fds, const ShmOptions& options,
+                       double timeout_seconds, std::unique_ptr<ShmTransport>* out);
+  ~ShmTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* name() const override { return "shm"; }
+  bool Reaches(int peer) const { return peers_[static_cast<size_t>(peer)].segment != nullptr; }
+
+  Status Send(int peer, const void* data, size_t bytes, Deadline deadline) override;
+  Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
+  Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
+                  size_t recv_bytes, Deadline deadline) override;
+  Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from, void* dst,
+                        const void* local, size_t recv_bytes, size_t element_bytes,
+                        const ReduceFn& reduce, Deadline deadline) override;
+  void Abort() override;
+
+  // Removes segments of earlier jobs whose creating process is gone (a crash during init).
+  static void RemoveStaleSegments();
+
+  struct Segment;  // layout in shm_transport.cc
+
+ private:
+  struct Peer {
+    Segment* segment = nullptr;  // the peer's segment (its inbound channel from us)
+    int liveness_fd = -1;
+  };
+  ShmTransport(int rank, int size, const ShmOptions& options);
+  struct Job;  // one Send/Recv/SendRecv(Reduce) call in progress
+  Status Transfer(Job& job, Deadline deadline);
+  Status CheckPeers(int to, int from, bool sending, bool receiving) const;
+
+  int rank_;
+  int size_;
+  ShmOptions options_;
+  Segment* own_ = nullptr;
+  size_t segment_bytes_ = 0;
+  std::string own_name_;
+  std::vector<Peer> peers_;
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace keras_ring
