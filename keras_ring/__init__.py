@@ -57,3 +57,11 @@ __all__ = [
     "InitError", "CollectiveMismatchError", "CollectiveArgumentError", "CollectiveTimeoutError",
     "PeerFailureError", "CollectiveAbortedError",
 ]
+
+# Keras integration: wrap(optimizer), DistributedGradientTape, compression and callbacks.
+from keras_ring import callbacks  # noqa: E402
+from keras_ring.compression import Compression  # noqa: E402
+from keras_ring.gradient_tape import DistributedGradientTape  # noqa: E402
+from keras_ring.optimizer import DistributedOptimizer, wrap  # noqa: E402
+
+__all__ += ["wrap", "DistributedOptimizer", "DistributedGradientTape", "Compression", "callbacks"]

@@ -1,0 +1,147 @@
+"""Gradient reduction shared by ``wrap`` and ``DistributedGradientTape``.
+
+Gradients are reduced in buckets, walking the variables in reverse order: that is the order
+in which backprop produces them, so the first bucket's collective can run while backprop of
+the earlier layers continues (the collectives are stateful and run in program order, and a
+bucket only waits for its own gradients). Each bucket is one ``grouped_allreduce``, which the
+runtime fuses into one ring pass per dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+from keras_ring import _xla
+from keras_ring.collectives import Average, ReduceOp, Sum, allreduce, grouped_allreduce
+from keras_ring.compression import Compression, Compressor
+
+# 32 MiB: large enough that a bucket's fixed cost (one signature exchange, one ring pass)
+# is small next to its transfer time, small enough that a model of a few hundred MiB is
+# split into several buckets, so communication overlaps with the rest of backprop.
+DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ReduceOptions:
+    """Validated options of a gradient reduction (see ``keras_ring.wrap``)."""
+
+    op: ReduceOp = Average
+    compression: Compressor = Compression.none
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    sparse_as_dense: bool = False
+    gradient_predivide_factor: float = 1.0
+
+    @classmethod
+    def create(cls, who: str, op: Any, compression: Any, bucket_bytes: Any,
+               sparse_as_dense: Any, gradient_predivide_factor: Any) -> "ReduceOptions":
+        """Checks every option and says what was received when one is wrong."""
+        if isinstance(op, bool) or op not in (Sum, Average):
+            raise ValueError(f"{who}: op must be keras_ring.Sum or keras_ring.Average, "
+                             f"got {op!r}")
+        op = ReduceOp(op)
+        if not isinstance(compression, Compressor):
+            raise TypeError(f"{who}: compression must be one of keras_ring.Compression.none, "
+                            f".fp16 or .bf16, got {compression!r}")
+        if bucket_bytes is not None and (
+            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0
+        ):
+            raise ValueError(f"{who}: bucket_bytes must be a positive int or None (one bucket "
+                             f"for everything), got {bucket_bytes!r}")
+        if not isinstance(sparse_as_dense, bool):
+            raise TypeError(f"{who}: sparse_as_dense must be a bool, got {sparse_as_dense!r}")
+        factor = gradient_predivide_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+            math.isfinite(factor) and factor > 0
+        ):
+            raise ValueError(f"{who}: gradient_predivide_factor must be a positive number, "
+                             f"got {factor!r}")
+        if factor != 1.0 and op != Average:
+            raise ValueError(f"{who}: gradient_predivide_factor={factor!r} needs op=Average "
+                             f"(it splits the division by size() around the sum), got op={op.name}")
+        return cls(op, compression, bucket_bytes, sparse_as_dense, float(factor))
+
+    @property
+    def scale_factors(self) -> tuple[float, float]:
+        """(prescale, postscale): Average with factor f sums x / f and multiplies by f / size."""
+        f = self.gradient_predivide_factor
+        return 1.0 / f, f
+
+
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int | None) -> list[list[int]]:
+    """Groups positions ``0..len(sizes)-1`` into consecutive buckets of at most ``bucket_bytes``.
+
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own; ``None`` means one bucket.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for position, nbytes in enumerate(sizes):
+        if current and bucket_bytes is not None and filled + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(position)
+        filled += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _wire_bytes(grad: tf.Tensor, compression: Compressor) -> int:
+    elements = grad.shape.num_elements()
+    # An unknown shape cannot be sized here; it then simply joins the open bucket.
+    return (elements or 0) * compression.wire_dtype_for(grad.dtype).size
+
+
+def _reduce_dense(grads: list[tf.Tensor], options: ReduceOptions, name: str) -> list[tf.Tensor]:
+    compression = options.compression
+    prescale, postscale = options.scale_factors
+    wire = [compression.compress(g) for g in grads]
+    reduced = grouped_allreduce(wire, op=options.op, name=name, prescale_factor=prescale,
+                                postscale_factor=postscale)
+    return [compression.decompress(r, g.dtype) for r, g in zip(reduced, grads)]
+
+
+def _reduce_sparse(grad: tf.IndexedSlices, options: ReduceOptions, name: str) -> tf.IndexedSlices:
+    # Allgather of values and indices: rows that several ranks touch then appear once per
+    # rank, and the optimizers sum duplicates, which is what a dense allreduce would give.
+    compression = options.compression
+    prescale, postscale = options.scale_factors
+    wire = tf.IndexedSlices(compression.compress(grad.values), grad.indices, grad.dense_shape)
+    reduced = allreduce(wire, op=options.op, name=name, prescale_factor=prescale,
+                        postscale_factor=postscale)
+    values = compression.decompress(reduced.values, grad.values.dtype)
+    return tf.IndexedSlices(values, reduced.indices, reduced.dense_shape)
+
+
+def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
+                     name: str = "gradients") -> list[Any]:
+    """Allreduces ``grads`` (tensors, ``tf.IndexedSlices`` or None) and returns them in order.
+
+    ``None`` entries stay ``None`` and take no part: every rank runs the same program, so
+    every rank has the same ``None`` entries; a rank that differs makes the bucket's
+    collective fail on every rank with a mismatch error instead of reducing wrong buffers.
+    """
+    _xla.check_not_xla_compiled("reducing gradients")
+    out: list[Any] = [None] * len(grads)
+    dense_positions: list[int] = []
+    dense: list[tf.Tensor] = []
+    for i in reversed(range(len(grads))):
+        grad = grads[i]
+        if grad is None:
+            continue
+        if isinstance(grad, tf.IndexedSlices) and not options.sparse_as_dense:
+            out[i] = _reduce_sparse(grad, options, f"{name}.sparse{len(grads) - 1 - i}")
+            continue
+        dense_positions.append(i)
+        dense.append(tf.convert_to_tensor(grad))
+    sizes = [_wire_bytes(g, options.compression) for g in dense]
+    for k, bucket in enumerate(plan_buckets(sizes, options.bucket_bytes)):
+        reduced = _reduce_dense([dense[j] for j in bucket], options, f"{name}.bucket{k}")
+        for j, r in zip(bucket, reduced):
+            out[dense_positions[j]] = r
+    return out

@@ -1,0 +1,67 @@
+"""XLA and keras_ring: the collectives have no XLA kernel, so XLA is turned off explicitly.
+
+Keras compiles the training step with XLA when ``jit_compile=True``, and picks that for GPU
+machines with the default ``jit_compile="auto"``. XLA would then reject keras_ring's ops with
+an "unsupported op" error at the first step. Two guards prevent that:
+
+- ``Model.compile`` with a ``keras_ring.wrap()`` optimizer turns ``jit_compile`` off, with one
+  warning per process (see ``keras_ring.optimizer``);
+- a gradient reduction traced inside an XLA-compiled function (a custom loop under
+  ``tf.function(jit_compile=True)``) raises :class:`JitCompileError` saying what to change.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import tensorflow as tf
+
+from keras_ring.errors import KerasRingError
+
+_warned = False
+
+
+class JitCompileError(KerasRingError, ValueError):
+    """keras_ring collectives were traced into an XLA-compiled (``jit_compile=True``) function."""
+
+
+def in_xla_context() -> bool:
+    """True while tracing a function that XLA will compile."""
+    try:
+        # TensorFlow marks graphs traced under jit_compile=True; there is no public accessor.
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - a TensorFlow without the helper
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def check_not_xla_compiled(what: str) -> None:
+    """Raises :class:`JitCompileError` when called while tracing for XLA."""
+    if in_xla_context():
+        raise JitCompileError(
+            f"keras_ring: {what} inside an XLA-compiled function (jit_compile=True), but "
+            "keras_ring's collectives have no XLA kernel. Trace this step without XLA: "
+            "tf.function(..., jit_compile=False), or model.compile(..., jit_compile=False). "
+            "(Model.compile already does this by itself for keras_ring.wrap() optimizers.)"
+        )
+
+
+def turn_off_model_jit(model: Any, requested: Any) -> bool:
+    """Sets ``model.jit_compile = False`` if it is on; warns once per process. True if it was on."""
+    global _warned
+    if not getattr(model, "jit_compile", False):
+        return False
+    model.jit_compile = False
+    if not _warned:
+        _warned = True
+        why = ("Keras picks XLA on GPU machines when jit_compile='auto'"
+               if requested == "auto" else f"model.compile got jit_compile={requested!r}")
+        warnings.warn(
+            f"keras_ring: turning XLA off for the training step ({why}): keras_ring's "
+            "collectives have no XLA kernel. Pass jit_compile=False to model.compile to "
+            "silence this warning.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return True

@@ -1,0 +1,79 @@
+"""Shared by the learning-rate callbacks: reading and setting the rate, momentum correction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+
+def optimizer_of(model: Any, who: str) -> keras.optimizers.Optimizer:
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(f"{who} needs a compiled model with an optimizer; "
+                         f"{type(model).__name__}.optimizer is None")
+    return optimizer
+
+
+def _innermost(optimizer: Any) -> Any:
+    # A LossScaleOptimizer delegates its learning rate to the optimizer inside it.
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def check_settable(optimizer: Any, who: str) -> None:
+    """Raises unless the optimizer's learning rate is a variable that can be assigned."""
+    inner = _innermost(optimizer)
+    # Keras keeps the rate as a variable or a schedule; it has no public way to ask which.
+    rate = getattr(inner, "_learning_rate", None)
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or (
+        callable(rate) and not isinstance(rate, keras.Variable)
+    ):
+        raise ValueError(
+            f"{who} sets the learning rate each batch, but this {type(inner).__name__} was "
+            f"created with learning_rate={type(rate).__name__}(...), which cannot be set. "
+            "Create the optimizer with a float learning_rate and express the schedule with "
+            "keras_ring.callbacks.LearningRateScheduleCallback (or drop the callback)."
+        )
+
+
+def current_rate(optimizer: Any) -> float:
+    return float(np.asarray(keras.ops.convert_to_numpy(optimizer.learning_rate)))
+
+
+def set_rate(optimizer: Any, rate: float, momentum_correction: bool) -> None:
+    """Sets the rate; with momentum correction, rescales momentum buffers by new / old rate.
+
+    SGD's and RMSprop's momentum buffers hold velocities that already include the learning
+    rate (v = m * v - lr * g). When the rate changes, Goyal et al. (2017) scale v by
+    new / old so the step after the change is the one the new rate would have produced.
+    Every rank computes the same ratio from the same numbers, so buffers stay in sync.
+    Other optimizers (Adam's moments do not include the rate) are left alone.
+    """
+    old = current_rate(optimizer)
+    optimizer.learning_rate = float(rate)
+    if not momentum_correction or old == 0.0 or old == rate:
+        return
+    for buffer in momentum_buffers(optimizer):
+        buffer.assign(buffer * (rate / old))
+
+
+def momentum_buffers(optimizer: Any) -> list:
+    """The velocity variables that include the learning rate (SGD, RMSprop), else []."""
+    inner = _innermost(optimizer)
+    if isinstance(inner, keras.optimizers.SGD) and inner.momentum:
+        return list(getattr(inner, "momentums", []) or [])
+    if isinstance(inner, keras.optimizers.RMSprop) and inner.momentum:
+        return list(getattr(inner, "_momentums", []) or [])
+    return []
+
+
+def steps_per_epoch(explicit: int | None, params: dict | None, who: str) -> int:
+    steps = explicit if explicit is not None else (params or {}).get("steps")
+    if not steps:
+        raise ValueError(f"{who} needs the number of batches per epoch, and fit() does not "
+                         "know it for this data (an infinite or unsized dataset): pass "
+                         "steps_per_epoch=... to the callback")
+    return int(steps)

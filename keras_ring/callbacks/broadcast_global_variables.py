@@ -1,0 +1,69 @@
+"""``BroadcastGlobalVariablesCallback``: every rank starts training from the root's state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from keras_ring.basics import size
+from keras_ring.collectives import broadcast_variables
+
+
+def _check_root(root_rank: Any) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
+        raise ValueError(f"root_rank must be a non-negative int, got {root_rank!r}")
+    return root_rank
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Broadcasts the model's and the optimizer's variables from ``root_rank`` to all ranks.
+
+    Ranks build their models independently, so their initial weights differ; this callback
+    makes every rank continue from the root's weights and optimizer state. It broadcasts
+    right before the first training step of every ``fit()`` call, after every callback's
+    ``on_train_begin`` and ``on_epoch_begin`` (so also after a checkpoint that one of them
+    restored, e.g. ``keras.callbacks.BackupAndRestore``), and after building the
+    optimizer's variables if they did not exist yet, so no step ever runs on
+    unsynchronised weights or slots.
+
+    Args:
+        root_rank: the rank whose variables everybody gets. Default 0.
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[keras_ring.callbacks.BroadcastGlobalVariablesCallback(0)])
+    ```
+    """
+
+    def __init__(self, root_rank: int = 0) -> None:
+        super().__init__()
+        self.root_rank = _check_root(root_rank)
+        self._pending = True
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.root_rank >= size():
+            raise ValueError(f"BroadcastGlobalVariablesCallback: root_rank={self.root_rank} "
+                             f"is not a rank of this job of size {size()}")
+        self._pending = True
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._pending:
+            broadcast_model(self.model, self.root_rank)
+            self._pending = False
+
+
+def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
+    """Assigns the root rank's model and optimizer variables on every rank (eagerly).
+
+    The optimizer's variables are built first when needed, so slots such as Adam's moments
+    exist on every rank and are broadcast too.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables)
+    if optimizer is not None:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        variables += list(optimizer.variables)
+    broadcast_variables(variables, root_rank=root_rank)

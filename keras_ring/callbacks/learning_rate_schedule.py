@@ -1,0 +1,119 @@
+"""``LearningRateScheduleCallback``: a learning rate that follows a per-epoch multiplier."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from keras_ring.callbacks import _learning_rate as lr_util
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Sets ``lr = initial_lr * multiplier(epoch)`` for epochs in ``[start_epoch, end_epoch)``.
+
+    ``multiplier`` is a float (a decay per epoch: ``multiplier ** (epoch - start_epoch)``)
+    or a function of the epoch. With ``staircase=True`` the rate is set at the start of
+    each epoch from the integer epoch; with ``staircase=False`` it is set before every
+    batch from the fractional epoch ``epoch + batch / steps_per_epoch``, so it changes
+    smoothly and the first batch of an epoch gets the same rate as with a staircase.
+    Outside the epoch range the callback does not touch the rate, so several of them can
+    split the epochs between them, and one can follow a ``LearningRateWarmupCallback``.
+
+    Every rank computes the same rate, so the ranks stay in step. The optimizer's learning
+    rate must be a float (a variable), not a ``LearningRateSchedule``.
+
+    Args:
+        initial_lr: the rate the multiplier scales; None means the optimizer's rate when
+            training starts.
+        multiplier: a float, or a callable taking the (possibly fractional) epoch.
+        start_epoch: first epoch (inclusive) the schedule applies to. Default 0.
+        end_epoch: first epoch it no longer applies to; None for no end.
+        staircase: set the rate per epoch (True) or per batch (False).
+        momentum_correction: rescale SGD's and RMSprop's momentum velocity by new / old
+            rate on every change (Goyal et al. 2017). Default True.
+        steps_per_epoch: batches per epoch (used when ``staircase=False``); by default what
+            ``fit()`` reports.
+
+    Example:
+
+    ```python
+    callbacks = [
+        keras_ring.callbacks.LearningRateWarmupCallback(warmup_epochs=5),
+        # Divide by 10 at epochs 30, 60 and 80, as in the ResNet-50 recipe.
+        keras_ring.callbacks.LearningRateScheduleCallback(lr, 1.0, start_epoch=5, end_epoch=30),
+        keras_ring.callbacks.LearningRateScheduleCallback(lr, 1e-1, start_epoch=30, end_epoch=60),
+        keras_ring.callbacks.LearningRateScheduleCallback(lr, 1e-2, start_epoch=60, end_epoch=80),
+        keras_ring.callbacks.LearningRateScheduleCallback(lr, 1e-3, start_epoch=80),
+    ]
+    ```
+    """
+
+    def __init__(self, initial_lr: float | None, multiplier: float | Callable[[float], float],
+                 start_epoch: int = 0, end_epoch: int | None = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
+        super().__init__()
+        if initial_lr is not None and (isinstance(initial_lr, bool)
+                                       or not isinstance(initial_lr, (int, float)) or initial_lr < 0):
+            raise ValueError(f"initial_lr must be a non-negative number or None, got {initial_lr!r}")
+        self.initial_lr = None if initial_lr is None else float(initial_lr)
+        self.multiplier = _as_function(multiplier, start_epoch)
+        _check_epochs(start_epoch, end_epoch)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = bool(staircase)
+        self.momentum_correction = bool(momentum_correction)
+        self.steps_per_epoch = steps_per_epoch
+        self._epoch = 0
+        self._steps = 1
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        optimizer = lr_util.optimizer_of(self.model, "LearningRateScheduleCallback")
+        lr_util.check_settable(optimizer, "LearningRateScheduleCallback")
+        if self.initial_lr is None:
+            self.initial_lr = lr_util.current_rate(optimizer)
+        if not self.staircase:
+            self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
+                                                  "LearningRateScheduleCallback")
+
+    def _active(self, epoch: int) -> bool:
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def learning_rate_at(self, epoch: int, batch: int = 0) -> float | None:
+        """The rate for batch ``batch`` of epoch ``epoch``, or None outside the epoch range."""
+        if not self._active(epoch):
+            return None
+        e = epoch if self.staircase else epoch + batch / self._steps
+        return self.initial_lr * float(self.multiplier(e))
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+        if self.staircase:
+            self._set(self.learning_rate_at(epoch))
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if not self.staircase:
+            self._set(self.learning_rate_at(self._epoch, batch))
+
+    def _set(self, rate: float | None) -> None:
+        if rate is not None:
+            lr_util.set_rate(self.model.optimizer, rate, self.momentum_correction)
+
+
+def _as_function(multiplier: Any, start_epoch: int) -> Callable[[float], float]:
+    if callable(multiplier):
+        return multiplier
+    if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)):
+        raise TypeError(f"multiplier must be a number or a function of the epoch, got {multiplier!r}")
+    factor = float(multiplier)
+    return lambda epoch: factor ** (epoch - start_epoch)
+
+
+def _check_epochs(start_epoch: Any, end_epoch: Any) -> None:
+    if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or start_epoch < 0:
+        raise ValueError(f"start_epoch must be a non-negative int, got {start_epoch!r}")
+    if end_epoch is not None and (isinstance(end_epoch, bool) or not isinstance(end_epoch, int)
+                                  or end_epoch <= start_epoch):
+        raise ValueError(f"end_epoch must be None or an int greater than start_epoch="
+                         f"{start_epoch}, got {end_epoch!r}")

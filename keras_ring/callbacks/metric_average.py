@@ -1,0 +1,79 @@
+"""``MetricAverageCallback``: every rank sees the same epoch metrics."""
+
+from __future__ import annotations
+
+import numbers
+import zlib
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_ring.collectives import Average, allreduce
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 - anything that is not array-like is not a metric
+        return None
+    if array.shape == () and np.issubdtype(array.dtype, np.number):
+        return float(array)
+    return None
+
+
+def _collective_name(keys: list[str]) -> str:
+    # The name is compared across ranks, so ranks with different metrics fail with an
+    # error showing both lists; long lists are summarised to stay within the name limit.
+    name = "MetricAverage[" + ",".join(keys) + "]"
+    if len(name) <= 120:
+        return name
+    return f"MetricAverage[{len(keys)} metrics #{zlib.crc32(','.join(keys).encode()):08x}]"
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """At each epoch's end, replaces every metric in ``logs`` by its average over the ranks.
+
+    Each rank computes its metrics on its own shard of the data. This callback averages
+    every numeric entry of the epoch logs (training metrics and ``val_`` metrics alike) in
+    one collective, in sorted key order, and writes the averages back into ``logs``.
+
+    Ordering: Keras calls callbacks in list order with the same ``logs`` dict, and appends
+    its own ``History`` and progress bar after yours. Put this callback **before** any
+    callback that reads the epoch metrics (``ReduceLROnPlateau``, ``EarlyStopping``,
+    ``ModelCheckpoint``, ``CSVLogger``, ...): they then see the same numbers on every rank
+    and so make the same decisions. ``fit()``'s returned ``History`` holds the averages.
+
+    The average of per-rank averages equals the global average when every rank has the
+    same number of samples, which is how data should be sharded for synchronous training.
+
+    Example:
+
+    ```python
+    callbacks = [keras_ring.callbacks.BroadcastGlobalVariablesCallback(0),
+                 keras_ring.callbacks.MetricAverageCallback(),
+                 keras.callbacks.ReduceLROnPlateau(patience=2)]
+    ```
+    """
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs:
+            average_logs(logs)
+
+
+def average_logs(logs: dict) -> dict:
+    """Averages the numeric scalar entries of ``logs`` over the ranks, in place; returns it."""
+    values = {k: _scalar(v) for k, v in logs.items()}
+    keys = sorted(k for k, v in values.items() if v is not None)
+    if not keys:
+        return logs
+    local = tf.constant([values[k] for k in keys], dtype=tf.float64)
+    averaged = allreduce(local, op=Average, name=_collective_name(keys)).numpy()
+    for key, value in zip(keys, averaged):
+        logs[key] = float(value)
+    return logs
