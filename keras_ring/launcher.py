@@ -1,0 +1,286 @@
+"""``keras-ring-run``: start a keras_ring job through mpirun, with rank-prefixed output.
+
+```
+keras-ring-run -np 4 python train.py --epochs 10
+keras-ring-run -np 4 -H host1:2,host2:2 python train.py
+keras-ring-run -np 2 --mpirun /opt/mpich/bin/mpirun python train.py
+```
+
+It finds ``mpirun`` (the one next to this Python, i.e. the ``mpich`` wheel's, else the one on
+``PATH``, or ``--mpirun``), runs every rank under a small wrapper that prefixes each line
+the rank prints with ``[rank] `` and reports how the rank ended, stops every rank as soon as
+one fails and exits with that first failing rank's exit code, and on Ctrl-C stops every rank
+and exits with 130. Plain ``mpirun -np 4 python train.py`` keeps working without it.
+
+This module imports nothing but the standard library: the per-rank wrapper runs it as a
+script (``python -I launcher.py``), which must start fast and must not load TensorFlow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+_WRAPPER_FLAG = "--keras-ring-rank-wrapper"
+_TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
+_MARKER = b"KERAS_RING_RUN_EXIT"
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# How long mpirun may take to wind the ranks down after a stop request before it is killed.
+_STOP_GRACE_SECONDS = 15.0
+
+
+class LaunchError(Exception):
+    """The job could not be started: no mpirun, or invalid arguments."""
+
+
+# --- the launcher ---------------------------------------------------------------------------
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="keras-ring-run",
+        description="Run a command as a keras_ring job of N ranks through mpirun.",
+        epilog="Example: keras-ring-run -np 4 python train.py",
+    )
+    parser.add_argument("-np", "-n", dest="np", type=int, required=True, metavar="N",
+                        help="number of ranks (may exceed the number of cores)")
+    parser.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
+                        help="hosts and their slots, e.g. host1:2,host2:2 (default: this host)")
+    parser.add_argument("--mpirun", default=None, metavar="PATH",
+                        help="the mpirun to use (default: next to this Python, else on PATH)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the program each rank runs, e.g. python train.py")
+    args = parser.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("no command given: e.g. keras-ring-run -np 2 python train.py")
+    if args.np < 1:
+        parser.error(f"-np must be at least 1, got {args.np}")
+    return args
+
+
+def find_mpirun(explicit: str | None = None) -> str:
+    """The mpirun to use: ``explicit``, else the one next to this Python, else PATH's."""
+    if explicit:
+        path = shutil.which(explicit)
+        if path is None:
+            raise LaunchError(f"--mpirun {explicit!r} is not an executable file")
+        return path
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    path = shutil.which("mpirun")
+    if path is None:
+        raise LaunchError(f"no mpirun next to {sys.executable} nor on PATH: install the "
+                          "'mpich' wheel (pip install mpich) or pass --mpirun PATH")
+    return path
+
+
+def mpi_flavour(mpirun: str) -> str:
+    """"openmpi" or "hydra" (MPICH, Intel MPI and anything unrecognised)."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LaunchError(f"cannot run {mpirun} --version: {e}") from None
+    return "openmpi" if b"Open MPI" in out or b"OpenRTE" in out else "hydra"
+
+
+def mpirun_command(mpirun: str, flavour: str, np: int, hosts: str | None,
+                   command: list[str]) -> list[str]:
+    """The full mpirun command line: every rank runs ``command`` under the wrapper."""
+    wrapper = [sys.executable, "-I", str(Path(__file__).resolve()), _WRAPPER_FLAG, "--", *command]
+    if flavour == "openmpi":
+        # Open MPI refuses more ranks than cores unless told; Hydra never refuses.
+        cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "-x", _TOKEN_ENV]
+        if hosts:
+            cmd += ["-H", hosts]
+    else:
+        cmd = [mpirun, "-np", str(np)]
+        if hosts:
+            cmd += ["-hosts", hosts]
+    return cmd + wrapper
+
+
+class _Job:
+    """mpirun running the ranks; pumps their output and stops them when asked."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], token: bytes) -> None:
+        self.token = token
+        self.first_failure: tuple[int, int] | None = None  # (rank, exit code)
+        self.interrupted = False
+        self._stopping = threading.Lock()
+        self._stop_requested = False
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        self._pumps = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr), daemon=True),
+        ]
+        for t in self._pumps:
+            t.start()
+
+    def _pump(self, source, sink) -> None:
+        out = getattr(sink, "buffer", sink)
+        for line in iter(source.readline, b""):
+            if line.startswith(_MARKER):
+                self._on_marker(line)
+                continue
+            out.write(line)
+            out.flush()
+
+    def _on_marker(self, line: bytes) -> None:
+        parts = line.split()
+        if len(parts) != 4 or parts[1] != self.token:
+            return
+        rank = int(parts[2]) if parts[2].isdigit() else -1
+        code = int(parts[3])
+        if code != 0 and self.first_failure is None:
+            self.first_failure = (rank, code)
+            self.stop(signal.SIGTERM)
+
+    def stop(self, sig: int) -> None:
+        """Asks mpirun to stop every rank; kills its process group if it lingers."""
+        with self._stopping:
+            if self._stop_requested:
+                return
+            self._stop_requested = True
+        try:
+            self.proc.send_signal(sig)
+        except ProcessLookupError:
+            return
+        threading.Thread(target=self._kill_after_grace, daemon=True).start()
+
+    def _kill_after_grace(self) -> None:
+        try:
+            self.proc.wait(timeout=_STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self) -> int:
+        code = self.proc.wait()
+        for t in self._pumps:
+            t.join()
+        if self.interrupted:
+            return 130
+        if self.first_failure is not None:
+            return self.first_failure[1]
+        return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``keras-ring-run``; returns the job's exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [_WRAPPER_FLAG]:
+        return _wrapper_main(argv[1:])
+    args = _parse(argv)
+    try:
+        mpirun = find_mpirun(args.mpirun)
+        cmd = mpirun_command(mpirun, mpi_flavour(mpirun), args.np, args.hosts, args.command)
+    except LaunchError as e:
+        print(f"keras-ring-run: {e}", file=sys.stderr)
+        return 2
+    token = secrets.token_hex(8)
+    env = dict(os.environ, **{_TOKEN_ENV: token})
+    job = _Job(cmd, env, token.encode())
+
+    def on_signal(signum, frame):
+        job.interrupted = job.interrupted or signum == signal.SIGINT
+        if job._stop_requested:  # a second Ctrl-C: no more patience
+            try:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.stop(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    return job.wait()
+
+
+# --- the per-rank wrapper -------------------------------------------------------------------
+
+def _rank() -> str:
+    for name in _RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return os.environ[name]
+    return "?"
+
+
+def _die_with_parent(sig: int) -> None:
+    """Linux: deliver ``sig`` to this process when its parent exits (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _copy_lines(child: subprocess.Popen, prefix: bytes) -> None:
+    """Copies the child's stdout/stderr to ours, one whole prefixed line per write."""
+    selector = selectors.DefaultSelector()
+    pending = {}
+    for source, sink in ((child.stdout, 1), (child.stderr, 2)):
+        selector.register(source, selectors.EVENT_READ, sink)
+        pending[sink] = b""
+    while selector.get_map():
+        for key, _ in selector.select():
+            chunk = os.read(key.fd, 65536)
+            sink = key.data
+            if not chunk:
+                selector.unregister(key.fileobj)
+                if pending[sink]:
+                    _write_all(sink, prefix + pending[sink] + b"\n")
+                continue
+            *lines, pending[sink] = (pending[sink] + chunk).split(b"\n")
+            if lines:
+                _write_all(sink, b"".join(prefix + line + b"\n" for line in lines))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _wrapper_main(argv: list[str]) -> int:
+    command = argv[1:] if argv[:1] == ["--"] else argv
+    rank = _rank()
+    _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
+    # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
+    try:
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 close_fds=False,
+                                 preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
+    except OSError as e:
+        _write_all(2, f"[{rank}] keras-ring-run: cannot run {command[0]!r}: {e}\n".encode())
+        return _report(rank, 127)
+    for sig in _FORWARDED_SIGNALS:
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    _copy_lines(child, f"[{rank}] ".encode())
+    code = child.wait()
+    return _report(rank, code if code >= 0 else 128 - code)
+
+
+def _report(rank: str, code: int) -> int:
+    """Tells the launcher how this rank ended (one marker line it removes), returns ``code``."""
+    token = os.environ.get(_TOKEN_ENV)
+    if token:
+        _write_all(2, b"%s %s %s %d\n" % (_MARKER, token.encode(), rank.encode(), code))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""keras-ring-run: rank prefixes, exit codes, a failing rank stops the job, Ctrl-C.
+
+The launcher runs as a script (``python -I keras_ring/launcher.py``), which is what its
+per-rank wrapper does too: it then starts without TensorFlow, so these tests stay fast. One
+test goes through the installed console script with a real keras_ring job.
+"""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from keras_ring import launcher
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "keras_ring" / "launcher.py"
+GUARD = 120  # seconds: a hang guard for every child process, never a timing assertion
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "rank_program.py"
+    path.write_text("import os, signal, sys\nRANK = int(os.environ['PMI_RANK'])\n"
+                    + textwrap.dedent(body))
+    return str(path)
+
+
+def _launch(mpirun, args, env, **kwargs):
+    cmd = [sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def _run(mpirun, args, env):
+    proc = _launch(mpirun, args, env)
+    out, err = proc.communicate(timeout=GUARD)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _wait_until_gone(pid: int) -> None:
+    """Blocks until process ``pid`` has exited (a pidfd becomes readable then)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], GUARD)
+        assert ready, f"rank process {pid} still running {GUARD}s after the job ended"
+    finally:
+        os.close(fd)
+
+
+def _pids(text: str) -> dict:
+    return {int(line[1]): int(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("[") and " pid " in line}
+
+
+def test_every_line_is_prefixed_with_its_rank(mpirun, clean_env, tmp_path):
+    # Partial writes (one line in three pieces, unbuffered) must still give whole lines.
+    script = _script(tmp_path, """
+        for piece in (b"hello ", str(RANK).encode(), b" world\\nsecond line\\n"):
+            os.write(1, piece)
+        os.write(2, b"warning from %d\\n" % RANK)
+        sys.stdout.write("no newline at the end")
+    """)
+    code, out, err = _run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == sorted(
+        f"[{r}] {text}" for r in range(2)
+        for text in (f"hello {r} world", "second line", "no newline at the end"))
+    assert {line for line in err.splitlines() if "warning" in line} == {
+        "[0] warning from 0", "[1] warning from 1"}
+    assert "KERAS_RING_RUN_EXIT" not in out + err
+
+
+def test_a_failing_rank_stops_the_job_with_its_exit_code(mpirun, clean_env, tmp_path):
+    fifo = tmp_path / "rank0_ready"
+    os.mkfifo(fifo)
+    # Rank 0 would run forever; rank 1 fails with 5 once rank 0 is surely running. Rank 0
+    # is then terminated (exit 143, larger than 5): the job must still report 5, the first.
+    script = _script(tmp_path, f"""
+        if RANK == 0:
+            print("pid", os.getpid(), flush=True)
+            with open({str(fifo)!r}, "w") as f:
+                f.write("ready")
+            signal.pause()
+        with open({str(fifo)!r}) as f:
+            f.read()
+        sys.exit(5)
+    """)
+    code, out, err = _run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    assert code == 5, (out, err)
+    _wait_until_gone(_pids(out)[0])
+
+
+def test_exit_code_is_zero_when_every_rank_succeeds(mpirun, clean_env, tmp_path):
+    script = _script(tmp_path, "print('done', RANK)\n")
+    code, out, err = _run(mpirun, ["-np", "3", sys.executable, script], clean_env)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[0] done 0", "[1] done 1", "[2] done 2"]
+
+
+def test_ctrl_c_stops_every_rank(mpirun, clean_env, tmp_path):
+    script = _script(tmp_path, """
+        print("pid", os.getpid(), flush=True)
+        signal.pause()
+    """)
+    proc = _launch(mpirun, ["-np", "3", sys.executable, script], clean_env)
+    lines = [proc.stdout.readline().decode() for _ in range(3)]  # blocks until all are up
+    pids = _pids("".join(lines))
+    assert sorted(pids) == [0, 1, 2], lines
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=GUARD)
+    assert proc.returncode == 130
+    for pid in pids.values():
+        _wait_until_gone(pid)
+
+
+def test_a_missing_program_fails_with_127(mpirun, clean_env, tmp_path):
+    code, out, err = _run(mpirun, ["-np", "2", str(tmp_path / "no_such_program")], clean_env)
+    assert code == 127
+    assert "cannot run" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-np", "2"], "no command given"),
+    (["-np", "0", "python", "x.py"], "-np must be at least 1"),
+    (["-np", "2", "--mpirun", "/nonexistent/mpirun", "python", "x.py"], "not an executable"),
+])
+def test_usage_errors_say_what_is_wrong(clean_env, args, message):
+    proc = subprocess.run([sys.executable, "-I", str(LAUNCHER), *args], env=clean_env,
+                          capture_output=True, timeout=GUARD)
+    assert proc.returncode == 2
+    assert message in proc.stderr.decode()
+
+
+def test_finds_the_mpirun_next_to_this_python(mpirun):
+    assert launcher.find_mpirun() == mpirun
+
+
+def test_mpirun_command_per_flavour():
+    hydra = launcher.mpirun_command("mpirun", "hydra", 4, "a:2,b:2", ["python", "t.py"])
+    assert hydra[:5] == ["mpirun", "-np", "4", "-hosts", "a:2,b:2"]
+    assert hydra[-3:] == ["--", "python", "t.py"]
+    ompi = launcher.mpirun_command("mpirun", "openmpi", 4, "a:2,b:2", ["python", "t.py"])
+    assert "--oversubscribe" in ompi and ompi[ompi.index("-H") + 1] == "a:2,b:2"
+
+
+def test_console_script_runs_a_keras_ring_job(clean_env, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import tensorflow as tf
+        import keras_ring
+        keras_ring.init()
+        total = keras_ring.allreduce(tf.constant([keras_ring.rank() + 1.0]), op=keras_ring.Sum)
+        print("size", keras_ring.size(), "sum", float(total[0]), flush=True)
+    """))
+    run = Path(sys.executable).parent / "keras-ring-run"
+    proc = subprocess.run([str(run), "-np", "2", sys.executable, str(script)], env=clean_env,
+                          capture_output=True, timeout=GUARD)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if "sum" in line)
+    assert lines == ["[0] size 2 sum 3.0", "[1] size 2 sum 3.0"]
