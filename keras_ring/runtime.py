@@ -10,7 +10,7 @@ from keras_ring import bootstrap as _bootstrap
 from keras_ring.bootstrap import Topology
 from keras_ring.config import Config
 from keras_ring.errors import InitError, NotInitializedError
-from keras_ring.ops import Library, library
+from keras_ring.ops.loader import Library, library
 
 
 class Runtime:

@@ -1,5 +1,7 @@
 #include "runtime.h"
 
+#include "reduce.h"
+
 #include <algorithm>
 #include <cstring>
 #include <iostream>
@@ -175,22 +177,34 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
                                       broken_.message(),
                   broken_.peer());
   }
-  std::vector<Signature> sigs;
-  Status s = ExchangeSignatures(*transport_, options_.timeout_seconds,
-                                MakeSignature(request, seq), &sigs);
+  slots_.resize(static_cast<size_t>(options_.size));
+  Slot& mine = slots_[static_cast<size_t>(options_.rank)];
+  mine.sig = MakeSignature(request, seq);
+  mine.sig.inlined = PackInline(request, &mine) ? 1 : 0;
+  Status s = ExchangeSlots(*transport_, options_.timeout_seconds, &slots_);
   if (s.ok()) {
+    std::vector<Signature> sigs;
+    bool all_inlined = true;
+    for (const Slot& slot : slots_) {
+      sigs.push_back(slot.sig);
+      all_inlined = all_inlined && slot.sig.inlined != 0;
+    }
     s = CheckSignatures(sigs);
     if (!s.ok()) {
       // Every rank saw the same table and fails the same way; no data moved, so the
       // runtime stays usable.
       return Status(s.code(), "keras_ring: " + s.message(), s.peer());
     }
-    switch (request.kind) {
-      case Kind::kAllreduce: s = ExecuteAllreduce(request); break;
-      case Kind::kGroupedAllreduce: s = ExecuteGrouped(request); break;
-      case Kind::kAllgather: s = ExecuteAllgather(request, sigs); break;
-      case Kind::kBroadcast: s = ExecuteBroadcast(request); break;
-      case Kind::kBarrier: break;
+    if (all_inlined) {
+      s = ExecuteInline(request, sigs);
+    } else {
+      switch (request.kind) {
+        case Kind::kAllreduce: s = ExecuteAllreduce(request); break;
+        case Kind::kGroupedAllreduce: s = ExecuteGrouped(request); break;
+        case Kind::kAllgather: s = ExecuteAllgather(request, sigs); break;
+        case Kind::kBroadcast: s = ExecuteBroadcast(request); break;
+        case Kind::kBarrier: break;
+      }
     }
   }
   if (s.ok()) return s;
@@ -202,6 +216,82 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
     transport_->Abort();
   }
   return failed;
+}
+
+bool Runtime::PackInline(const Request& r, Slot* slot) const {
+  size_t bytes = 0;
+  for (const TensorRef& t : r.tensors) bytes += t.num_bytes();
+  if (bytes > kInlineCapacity) return false;
+  if (r.kind == Kind::kBroadcast && options_.rank != r.root) return true;  // receives only
+  size_t off = 0;
+  for (const TensorRef& t : r.tensors) {
+    if (t.num_bytes() > 0) std::memcpy(slot->payload + off, t.input, t.num_bytes());
+    off += t.num_bytes();
+  }
+  return true;
+}
+
+// Every rank combines the ranks' contributions in rank order, so all get the same bits.
+void Runtime::ReduceInline(const Request& r, DataType dtype, size_t offset, size_t count,
+                           void* out) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  if (bytes == 0) return;
+  std::memcpy(out, slots_[0].payload + offset, bytes);
+  Scale(dtype, out, count, r.prescale);
+  for (size_t rank = 1; rank < slots_.size(); ++rank) {
+    const void* peer = slots_[rank].payload + offset;
+    if (r.prescale != 1.0) {
+      scratch_.resize(bytes);
+      std::memcpy(scratch_.data(), peer, bytes);
+      Scale(dtype, scratch_.data(), count, r.prescale);
+      peer = scratch_.data();
+    }
+    Reduce(dtype, r.op, out, peer, count);
+  }
+  if (r.op == ReduceOp::kAverage) {
+    AverageScale(dtype, out, count, options_.size, r.postscale);
+  } else {
+    Scale(dtype, out, count, r.postscale);
+  }
+}
+
+Status Runtime::ExecuteInline(Request& r, const std::vector<Signature>& sigs) {
+  switch (r.kind) {
+    case Kind::kAllreduce:
+    case Kind::kGroupedAllreduce: {
+      size_t offset = 0;
+      for (TensorRef& t : r.tensors) {
+        ReduceInline(r, t.dtype, offset, static_cast<size_t>(t.num_elements()), t.output);
+        offset += t.num_bytes();
+      }
+      return Status::OK();
+    }
+    case Kind::kAllgather: {
+      TensorRef& t = r.tensors[0];
+      int64_t rows = 0;
+      for (const Signature& s : sigs) rows += s.count;
+      void* out = nullptr;
+      KR_RETURN_IF_ERROR(r.allocate_output(rows, &out));  // nothing is in flight: not fatal
+      char* dst = static_cast<char*>(out);
+      for (size_t rank = 0; rank < sigs.size(); ++rank) {
+        const size_t bytes =
+            static_cast<size_t>(sigs[rank].count * sigs[rank].row_elems) * DataTypeSize(t.dtype);
+        if (bytes > 0) std::memcpy(dst, slots_[rank].payload, bytes);
+        dst += bytes;
+      }
+      return Status::OK();
+    }
+    case Kind::kBroadcast: {
+      TensorRef& t = r.tensors[0];
+      if (t.num_bytes() > 0) {
+        std::memcpy(t.output, slots_[static_cast<size_t>(r.root)].payload, t.num_bytes());
+      }
+      return Status::OK();
+    }
+    case Kind::kBarrier:
+      return Status::OK();
+  }
+  return Status::OK();
 }
 
 Status Runtime::ExecuteAllreduce(Request& r) {

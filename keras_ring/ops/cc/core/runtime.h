@@ -79,6 +79,11 @@ class Runtime {
   Status ExecuteAllreduce(Request& request);
   Status ExecuteGrouped(Request& request);
   Status ExecuteAllgather(Request& request, const std::vector<Signature>& sigs);
+  // Packs this rank's data into its slot when it fits; returns whether it did.
+  bool PackInline(const Request& request, Slot* slot) const;
+  // Completes a collective whose data every rank inlined in the exchanged slots.
+  Status ExecuteInline(Request& request, const std::vector<Signature>& sigs);
+  void ReduceInline(const Request& r, DataType dtype, size_t offset, size_t count, void* out);
   Status ExecuteBroadcast(Request& request);
   Signature MakeSignature(const Request& request, uint64_t seq) const;
   Status Fail(const Request& request, uint64_t seq, const Status& cause);
@@ -93,6 +98,8 @@ class Runtime {
   bool stopping_ = false;
   Status broken_;  // first fatal error; every later request fails with it
   std::vector<char> fusion_;  // reusable buffer for grouped allreduce (worker only)
+  std::vector<char> scratch_;  // prescaled peer data on the inline path (worker only)
+  std::vector<Slot> slots_;    // one per rank, reused by every exchange (worker only)
   std::thread worker_;
 };
 

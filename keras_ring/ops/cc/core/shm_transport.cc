@@ -150,7 +150,12 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
                             double timeout_seconds, std::unique_ptr<ShmTransport>* out) {
   const int rank = control.rank();
   const int size = control.size();
-  std::unique_ptr<ShmTransport> t(new ShmTransport(rank, size, options));
+  ShmOptions tuned = options;
+  if (static_cast<long>(local.size()) + 1 > sysconf(_SC_NPROCESSORS_ONLN)) {
+    // Oversubscribed: a spinning rank would hold the core the peer it waits for needs.
+    tuned.spin_iterations = 0;
+  }
+  std::unique_ptr<ShmTransport> t(new ShmTransport(rank, size, tuned));
   const size_t header =
       (sizeof(Segment) + static_cast<size_t>(size) * sizeof(Channel) + 4095) & ~size_t{4095};
   t->segment_bytes_ = header + static_cast<size_t>(size) * options.channel_bytes;

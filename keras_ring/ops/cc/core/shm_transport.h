@@ -18,7 +18,7 @@ namespace keras_ring {
 struct ShmOptions {
   uint64_t job_token = 0;
   size_t channel_bytes = 1 << 20;  // per sender; a power of two
-  int spin_iterations = 2000;      // before sleeping on the futex
+  int spin_iterations = 2000;      // before sleeping; 0 when ranks outnumber cores
 };
 
 class ShmTransport : public Transport {

@@ -164,7 +164,7 @@ class AllgatherKernel : public CollectiveKernel {
       shape.AppendShape(row_shape);
       Tensor* out = nullptr;
       absl::Status s = ctx->allocate_output(0, shape, &out);
-      if (!s.ok()) return kr::Status(kr::Code::kInternal, std::string(s.message()));
+      if (!s.ok()) return kr::Status(kr::Code::kResourceExhausted, std::string(s.message()));
       *output = const_cast<char*>(out->tensor_data().data());
       return kr::Status::OK();
     };
