@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml setup.py
 
 # The builder skips the work when the library matches this TensorFlow and these sources.
 $(OPS_LIB): $(STAMP) $(OPS_SRC)
-	$(VPY) -m keras_ring.ops.build --if-needed
+	$(VPY) -m keras_ring.ops --if-needed
 	touch $@
 
 ops: $(OPS_LIB)

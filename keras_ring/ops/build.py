@@ -1,6 +1,6 @@
 """Builds the op library against the TensorFlow installed in this environment.
 
-Run ``python -m keras_ring.ops.build`` to (re)build by hand; the loader calls :func:`ensure_built`
+Run ``python -m keras_ring.ops`` to (re)build by hand; the loader calls :func:`ensure_built`
 on import, so a missing or stale library (another TensorFlow version, changed sources) is
 rebuilt automatically when a C++ compiler is present.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 CC_DIR = Path(__file__).resolve().parent / "cc"
 LIB_NAME = "_keras_ring_ops.so"
-REBUILD_COMMAND = f"{sys.executable} -m keras_ring.ops.build"
+REBUILD_COMMAND = f"{sys.executable} -m keras_ring.ops"
 
 
 class BuildError(RuntimeError):
