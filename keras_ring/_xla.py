@@ -25,6 +25,10 @@ _warned = False
 class JitCompileError(KerasRingError, ValueError):
     """keras_ring collectives were traced into an XLA-compiled (``jit_compile=True``) function."""
 
+    # Autograph re-raises errors from converted code as their own type only when the type
+    # has Exception's constructor; otherwise the user would get a generic StagingError.
+    __init__ = Exception.__init__
+
 
 def in_xla_context() -> bool:
     """True while tracing a function that XLA will compile."""
