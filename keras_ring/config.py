@@ -58,6 +58,7 @@ class Config:
     """What the environment asks for; see the README's table of variables."""
 
     timeout_seconds: float
+    stall_warning_seconds: float
     segment_bytes: int
     host_id: str | None
     advertise_address: str | None
@@ -68,6 +69,7 @@ class Config:
     def from_env(cls) -> "Config":
         return cls(
             timeout_seconds=_float("KERAS_RING_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS),
+            stall_warning_seconds=_float("KERAS_RING_STALL_WARNING_SECONDS", 60.0),
             segment_bytes=_int("KERAS_RING_SEGMENT_BYTES", 1 << 20, minimum=64),
             host_id=os.environ.get("KERAS_RING_HOST_ID") or None,
             advertise_address=os.environ.get("KERAS_RING_ADVERTISE_ADDRESS") or None,

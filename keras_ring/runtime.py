@@ -72,11 +72,13 @@ class Runtime:
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(
             topo.rank, n, listen_fd, hosts, ports, host_index, table.job_token,
-            config.timeout_seconds, config.segment_bytes, int(config.use_shm),
+            config.timeout_seconds, config.stall_warning_seconds, config.segment_bytes,
+            int(config.use_shm),
             config.shm_channel_bytes, err, len(err),
         )
         if rc != 0:
             raise InitError(f"rank {topo.rank}: {err.value.decode(errors='replace')}")
+        lib.c.keras_ring_install_signal_handlers()
 
     def shutdown(self) -> None:
         with self._lock:

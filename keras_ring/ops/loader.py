@@ -31,7 +31,7 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_init.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
         ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.c_uint64,
-        ctypes.c_double, ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t,
+        ctypes.c_double, ctypes.c_double, ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t,
         ctypes.c_char_p, ctypes.c_size_t,
     ]
     c.keras_ring_init.restype = ctypes.c_int
@@ -41,6 +41,8 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_is_initialized.restype = ctypes.c_int
     c.keras_ring_barrier.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     c.keras_ring_barrier.restype = ctypes.c_int
+    c.keras_ring_install_signal_handlers.argtypes = []
+    c.keras_ring_install_signal_handlers.restype = None
     c.keras_ring_build_info.argtypes = []
     c.keras_ring_build_info.restype = ctypes.c_char_p
 

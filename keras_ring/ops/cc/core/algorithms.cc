@@ -101,7 +101,7 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
 }
 
 Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
-                      const std::vector<size_t>& block_bytes) {
+                      const std::vector<size_t>& block_bytes, std::atomic<int>* steps_done) {
   const int n = t.size();
   const int r = t.rank();
   if (n == 1) return Status::OK();
@@ -126,6 +126,7 @@ Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
                                     Deadline::After(cfg.timeout_seconds)));
       off += seg;
     } while (off < std::max(slen, vlen));
+    if (steps_done != nullptr) steps_done->fetch_add(1);
   }
   return Status::OK();
 }

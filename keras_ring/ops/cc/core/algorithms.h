@@ -2,6 +2,7 @@
 // single wait for a peer is bounded, while a long transfer that keeps moving is not cut off.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -29,8 +30,10 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
 // Ring allgather of blocks of different sizes: block r (block_bytes[r] bytes) belongs to
 // rank r, blocks lie back to back in rank order in `out`, and this rank's block must
 // already be in place.
+// `steps_done`, if given, counts completed steps (block r-1-k has arrived after k+1 steps).
 Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
-                      const std::vector<size_t>& block_bytes);
+                      const std::vector<size_t>& block_bytes,
+                      std::atomic<int>* steps_done = nullptr);
 
 // Pipelined chain broadcast: root -> root+1 -> ... in segments. `buf` holds the data on the
 // root and receives it elsewhere.

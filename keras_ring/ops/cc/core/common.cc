@@ -1,5 +1,8 @@
 #include "common.h"
 
+#include <atomic>
+#include <csignal>
+
 namespace keras_ring {
 
 size_t DataTypeSize(DataType t) {
@@ -55,6 +58,22 @@ int Deadline::remaining_ms(int cap_ms) const {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t_ - Clock::now()).count();
   if (left <= 0) return 0;
   return left > cap_ms ? cap_ms : static_cast<int>(left);
+}
+
+namespace {
+std::atomic<int> g_interrupt_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "used from a signal handler");
+}  // namespace
+
+void RequestInterrupt(int signal_number) { g_interrupt_signal.store(signal_number); }
+
+int InterruptSignal() { return g_interrupt_signal.load(); }
+
+Status InterruptStatus() {
+  const int sig = InterruptSignal();
+  if (sig == 0) return Status::OK();
+  const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+  return Status(Code::kAborted, std::string("interrupted by ") + name);
 }
 
 }  // namespace keras_ring

@@ -100,4 +100,12 @@ class Deadline {
   Clock::time_point t_;
 };
 
+// Set from a signal handler (SIGINT/SIGTERM) so blocked waits end promptly; transports
+// check it in every wait slice. Async-signal-safe: a lock-free atomic store.
+void RequestInterrupt(int signal_number);
+// The signal that interrupted the process, or 0.
+int InterruptSignal();
+// A kAborted status describing the interrupt, or OK when there was none.
+Status InterruptStatus();
+
 }  // namespace keras_ring

@@ -3,8 +3,8 @@
 #include "reduce.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
-#include <iostream>
 
 namespace keras_ring {
 
@@ -45,6 +45,9 @@ Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> trans
   algo_.timeout_seconds = options_.timeout_seconds;
   algo_.segment_bytes = options_.segment_bytes;
   worker_ = std::thread([this] { WorkerLoop(); });
+  if (options_.stall_warning_seconds > 0 && options_.size > 1) {
+    watchdog_ = std::thread([this] { WatchdogLoop(); });
+  }
 }
 
 Runtime::~Runtime() {
@@ -57,6 +60,7 @@ Runtime::~Runtime() {
   // rather than after the timeout.
   transport_->Abort();
   if (worker_.joinable()) worker_.join();
+  if (watchdog_.joinable()) watchdog_.join();
 }
 
 void Runtime::Submit(Request request) {
@@ -108,10 +112,67 @@ void Runtime::WorkerLoop() {
       }
     }
     ++seq;
+    {
+      std::lock_guard<std::mutex> lock(label_mu_);
+      busy_label_ = MakeSignature(request, seq).Label();
+    }
+    exchange_steps_.store(0);
+    busy_since_ns_.store(Clock::now().time_since_epoch().count());
+    busy_seq_.store(seq);
     Status s = Execute(request, seq);
+    busy_seq_.store(0);
     request.done(s);
   }
   if (transport_) transport_->Abort();
+}
+
+void Runtime::WatchdogLoop() {
+  uint64_t warned = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(250));
+    const uint64_t seq = busy_seq_.load();
+    if (seq == 0 || seq == warned) continue;
+    const double waited =
+        std::chrono::duration<double>(Clock::now().time_since_epoch() -
+                                      Clock::duration(busy_since_ns_.load()))
+            .count();
+    if (waited < options_.stall_warning_seconds) continue;
+    warned = seq;
+    const std::string report = StallReport(waited);
+    std::fprintf(stderr, "%s\n", report.c_str());
+    std::fflush(stderr);
+  }
+}
+
+std::string Runtime::StallReport(double waited_seconds) {
+  std::string label;
+  {
+    std::lock_guard<std::mutex> lock(label_mu_);
+    label = busy_label_;
+  }
+  const int n = options_.size;
+  const int r = options_.rank;
+  std::string msg = "keras_ring: WARNING: rank " + std::to_string(r) + " has waited " +
+                    std::to_string(static_cast<int>(waited_seconds)) + " s in " + label;
+  const int steps = exchange_steps_.load();
+  if (steps >= 0) {
+    // After k ring steps the slots of ranks r-1 .. r-k have arrived; the stalled rank is
+    // among the others.
+    std::string missing;
+    for (int k = steps + 1; k < n; ++k) {
+      missing += (missing.empty() ? "" : ", ") + std::to_string(((r - k) % n + n) % n);
+    }
+    msg += ": ranks not yet heard from: " + missing +
+           " (one of them has not submitted this collective, or is stalled)";
+  } else {
+    msg += ": every rank submitted it, the data transfer with ranks " +
+           std::to_string((r + n - 1) % n) + " and " + std::to_string((r + 1) % n) +
+           " is not progressing";
+  }
+  msg += "; it fails after KERAS_RING_TIMEOUT_SECONDS=" +
+         std::to_string(static_cast<int>(options_.timeout_seconds));
+  return msg;
 }
 
 Signature Runtime::MakeSignature(const Request& r, uint64_t seq) const {
@@ -181,7 +242,8 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
   Slot& mine = slots_[static_cast<size_t>(options_.rank)];
   mine.sig = MakeSignature(request, seq);
   mine.sig.inlined = PackInline(request, &mine) ? 1 : 0;
-  Status s = ExchangeSlots(*transport_, options_.timeout_seconds, &slots_);
+  Status s = ExchangeSlots(*transport_, options_.timeout_seconds, &slots_, &exchange_steps_);
+  exchange_steps_.store(-1);
   if (s.ok()) {
     std::vector<Signature> sigs;
     bool all_inlined = true;

@@ -48,6 +48,7 @@ struct RuntimeOptions {
   int rank = 0;
   int size = 1;
   double timeout_seconds = 300.0;
+  double stall_warning_seconds = 60.0;  // <= 0 disables the warning
   size_t segment_bytes = 1 << 20;
 };
 
@@ -75,6 +76,8 @@ class Runtime {
 
  private:
   void WorkerLoop();
+  void WatchdogLoop();
+  std::string StallReport(double waited_seconds);
   Status Execute(Request& request, uint64_t seq);
   Status ExecuteAllreduce(Request& request);
   Status ExecuteGrouped(Request& request);
@@ -101,6 +104,14 @@ class Runtime {
   std::vector<char> scratch_;  // prescaled peer data on the inline path (worker only)
   std::vector<Slot> slots_;    // one per rank, reused by every exchange (worker only)
   std::thread worker_;
+
+  // What the worker is doing, for the stall watchdog (which only reads these).
+  std::atomic<uint64_t> busy_seq_{0};       // 0 while idle
+  std::atomic<int64_t> busy_since_ns_{0};   // steady clock
+  std::atomic<int> exchange_steps_{-1};     // ring steps of the slot exchange; -1 after it
+  std::mutex label_mu_;
+  std::string busy_label_;
+  std::thread watchdog_;
 };
 
 }  // namespace keras_ring

@@ -231,6 +231,7 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
 
 Status ShmTransport::CheckPeers(int to, int from, bool sending, bool receiving) const {
   if (aborted_.load()) return Status(Code::kAborted, "keras_ring runtime was aborted");
+  KR_RETURN_IF_ERROR(InterruptStatus());
   const int waited_for[2] = {receiving ? from : -1, sending ? to : -1};
   for (int peer : waited_for) {
     if (peer < 0) continue;
@@ -250,6 +251,8 @@ Status ShmTransport::CheckPeers(int to, int from, bool sending, bool receiving) 
 }
 
 Status ShmTransport::Transfer(Job& job, Deadline deadline) {
+  // A peer that already gave up must not let this rank complete a collective it failed.
+  KR_RETURN_IF_ERROR(CheckPeers(job.to, job.from, job.send_bytes > 0, job.recv_bytes > 0));
   const uint64_t cap = options_.channel_bytes;
   Channel* out_ch = job.send_bytes ? peers_[static_cast<size_t>(job.to)].segment->channel(rank_) : nullptr;
   char* out_data = job.send_bytes ? peers_[static_cast<size_t>(job.to)].segment->data(rank_) : nullptr;

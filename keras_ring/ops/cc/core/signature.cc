@@ -49,12 +49,13 @@ Status ExchangeSignatures(Transport& t, double timeout_seconds, const Signature&
   return RingAllgatherv(t, cfg, all->data(), sizes);
 }
 
-Status ExchangeSlots(Transport& t, double timeout_seconds, std::vector<Slot>* slots) {
+Status ExchangeSlots(Transport& t, double timeout_seconds, std::vector<Slot>* slots,
+                     std::atomic<int>* steps_done) {
   AlgoConfig cfg;
   cfg.timeout_seconds = timeout_seconds;
   cfg.segment_bytes = sizeof(Slot);
   std::vector<size_t> sizes(static_cast<size_t>(t.size()), sizeof(Slot));
-  return RingAllgatherv(t, cfg, slots->data(), sizes);
+  return RingAllgatherv(t, cfg, slots->data(), sizes, steps_done);
 }
 
 namespace {

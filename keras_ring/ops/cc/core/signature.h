@@ -2,6 +2,7 @@
 // programs that diverge across ranks fail with a message instead of reducing garbage.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -56,7 +57,8 @@ static_assert(sizeof(Slot) == kSlotBytes, "Slot must have a fixed size on every 
 static_assert(kInlineCapacity >= 4096, "4 KiB collectives should complete inline");
 
 // Allgathers every rank's slot (in rank order) through the transport.
-Status ExchangeSlots(Transport& t, double timeout_seconds, std::vector<Slot>* slots);
+Status ExchangeSlots(Transport& t, double timeout_seconds, std::vector<Slot>* slots,
+                     std::atomic<int>* steps_done = nullptr);
 
 // Allgathers the signatures of all ranks (in rank order) through the transport. This is
 // also a barrier: it returns only once every rank has submitted the same collective.

@@ -164,6 +164,7 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
   size_t sent = 0, received = 0;
   while (sent < send_bytes || received < recv_bytes) {
     if (aborted_.load()) return Status(Code::kAborted, "keras_ring runtime was aborted");
+    KR_RETURN_IF_ERROR(InterruptStatus());
     pollfd fds[2];
     nfds_t n = 0;
     int send_idx = -1, recv_idx = -1;

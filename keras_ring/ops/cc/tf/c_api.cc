@@ -1,6 +1,9 @@
 #include "c_api.h"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <atomic>
 
 #include <cstring>
 #include <memory>
@@ -21,6 +24,23 @@ using keras_ring::Status;
 
 namespace {
 
+struct sigaction g_previous[2];
+std::atomic<bool> g_handlers_installed{false};
+
+void OnSignal(int sig, siginfo_t* info, void* context) {
+  keras_ring::RequestInterrupt(sig);
+  const struct sigaction& prev = g_previous[sig == SIGINT ? 0 : 1];
+  if (prev.sa_flags & SA_SIGINFO) {
+    if (prev.sa_sigaction != nullptr) prev.sa_sigaction(sig, info, context);
+  } else if (prev.sa_handler == SIG_DFL) {
+    // Default action (terminate): restore it and deliver the signal again.
+    signal(sig, SIG_DFL);
+    raise(sig);
+  } else if (prev.sa_handler != SIG_IGN && prev.sa_handler != nullptr) {
+    prev.sa_handler(sig);
+  }
+}
+
 int Report(const Status& s, char* err, size_t err_len) {
   if (err != nullptr && err_len > 0) {
     std::strncpy(err, s.message().c_str(), err_len - 1);
@@ -35,8 +55,9 @@ extern "C" {
 
 int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
                     const int* ports, const int* host_index, uint64_t job_token,
-                    double timeout_seconds, size_t segment_bytes, int use_shm,
-                    size_t shm_channel_bytes, char* err, size_t err_len) {
+                    double timeout_seconds, double stall_warning_seconds,
+                    size_t segment_bytes, int use_shm, size_t shm_channel_bytes, char* err,
+                    size_t err_len) {
   if (Runtime::Get() != nullptr) return 0;  // init() twice is harmless
   if (size < 1 || rank < 0 || rank >= size) {
     return Report(Status(Code::kInvalidArgument, "rank " + std::to_string(rank) +
@@ -48,6 +69,7 @@ int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
   options.rank = rank;
   options.size = size;
   options.timeout_seconds = timeout_seconds;
+  options.stall_warning_seconds = stall_warning_seconds;
   if (segment_bytes > 0) options.segment_bytes = segment_bytes;
   std::unique_ptr<keras_ring::Transport> transport;
   if (size == 1) {
@@ -101,5 +123,17 @@ int keras_ring_barrier(const char* name, char* err, size_t err_len) {
 }
 
 const char* keras_ring_build_info(void) { return KERAS_RING_BUILD_INFO; }
+
+void keras_ring_install_signal_handlers(void) {
+  if (g_handlers_installed.exchange(true)) return;
+  const int signals[2] = {SIGINT, SIGTERM};
+  for (int i = 0; i < 2; ++i) {
+    struct sigaction action {};
+    action.sa_sigaction = OnSignal;
+    action.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&action.sa_mask);
+    sigaction(signals[i], &action, &g_previous[i]);
+  }
+}
 
 }  // extern "C"

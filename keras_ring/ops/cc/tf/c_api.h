@@ -15,8 +15,13 @@ extern "C" {
 // identically on all ranks). Zero sizes mean the defaults.
 int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
                     const int* ports, const int* host_index, uint64_t job_token,
-                    double timeout_seconds, size_t segment_bytes, int use_shm,
-                    size_t shm_channel_bytes, char* err, size_t err_len);
+                    double timeout_seconds, double stall_warning_seconds,
+                    size_t segment_bytes, int use_shm, size_t shm_channel_bytes, char* err,
+                    size_t err_len);
+// Chains handlers for SIGINT and SIGTERM in front of the existing ones: a signal makes
+// pending and later collectives fail at once (instead of after the timeout), then the
+// previous handler runs (Python's raises KeyboardInterrupt). Idempotent.
+void keras_ring_install_signal_handlers(void);
 int keras_ring_shutdown(void);
 int keras_ring_is_initialized(void);
 int keras_ring_barrier(const char* name, char* err, size_t err_len);
