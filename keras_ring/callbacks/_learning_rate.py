@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 
 
 def optimizer_of(model: Any, who: str) -> keras.optimizers.Optimizer:
@@ -40,7 +39,9 @@ def check_settable(optimizer: Any, who: str) -> None:
 
 
 def current_rate(optimizer: Any) -> float:
-    return float(np.asarray(keras.ops.convert_to_numpy(optimizer.learning_rate)))
+    rate = optimizer.learning_rate
+    # .numpy() rather than np.asarray: the latter trips NumPy 2's copy= deprecation warning.
+    return float(rate.numpy() if hasattr(rate, "numpy") else rate)
 
 
 def set_rate(optimizer: Any, rate: float, momentum_correction: bool) -> None:

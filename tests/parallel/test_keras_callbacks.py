@@ -1,0 +1,191 @@
+"""The callbacks under mpirun: broadcast timing, metric averaging, warmup, schedule, rank 0."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ring
+from keras_ring.callbacks import (
+    BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+    on_rank_zero,
+)
+
+from tests.parallel import keras_support as ks
+
+BATCH, STEPS = 4, 3
+
+
+class Probe(keras.callbacks.Callback):
+    """Records what a callback later in the list sees: rates, momentum, weights, logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = 0
+        self.rates, self.begin_momentum, self.end_momentum, self.epoch_logs = {}, {}, {}, []
+        self.first_weights = self.first_optimizer_variables = None
+
+    def _momentum(self):
+        buffers = getattr(self.model.optimizer, "momentums", [])
+        return [b.numpy().copy() for b in buffers]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.first_weights is None:
+            self.first_weights = ks.weights(self.model)
+            self.first_optimizer_variables = [v.numpy() for v in self.model.optimizer.variables]
+        self.rates[self.epoch, batch] = float(self.model.optimizer.learning_rate.numpy())
+        self.begin_momentum[self.epoch, batch] = self._momentum()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.end_momentum[self.epoch, batch] = self._momentum()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_logs.append(dict(logs))
+
+
+class RankSpecificRestore(keras.callbacks.Callback):
+    """Stands in for a checkpoint restore in on_train_begin that differs between ranks."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+
+    def on_train_begin(self, logs=None):
+        self.model.set_weights(ks.weights(ks.mlp(5000 + self.rank)))
+        self.model.optimizer.iterations.assign(10 * self.rank + 1)
+
+
+def _fit(model, optimizer, rank, size, callbacks, epochs=1, seed=0, **kwargs):
+    model.compile(optimizer=optimizer, loss=ks.loss(), metrics=["accuracy"])
+    x, y = ks.classification_data(size * BATCH * STEPS, seed=seed)
+    return model.fit(ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH),
+                     batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                     callbacks=callbacks, **kwargs)
+
+
+def test_broadcast_happens_before_the_first_step_and_after_a_restore(world):
+    rank, size = world
+    root = size - 1
+    probe = Probe()
+    # The restore comes after the broadcast in the list, and still loses to it: the
+    # broadcast waits until every on_train_begin has run.
+    callbacks = [BroadcastGlobalVariablesCallback(root), RankSpecificRestore(rank), probe]
+    model = ks.mlp(ks.rank_seed(rank))
+    _fit(model, keras_ring.wrap(keras.optimizers.Adam(0.01)), rank, size, callbacks)
+    ks.assert_weights_close(probe.first_weights, ks.weights(ks.mlp(5000 + root)), atol=0.0)
+    # Adam's slots existed at the first step and hold the root's values everywhere.
+    assert len(probe.first_optimizer_variables) == 2 + 2 * len(model.trainable_variables)
+    assert int(probe.first_optimizer_variables[0]) == 10 * root + 1
+    ks.assert_same_on_all_ranks(probe.first_optimizer_variables + ks.weights(model))
+
+
+def test_broadcast_rejects_a_root_outside_the_job(world):
+    rank, size = world
+    with pytest.raises(ValueError, match=f"root_rank={size} is not a rank of this job of size {size}"):
+        _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.1)), rank, size,
+             [BroadcastGlobalVariablesCallback(size)])
+
+
+def test_metric_average_gives_every_rank_the_average(world):
+    rank, size = world
+    local, after = Probe(), Probe()
+    x_val, y_val = ks.classification_data(8, seed=100 + rank)  # differs per rank
+    history = _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.1)),
+                   rank, size, [BroadcastGlobalVariablesCallback(0), local,
+                                MetricAverageCallback(), after],
+                   epochs=2, seed=rank, validation_data=(x_val, y_val))
+    keys = sorted(history.history)
+    assert keys == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    for epoch in range(2):
+        mine = np.array([local.epoch_logs[epoch][k] for k in keys])
+        everyone = keras_ring.allgather(tf.constant(mine[None, :]), name="test.logs").numpy()
+        averaged = np.array([history.history[k][epoch] for k in keys])
+        np.testing.assert_allclose(averaged, everyone.mean(axis=0), rtol=1e-12)
+        assert [after.epoch_logs[epoch][k] for k in keys] == list(averaged)
+    assert not np.allclose(everyone[0], everyone[-1])  # the ranks really did differ
+    ks.assert_same_on_all_ranks([np.array([history.history[k] for k in keys])])
+
+
+def _warmup_rate(initial, size, warmup_epochs, epoch, batch):
+    e = epoch + (batch + 1) / STEPS
+    if e >= warmup_epochs:
+        return initial
+    return initial / size * (e * (size - 1) / warmup_epochs + 1)
+
+
+def test_warmup_rates_and_momentum_correction(world):
+    rank, size = world
+    initial = 0.05 * size
+    probe = Probe()
+    optimizer = keras_ring.wrap(keras.optimizers.SGD(initial, momentum=0.9))
+    _fit(ks.mlp(ks.rank_seed(rank)), optimizer, rank, size,
+         [BroadcastGlobalVariablesCallback(0), LearningRateWarmupCallback(warmup_epochs=2), probe],
+         epochs=3)
+    for (epoch, batch), rate in probe.rates.items():
+        expected = _warmup_rate(initial, size, 2, epoch, batch)
+        np.testing.assert_allclose(rate, expected, rtol=1e-6, err_msg=f"epoch {epoch} batch {batch}")
+    assert probe.rates[0, 0] == pytest.approx(initial / size * (1 + (size - 1) / (2 * STEPS)), rel=1e-6)
+    assert probe.rates[1, STEPS - 1] == np.float32(initial)  # the last warmup batch: exactly
+    assert all(probe.rates[2, b] == np.float32(initial) for b in range(STEPS))
+    # Momentum correction: between two batches the velocity is scaled by new / old rate.
+    order = sorted(probe.rates)
+    for prev, cur in zip(order, order[1:]):
+        ratio = probe.rates[cur] / probe.rates[prev]
+        for end, begin in zip(probe.end_momentum[prev], probe.begin_momentum[cur]):
+            np.testing.assert_allclose(begin, end * ratio, rtol=1e-5, atol=1e-9)
+    assert any(probe.rates[cur] != probe.rates[prev] for prev, cur in zip(order, order[1:]))
+
+
+def test_warmup_refuses_a_learning_rate_schedule(world):
+    rank, size = world
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
+    with pytest.raises(ValueError, match="ExponentialDecay.*cannot be set"):
+        _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(schedule)), rank,
+             size, [LearningRateWarmupCallback(warmup_epochs=1)])
+
+
+def test_schedule_staircase_within_its_epoch_range(world):
+    rank, size = world
+    probe = Probe()
+    schedule = LearningRateScheduleCallback(0.2, multiplier=0.5, start_epoch=1, end_epoch=3)
+    _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.05)), rank, size,
+         [schedule, probe], epochs=4)
+    per_epoch = [probe.rates[e, b] for e in range(4) for b in range(STEPS)]
+    expected = [0.05] * STEPS + [0.2] * STEPS + [0.1] * STEPS + [0.1] * STEPS
+    np.testing.assert_allclose(per_epoch, expected, rtol=1e-6)
+
+
+def test_schedule_smooth_uses_the_fractional_epoch(world):
+    rank, size = world
+    probe = Probe()
+    schedule = LearningRateScheduleCallback(0.3, multiplier=lambda e: 1.0 / (1.0 + e),
+                                            staircase=False, momentum_correction=False)
+    _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.05, momentum=0.5)),
+         rank, size, [schedule, probe], epochs=2)
+    for (epoch, batch), rate in probe.rates.items():
+        np.testing.assert_allclose(rate, 0.3 / (1.0 + epoch + batch / STEPS), rtol=1e-6)
+    # Without momentum correction the velocity is left as the step left it.
+    for key in probe.rates:
+        if key != (0, 0):
+            prev = max(k for k in probe.rates if k < key)
+            for end, begin in zip(probe.end_momentum[prev], probe.begin_momentum[key]):
+                np.testing.assert_array_equal(begin, end)
+
+
+def test_on_rank_zero_runs_the_callback_on_rank_zero_only(world, tmp_path):
+    rank, size = world
+    path = tmp_path / "log.csv"
+    logger = keras.callbacks.CSVLogger(str(path))
+    wrapped = on_rank_zero(logger)
+    assert (wrapped is logger) == (rank == 0)
+    _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.1)), rank, size,
+         [MetricAverageCallback(), wrapped], epochs=2)
+    assert path.exists() == (rank == 0)
+    if rank == 0:
+        assert len(path.read_text().strip().splitlines()) == 3  # header and two epochs

@@ -1,0 +1,104 @@
+"""A model trained with a wrapped optimizer loads with plain Keras, in a process without keras_ring."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+import keras
+import keras_ring
+from keras_ring.callbacks import BroadcastGlobalVariablesCallback
+
+from tests.parallel import keras_support as ks
+
+LOADER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import keras
+    result = {}
+    for path in sys.argv[1:]:
+        model = keras.models.load_model(path)
+        optimizer = model.optimizer
+        inner = getattr(optimizer, "inner_optimizer", None)
+        result[path] = {
+            "class": type(optimizer).__module__ + "." + type(optimizer).__qualname__,
+            "inner": None if inner is None else type(inner).__qualname__,
+            "iterations": int(optimizer.iterations.numpy()),
+            "weights": [w.tolist() for w in model.get_weights()],
+            "slots": [np.asarray(v.numpy(), dtype="float64").tolist() for v in optimizer.variables],
+        }
+        # It trains on without keras_ring.
+        model.fit(np.zeros((4, 6), "float32"), np.zeros((4,), "int64"), verbose=0)
+        result[path]["iterations_after_fit"] = int(optimizer.iterations.numpy())
+    result["keras_ring_imported"] = any(m.startswith("keras_ring") for m in sys.modules)
+    print("RESULT " + json.dumps(result))
+""")
+
+
+def _train_and_save(rank, size, path, policy, distributed=True):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        model = ks.mlp(ks.rank_seed(rank))
+        optimizer = keras.optimizers.Adam(0.01)
+        model.compile(optimizer=keras_ring.wrap(optimizer) if distributed else optimizer,
+                      loss=ks.loss())
+        x, y = ks.classification_data(size * 8, seed=4)
+        callbacks = [BroadcastGlobalVariablesCallback(0)] if distributed else []
+        model.fit(ks.shard(x, rank, size, 4), ks.shard(y, rank, size, 4), batch_size=4,
+                  verbose=0, callbacks=callbacks)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model.save(path)
+    return model
+
+
+def _load_in_fresh_process(paths):
+    # No launcher variables (the child must not think it is a rank) and no keras_ring on
+    # the path: the loader must not need it.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_", "KERAS_RING"))}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-c", LOADER, *paths], env=env, cwd="/",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_saved_model_loads_without_keras_ring(world, tmp_path):
+    rank, size = world
+    plain = _train_and_save(rank, size, str(tmp_path / "adam.keras"), "float32")
+    mixed = _train_and_save(rank, size, str(tmp_path / "mixed.keras"), "mixed_float16")
+    ks.assert_same_on_all_ranks(ks.weights(plain) + ks.weights(mixed))
+    if rank != 0:
+        return  # one fresh process is enough; there are no collectives below
+    # The same model trained without keras_ring: what plain Keras saves and loads.
+    _train_and_save(rank, size, str(tmp_path / "keras_mixed.keras"), "mixed_float16",
+                    distributed=False)
+    paths = [str(tmp_path / n) for n in ("adam.keras", "mixed.keras", "keras_mixed.keras")]
+    result = _load_in_fresh_process(paths)
+    assert result["keras_ring_imported"] is False
+    loaded = result[paths[0]]
+    assert (loaded["class"], loaded["inner"]) == ("keras.src.optimizers.adam.Adam", None)
+    assert loaded["iterations"] == int(plain.optimizer.iterations.numpy()) == 2
+    _assert_loaded_state(loaded, plain)
+    assert loaded["iterations_after_fit"] == 3
+    # Under mixed_float16 the wrapped model round-trips exactly as plain Keras's does.
+    loaded_mixed, keras_mixed = result[paths[1]], result[paths[2]]
+    for key in ("class", "inner", "iterations", "iterations_after_fit"):
+        assert loaded_mixed[key] == keras_mixed[key], key
+    assert len(loaded_mixed["slots"]) == len(keras_mixed["slots"])
+    for got, want in zip(loaded_mixed["weights"], ks.weights(mixed)):
+        np.testing.assert_array_equal(np.array(got, dtype=want.dtype), want)
+
+
+def _assert_loaded_state(loaded, model):
+    for got, want in zip(loaded["weights"], ks.weights(model)):
+        np.testing.assert_array_equal(np.array(got, dtype=want.dtype), want)
+    slots = [v.numpy() for v in model.optimizer.variables]
+    assert len(loaded["slots"]) == len(slots)
+    for got, want in zip(loaded["slots"], slots):
+        np.testing.assert_array_equal(np.array(got), np.asarray(want, dtype="float64"))
