@@ -1,0 +1,94 @@
+"""Callback arguments, formulas and errors in one process (size 1)."""
+
+import numpy as np
+import pytest
+
+import keras
+import keras_ring
+from keras_ring.callbacks import (
+    BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+    on_rank_zero,
+)
+from keras_ring.callbacks._learning_rate import momentum_buffers, set_rate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    keras_ring.init()
+    yield
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: BroadcastGlobalVariablesCallback(-1), "root_rank must be a non-negative int, got -1"),
+    (lambda: BroadcastGlobalVariablesCallback("0"), "got '0'"),
+    (lambda: LearningRateWarmupCallback(warmup_epochs=-1), "warmup_epochs must be a non-negative number, got -1"),
+    (lambda: LearningRateWarmupCallback(initial_lr=0), "initial_lr must be a positive number, got 0"),
+    (lambda: LearningRateWarmupCallback(steps_per_epoch=0), "steps_per_epoch must be a positive number, got 0"),
+    (lambda: LearningRateScheduleCallback(0.1, 0.5, start_epoch=3, end_epoch=3), "end_epoch must be .* greater than start_epoch=3, got 3"),
+    (lambda: LearningRateScheduleCallback(0.1, 0.5, start_epoch=-1), "start_epoch must be a non-negative int, got -1"),
+    (lambda: LearningRateScheduleCallback(-0.1, 0.5), "initial_lr must be a non-negative number or None, got -0.1"),
+])
+def test_invalid_arguments_say_what_was_received(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_schedule_multiplier_must_be_a_number_or_function():
+    with pytest.raises(TypeError, match="multiplier must be a number or a function .* got 'x'"):
+        LearningRateScheduleCallback(0.1, "x")
+
+
+def test_warmup_formula_at_size_one_is_constant_and_schedule_decays():
+    warmup = LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2)
+    warmup._steps = 4
+    assert [warmup.learning_rate_at(e, b) for e in range(2) for b in range(4)] == [0.4] * 8
+    assert warmup.learning_rate_at(2, 0) is None
+    schedule = LearningRateScheduleCallback(1.0, 0.1, start_epoch=2, end_epoch=4)
+    assert [schedule.learning_rate_at(e) for e in range(5)] == [None, None, 1.0, pytest.approx(0.1), None]
+
+
+def test_warmup_needs_steps_per_epoch_when_fit_cannot_tell():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+
+    def forever():
+        while True:
+            yield np.zeros((2, 2), "float32"), np.zeros((2, 1), "float32")
+
+    with pytest.raises(ValueError, match="pass steps_per_epoch="):
+        model.fit(forever(), epochs=1, verbose=0, shuffle=False,
+                  callbacks=[LearningRateWarmupCallback(1)])
+
+
+def test_momentum_correction_scales_sgd_velocity_but_not_adam_moments():
+    variables = [keras.Variable(np.ones(3, "float32"))]
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    sgd.build(variables)
+    sgd.momentums[0].assign(np.array([1.0, -2.0, 4.0], "float32"))
+    set_rate(sgd, 0.4, momentum_correction=True)
+    np.testing.assert_allclose(sgd.momentums[0].numpy(), [4.0, -8.0, 16.0], rtol=1e-6)
+    assert sgd.learning_rate.numpy() == np.float32(0.4)
+    set_rate(sgd, 0.2, momentum_correction=False)
+    np.testing.assert_allclose(sgd.momentums[0].numpy(), [4.0, -8.0, 16.0], rtol=1e-6)
+    adam = keras.optimizers.Adam(0.1)
+    adam.build(variables)
+    assert momentum_buffers(adam) == []
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.RMSprop(0.1, momentum=0.5))
+    lso.build(variables)
+    assert len(momentum_buffers(lso)) == 1
+
+
+def test_metric_average_at_size_one_keeps_values_and_skips_non_numbers():
+    logs = {"loss": 0.5, "accuracy": np.float32(0.25), "note": "text", "flag": True}
+    MetricAverageCallback().on_epoch_end(0, logs)
+    assert logs == {"loss": 0.5, "accuracy": 0.25, "note": "text", "flag": True}
+
+
+def test_on_rank_zero_at_rank_zero_is_the_callback_itself():
+    callback = keras.callbacks.History()
+    assert on_rank_zero(callback) is callback
+    with pytest.raises(TypeError, match="takes a keras.callbacks.Callback, got builtins.str"):
+        on_rank_zero("checkpoint")

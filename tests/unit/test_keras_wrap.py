@@ -1,0 +1,139 @@
+"""wrap(), Compression, bucket planning and DistributedGradientTape in one process (size 1)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ring
+from keras_ring._buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from keras_ring.optimizer import is_wrapped
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    keras_ring.init()
+    yield
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+                             keras.layers.Dense(2)])
+
+
+def test_wrap_returns_the_optimizer_as_a_subclass_of_its_own_class():
+    adam = keras.optimizers.Adam(0.003, beta_1=0.8)
+    config = adam.get_config()
+    wrapped = keras_ring.wrap(adam)
+    assert wrapped is adam and is_wrapped(wrapped)
+    assert type(wrapped) is not keras.optimizers.Adam
+    assert type(wrapped).__mro__[1] is keras.optimizers.Adam
+    assert wrapped.__class__ is keras.optimizers.Adam and isinstance(wrapped, keras.optimizers.Adam)
+    assert set(vars(type(wrapped))) >= {"apply"}
+    assert not {"apply_gradients", "get_config", "build", "update_step"} & set(vars(type(wrapped)))
+    assert wrapped.get_config() == config
+    assert keras.optimizers.serialize(wrapped) == keras.optimizers.serialize(
+        keras.optimizers.Adam.from_config(config))
+    assert keras_ring.DistributedOptimizer is keras_ring.wrap
+
+
+def test_wrap_accepts_a_name():
+    assert isinstance(keras_ring.wrap("sgd"), keras.optimizers.SGD)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"op": keras_ring.Min}, ValueError, "op must be keras_ring.Sum or keras_ring.Average, got <ReduceOp.Min"),
+    ({"op": "mean"}, ValueError, "got 'mean'"),
+    ({"compression": "fp16"}, TypeError, "compression must be one of .*got 'fp16'"),
+    ({"bucket_bytes": 0}, ValueError, "bucket_bytes must be a positive int or None.*got 0"),
+    ({"bucket_bytes": 1.5}, ValueError, "got 1.5"),
+    ({"sparse_as_dense": "yes"}, TypeError, "sparse_as_dense must be a bool, got 'yes'"),
+    ({"gradient_predivide_factor": 0.0}, ValueError, "positive number, got 0.0"),
+    ({"gradient_predivide_factor": 2.0, "op": keras_ring.Sum}, ValueError, "needs op=Average.*got op=Sum"),
+])
+def test_wrap_rejects_bad_options_and_says_what_it_got(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        keras_ring.wrap(keras.optimizers.SGD(0.1), **kwargs)
+
+
+def test_wrap_rejects_what_is_not_a_fresh_keras_optimizer():
+    with pytest.raises(TypeError, match="optimizer instance, got the class Adam"):
+        keras_ring.wrap(keras.optimizers.Adam)
+    with pytest.raises(TypeError, match="Keras 3 optimizer.*got builtins.dict"):
+        keras_ring.wrap({"lr": 0.1})
+    wrapped = keras_ring.wrap(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="already wrapped"):
+        keras_ring.wrap(wrapped)
+    with pytest.raises(ValueError, match="inner optimizer .* is already wrapped"):
+        keras_ring.wrap(keras.optimizers.LossScaleOptimizer(keras_ring.wrap(keras.optimizers.SGD(0.1))))
+
+
+def test_size_one_training_is_bitwise_plain_keras():
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x[:, :2] * 2.0
+    results = []
+    for wrap in (False, True):
+        model = _model()
+        optimizer = keras.optimizers.Adam(0.01)
+        model.compile(optimizer=keras_ring.wrap(optimizer) if wrap else optimizer, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        results.append(model.get_weights())
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_plan_buckets():
+    assert plan_buckets([], 10) == []
+    assert plan_buckets([4, 4, 4], 8) == [[0, 1], [2]]
+    assert plan_buckets([20, 4, 4], 8) == [[0], [1, 2]]  # too big: a bucket of its own
+    assert plan_buckets([4, 20, 4], 8) == [[0], [1], [2]]
+    assert plan_buckets([4, 20, 4], None) == [[0, 1, 2]]
+    assert DEFAULT_BUCKET_BYTES == 32 * 1024 * 1024
+
+
+def test_compression_narrows_only_wide_floats():
+    fp16, bf16, none = (keras_ring.Compression.fp16, keras_ring.Compression.bf16,
+                        keras_ring.Compression.none)
+    assert fp16.wire_dtype_for(tf.float32) == tf.float16
+    assert fp16.wire_dtype_for(tf.float64) == tf.float16
+    assert bf16.wire_dtype_for(tf.float32) == tf.bfloat16
+    assert fp16.wire_dtype_for(tf.int32) == tf.int32
+    assert bf16.wire_dtype_for(tf.float16) == tf.float16
+    assert none.wire_dtype_for(tf.float64) == tf.float64
+    x = tf.constant([1.0, 2.5], tf.float64)
+    wire = fp16.compress(x)
+    assert wire.dtype == tf.float16
+    back = fp16.decompress(wire, x.dtype)
+    assert back.dtype == tf.float64 and back.numpy().tolist() == [1.0, 2.5]
+    assert repr(bf16) == "keras_ring.Compression.bf16"
+
+
+def test_distributed_gradient_tape_keeps_structure_and_delegates():
+    v = tf.Variable([1.0, 2.0])
+    w = tf.Variable(3.0)
+    unused = tf.Variable(0.0)
+    c = tf.constant(2.0)
+    with keras_ring.DistributedGradientTape(tf.GradientTape(persistent=True)) as tape:
+        tape.watch(c)
+        loss = tf.reduce_sum(v * v) * w * c
+    grads = tape.gradient(loss, {"v": v, "pair": (w, unused), "c": c})
+    np.testing.assert_allclose(grads["v"].numpy(), [12.0, 24.0])
+    assert grads["pair"][0].numpy() == 10.0 and grads["pair"][1] is None
+    assert grads["c"].numpy() == 15.0
+    assert isinstance(tape.tape, tf.GradientTape)
+    with pytest.raises(TypeError, match="wraps a tf.GradientTape, got builtins.str"):
+        keras_ring.DistributedGradientTape("tape")
+    with pytest.raises(ValueError, match="op must be"):
+        keras_ring.DistributedGradientTape(tf.GradientTape(), op=keras_ring.Max)
+
+
+def test_jit_compile_is_turned_off_for_wrapped_optimizers_only():
+    model = _model()
+    with pytest.warns(UserWarning, match="turning XLA off .*jit_compile=True"):
+        model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse",
+                      jit_compile=True)
+    assert model.jit_compile is False
+    plain = _model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    assert plain.jit_compile is True
