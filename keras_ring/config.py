@@ -64,6 +64,7 @@ class Config:
     advertise_address: str | None
     use_shm: bool
     shm_channel_bytes: int
+    timeline_path: str | None
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -75,4 +76,5 @@ class Config:
             advertise_address=os.environ.get("KERAS_RING_ADVERTISE_ADDRESS") or None,
             use_shm=_bool("KERAS_RING_SHM", True),
             shm_channel_bytes=_power_of_two("KERAS_RING_SHM_CHANNEL_BYTES", 1 << 20),
+            timeline_path=os.environ.get("KERAS_RING_TIMELINE") or None,
         )

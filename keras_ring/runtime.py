@@ -10,7 +10,8 @@ from keras_ring import bootstrap as _bootstrap
 from keras_ring.bootstrap import Topology
 from keras_ring.config import Config
 from keras_ring.errors import InitError, NotInitializedError
-from keras_ring.ops.loader import Library, library
+from keras_ring import timeline
+from keras_ring.ops.loader import Library, NativeConfig, library
 
 
 class Runtime:
@@ -64,18 +65,24 @@ class Runtime:
     def _start_native(lib: Library, table: _bootstrap.PeerTable, config: Config) -> None:
         topo = table.topology
         n = topo.size
-        hosts = (ctypes.c_char_p * n)(*[a.encode() for a, _ in table.addresses] or [b""] * n)
-        ports = (ctypes.c_int * n)(*[p for _, p in table.addresses] or [0] * n)
         host_names = list(dict.fromkeys(topo.host_ids))
-        host_index = (ctypes.c_int * n)(*[host_names.index(h) for h in topo.host_ids])
-        listen_fd = table.listener.fileno() if table.listener is not None else -1
-        err = ctypes.create_string_buffer(4096)
-        rc = lib.c.keras_ring_init(
-            topo.rank, n, listen_fd, hosts, ports, host_index, table.job_token,
-            config.timeout_seconds, config.stall_warning_seconds, config.segment_bytes,
-            int(config.use_shm),
-            config.shm_channel_bytes, err, len(err),
+        native = NativeConfig(
+            rank=topo.rank,
+            size=n,
+            listen_fd=table.listener.fileno() if table.listener is not None else -1,
+            hosts=(ctypes.c_char_p * n)(*[a.encode() for a, _ in table.addresses] or [b""] * n),
+            ports=(ctypes.c_int * n)(*[p for _, p in table.addresses] or [0] * n),
+            host_index=(ctypes.c_int * n)(*[host_names.index(h) for h in topo.host_ids]),
+            job_token=table.job_token,
+            timeout_seconds=config.timeout_seconds,
+            stall_warning_seconds=config.stall_warning_seconds,
+            segment_bytes=config.segment_bytes,
+            use_shm=int(config.use_shm),
+            shm_channel_bytes=config.shm_channel_bytes,
+            timeline=int(config.timeline_path is not None),
         )
+        err = ctypes.create_string_buffer(4096)
+        rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))
         if rc != 0:
             raise InitError(f"rank {topo.rank}: {err.value.decode(errors='replace')}")
         lib.c.keras_ring_install_signal_handlers()
@@ -84,6 +91,8 @@ class Runtime:
         with self._lock:
             if self._topology is None:
                 return
+            if self._config is not None and self._config.timeline_path is not None:
+                timeline.write(self._config.timeline_path, self._topology, library())
             library().c.keras_ring_shutdown()
             self._topology = None
 

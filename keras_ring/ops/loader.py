@@ -27,14 +27,31 @@ class Library:
     path: str
 
 
-def _declare_c_api(c: ctypes.CDLL) -> None:
-    c.keras_ring_init.argtypes = [
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
-        ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.c_uint64,
-        ctypes.c_double, ctypes.c_double, ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t,
-        ctypes.c_char_p, ctypes.c_size_t,
+class NativeConfig(ctypes.Structure):
+    """Mirror of ``keras_ring_config`` in cc/tf/c_api.h (same order, same types)."""
+
+    _fields_ = [
+        ("rank", ctypes.c_int),
+        ("size", ctypes.c_int),
+        ("listen_fd", ctypes.c_int),
+        ("hosts", ctypes.POINTER(ctypes.c_char_p)),
+        ("ports", ctypes.POINTER(ctypes.c_int)),
+        ("host_index", ctypes.POINTER(ctypes.c_int)),
+        ("job_token", ctypes.c_uint64),
+        ("timeout_seconds", ctypes.c_double),
+        ("stall_warning_seconds", ctypes.c_double),
+        ("segment_bytes", ctypes.c_size_t),
+        ("use_shm", ctypes.c_int),
+        ("shm_channel_bytes", ctypes.c_size_t),
+        ("timeline", ctypes.c_int),
     ]
+
+
+def _declare_c_api(c: ctypes.CDLL) -> None:
+    c.keras_ring_init.argtypes = [ctypes.POINTER(NativeConfig), ctypes.c_char_p, ctypes.c_size_t]
     c.keras_ring_init.restype = ctypes.c_int
+    c.keras_ring_timeline_read.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    c.keras_ring_timeline_read.restype = ctypes.c_size_t
     c.keras_ring_shutdown.argtypes = []
     c.keras_ring_shutdown.restype = ctypes.c_int
     c.keras_ring_is_initialized.argtypes = []

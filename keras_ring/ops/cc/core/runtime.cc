@@ -64,6 +64,7 @@ Runtime::~Runtime() {
 }
 
 void Runtime::Submit(Request request) {
+  request.submitted = Clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_) {
@@ -117,13 +118,32 @@ void Runtime::WorkerLoop() {
       busy_label_ = MakeSignature(request, seq).Label();
     }
     exchange_steps_.store(0);
-    busy_since_ns_.store(Clock::now().time_since_epoch().count());
+    const Clock::time_point started = Clock::now();
+    busy_since_ns_.store(started.time_since_epoch().count());
     busy_seq_.store(seq);
+    exchanged_at_ = started;
+    inlined_ = false;
     Status s = Execute(request, seq);
     busy_seq_.store(0);
+    if (options_.timeline) RecordTimeline(request, seq, started, s);
     request.done(s);
   }
   if (transport_) transport_->Abort();
+}
+
+void Runtime::RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
+                             const Status& s) {
+  TimelineEvent e;
+  e.seq = seq;
+  e.label = MakeSignature(r, seq).Label();
+  for (const TensorRef& t : r.tensors) e.bytes += t.num_bytes();
+  e.submitted_us = Timeline::NowMicros(r.submitted);
+  e.started_us = Timeline::NowMicros(started);
+  e.exchanged_us = Timeline::NowMicros(exchanged_at_);
+  e.done_us = Timeline::NowMicros();
+  e.ok = s.ok();
+  e.inlined = inlined_;
+  timeline_.Record(std::move(e));
 }
 
 void Runtime::WatchdogLoop() {
@@ -244,6 +264,7 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
   mine.sig.inlined = PackInline(request, &mine) ? 1 : 0;
   Status s = ExchangeSlots(*transport_, options_.timeout_seconds, &slots_, &exchange_steps_);
   exchange_steps_.store(-1);
+  exchanged_at_ = Clock::now();
   if (s.ok()) {
     std::vector<Signature> sigs;
     bool all_inlined = true;
@@ -257,6 +278,7 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
       // runtime stays usable.
       return Status(s.code(), "keras_ring: " + s.message(), s.peer());
     }
+    inlined_ = all_inlined;
     if (all_inlined) {
       s = ExecuteInline(request, sigs);
     } else {

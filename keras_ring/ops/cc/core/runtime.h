@@ -16,6 +16,7 @@
 #include "algorithms.h"
 #include "common.h"
 #include "signature.h"
+#include "timeline.h"
 #include "transport.h"
 
 namespace keras_ring {
@@ -42,6 +43,7 @@ struct Request {
   // Allgather only: allocates the output for `total_rows` rows; sets tensors[0].output.
   std::function<Status(int64_t total_rows, void** output)> allocate_output;
   std::function<void(const Status&)> done;
+  Clock::time_point submitted{};  // set by Submit, for the timeline
 };
 
 struct RuntimeOptions {
@@ -50,6 +52,7 @@ struct RuntimeOptions {
   double timeout_seconds = 300.0;
   double stall_warning_seconds = 60.0;  // <= 0 disables the warning
   size_t segment_bytes = 1 << 20;
+  bool timeline = false;  // record phase times of every collective
 };
 
 class Runtime {
@@ -74,9 +77,14 @@ class Runtime {
   static void Install(std::shared_ptr<Runtime> runtime);
   static std::shared_ptr<Runtime> Uninstall();
 
+  // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
+  std::string DrainTimeline() { return timeline_.Drain(); }
+
  private:
   void WorkerLoop();
   void WatchdogLoop();
+  void RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
+                      const Status& s);
   std::string StallReport(double waited_seconds);
   Status Execute(Request& request, uint64_t seq);
   Status ExecuteAllreduce(Request& request);
@@ -112,6 +120,10 @@ class Runtime {
   std::mutex label_mu_;
   std::string busy_label_;
   std::thread watchdog_;
+
+  Timeline timeline_;
+  Clock::time_point exchanged_at_{};  // when the current collective's exchange finished
+  bool inlined_ = false;              // whether it completed inside the exchange
 };
 
 }  // namespace keras_ring

@@ -3,7 +3,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <mutex>
 
 #include <cstring>
 #include <memory>
@@ -53,12 +55,10 @@ int Report(const Status& s, char* err, size_t err_len) {
 
 extern "C" {
 
-int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
-                    const int* ports, const int* host_index, uint64_t job_token,
-                    double timeout_seconds, double stall_warning_seconds,
-                    size_t segment_bytes, int use_shm, size_t shm_channel_bytes, char* err,
-                    size_t err_len) {
+int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
   if (Runtime::Get() != nullptr) return 0;  // init() twice is harmless
+  const int rank = cfg->rank;
+  const int size = cfg->size;
   if (size < 1 || rank < 0 || rank >= size) {
     return Report(Status(Code::kInvalidArgument, "rank " + std::to_string(rank) +
                                                      " out of range for size " +
@@ -68,9 +68,10 @@ int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
   keras_ring::RuntimeOptions options;
   options.rank = rank;
   options.size = size;
-  options.timeout_seconds = timeout_seconds;
-  options.stall_warning_seconds = stall_warning_seconds;
-  if (segment_bytes > 0) options.segment_bytes = segment_bytes;
+  options.timeout_seconds = cfg->timeout_seconds;
+  options.stall_warning_seconds = cfg->stall_warning_seconds;
+  if (cfg->segment_bytes > 0) options.segment_bytes = cfg->segment_bytes;
+  options.timeline = cfg->timeline != 0;
   std::unique_ptr<keras_ring::Transport> transport;
   if (size == 1) {
     // A world of one never communicates; the local transport keeps the runtime uniform.
@@ -80,15 +81,15 @@ int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
     keras_ring::HostTransportConfig config;
     config.rank = rank;
     config.size = size;
-    config.listen_fd = listen_fd;
+    config.listen_fd = cfg->listen_fd;
     for (int i = 0; i < size; ++i) {
-      config.peers.push_back({hosts[i], ports[i]});
-      config.host_index.push_back(host_index[i]);
+      config.peers.push_back({cfg->hosts[i], cfg->ports[i]});
+      config.host_index.push_back(cfg->host_index[i]);
     }
-    config.job_token = job_token;
-    config.timeout_seconds = timeout_seconds;
-    config.use_shm = use_shm != 0;
-    if (shm_channel_bytes > 0) config.shm.channel_bytes = shm_channel_bytes;
+    config.job_token = cfg->job_token;
+    config.timeout_seconds = cfg->timeout_seconds;
+    config.use_shm = cfg->use_shm != 0;
+    if (cfg->shm_channel_bytes > 0) config.shm.channel_bytes = cfg->shm_channel_bytes;
     Status s = keras_ring::ConnectHostTransport(config, &transport);
     if (!s.ok()) {
       return Report(Status(s.code(), "keras_ring.init() could not connect the ranks: " +
@@ -98,6 +99,20 @@ int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
   }
   Runtime::Install(std::make_shared<Runtime>(options, std::move(transport)));
   return 0;
+}
+
+size_t keras_ring_timeline_read(char* buf, size_t cap) {
+  static std::mutex mu;
+  static std::string pending;  // drained but not yet read
+  std::lock_guard<std::mutex> lock(mu);
+  if (pending.empty()) {
+    std::shared_ptr<Runtime> runtime = Runtime::Get();
+    if (runtime != nullptr) pending = runtime->DrainTimeline();
+  }
+  const size_t n = std::min(cap, pending.size());
+  std::memcpy(buf, pending.data(), n);
+  pending.erase(0, n);
+  return n;
 }
 
 int keras_ring_shutdown(void) {

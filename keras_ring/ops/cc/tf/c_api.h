@@ -9,15 +9,28 @@
 extern "C" {
 #endif
 
-// Starts the runtime. `listen_fd` is a bound, listening TCP socket of this process (used
-// while connecting); hosts/ports are every rank's address in rank order and host_index
-// every rank's host (equal = same host, which enables shared memory when use_shm is set,
-// identically on all ranks). Zero sizes mean the defaults.
-int keras_ring_init(int rank, int size, int listen_fd, const char* const* hosts,
-                    const int* ports, const int* host_index, uint64_t job_token,
-                    double timeout_seconds, double stall_warning_seconds,
-                    size_t segment_bytes, int use_shm, size_t shm_channel_bytes, char* err,
-                    size_t err_len);
+// Everything keras_ring_init needs; arrays have `size` entries in rank order.
+typedef struct {
+  int rank;
+  int size;
+  int listen_fd;              // bound, listening TCP socket (used while connecting)
+  const char* const* hosts;   // every rank's address
+  const int* ports;
+  const int* host_index;      // every rank's host: equal index = same host (shared memory)
+  uint64_t job_token;         // equal on all ranks; refuses strangers
+  double timeout_seconds;
+  double stall_warning_seconds;
+  size_t segment_bytes;       // 0 = default
+  int use_shm;                // must be equal on all ranks
+  size_t shm_channel_bytes;   // 0 = default
+  int timeline;               // record per-collective phase times
+} keras_ring_config;
+
+// Starts the runtime (a no-op when it is running).
+int keras_ring_init(const keras_ring_config* config, char* err, size_t err_len);
+// Copies up to `cap` bytes of recorded timeline lines (tab-separated) into buf; returns
+// the count, 0 once everything recorded so far has been read.
+size_t keras_ring_timeline_read(char* buf, size_t cap);
 // Chains handlers for SIGINT and SIGTERM in front of the existing ones: a signal makes
 // pending and later collectives fail at once (instead of after the timeout), then the
 // previous handler runs (Python's raises KeyboardInterrupt). Idempotent.

@@ -1,0 +1,70 @@
+"""``KERAS_RING_TIMELINE=path.json``: a Chrome trace (open it in Perfetto or chrome://tracing).
+
+One row per rank; per collective its phases — queued (submitted by the kernel, waiting for the
+worker), waiting for peers (the signature exchange: until every rank has submitted it),
+transfer/reduce (the data moving) — and an instant "done" event, with byte counts. At
+``shutdown()`` every rank sends its events to rank 0, which writes the file; if that is
+impossible (a peer died) each rank writes ``path.rank<N>.json`` instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+_PHASES = (("queued", 3, 4), ("waiting for peers", 4, 5), ("transfer/reduce", 5, 6))
+
+
+def read_events(lib) -> list[list[str]]:
+    """Drains the runtime's recorded events (tab-separated lines) as field lists."""
+    chunks = []
+    buf = ctypes.create_string_buffer(1 << 16)
+    while n := lib.c.keras_ring_timeline_read(buf, len(buf)):
+        chunks.append(buf.raw[:n])
+    text = b"".join(chunks).decode(errors="replace")
+    return [line.split("\t") for line in text.splitlines() if line]
+
+
+def trace_events(rank: int, events: list[list[str]]) -> list[dict[str, Any]]:
+    """Chrome trace events of one rank: a named row (tid) per rank in one process."""
+    out: list[dict[str, Any]] = [
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}},
+        {"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": rank, "args": {"sort_index": rank}},
+    ]
+    for seq, label, nbytes, *times, ok, inlined in events:
+        t = [int(x) for x in times]  # submitted, started, exchanged, done (microseconds)
+        fields = [seq, label, nbytes, *times]
+        args = {"collective": label, "seq": int(seq), "bytes": int(nbytes),
+                "ok": ok == "1", "completed_in_exchange": inlined == "1"}
+        for name, start, end in _PHASES:
+            begin, finish = int(fields[start]), int(fields[end])
+            out.append({"ph": "X", "name": name, "cat": label.split(" ")[0], "pid": 0, "tid": rank,
+                        "ts": begin, "dur": max(finish - begin, 0), "args": args})
+        out.append({"ph": "i", "s": "t", "name": "done" if ok == "1" else "failed", "pid": 0,
+                    "tid": rank, "ts": t[3], "args": args})
+    return out
+
+
+def write(path: str, topology, lib) -> None:
+    """Gathers every rank's events on rank 0 and writes the trace (called by shutdown)."""
+    events = trace_events(topology.rank, read_events(lib))
+    if topology.size > 1:
+        from keras_ring.collectives import allgather_object
+
+        try:
+            gathered = allgather_object(events)
+        except Exception:  # a peer is gone: keep what this rank has
+            _dump(Path(f"{os.path.splitext(path)[0]}.rank{topology.rank}.json"), events)
+            return
+        events = [e for rank_events in gathered for e in rank_events]
+    if topology.rank == 0:
+        _dump(Path(path), events)
+
+
+def _dump(path: Path, events: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    os.replace(tmp, path)
