@@ -158,7 +158,8 @@ void ScaleTyped(T* buf, size_t n, double factor) {
     for (size_t i = 0; i < n; ++i) {
       const double v = std::trunc(static_cast<double>(buf[i]) * factor);
       // For int64, hi rounds up to 2^63, which does not fit: saturate at >=, never cast it.
-      buf[i] = v <= lo ? std::numeric_limits<T>::min()
+      buf[i] = v != v   ? T(0)  // a NaN factor: no defined integer; never cast NaN
+               : v <= lo ? std::numeric_limits<T>::min()
                        : (v >= hi ? std::numeric_limits<T>::max() : static_cast<T>(v));
     }
   }

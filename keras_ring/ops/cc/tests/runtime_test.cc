@@ -1,0 +1,252 @@
+// Runtime objects for several ranks over local transports, each driven from its own thread.
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../core/runtime.h"
+#include "test_harness.h"
+#include "test_util.h"
+
+namespace kr_test {
+namespace {
+
+using keras_ring::Code;
+using keras_ring::DataType;
+using keras_ring::Kind;
+using keras_ring::LocalFabric;
+using keras_ring::LocalTransport;
+using keras_ring::ReduceOp;
+using keras_ring::Request;
+using keras_ring::Runtime;
+using keras_ring::RuntimeOptions;
+using keras_ring::Status;
+using keras_ring::TensorRef;
+
+// `n` runtimes over one LocalFabric.
+class RuntimeWorld {
+ public:
+  RuntimeWorld(int n, double timeout_seconds) {
+    auto fabric = std::make_shared<LocalFabric>(n);
+    for (int r = 0; r < n; ++r) {
+      RuntimeOptions options;
+      options.rank = r;
+      options.size = n;
+      options.timeout_seconds = timeout_seconds;
+      options.segment_bytes = 64;  // many segments even for small tensors
+      runtimes_.push_back(
+          std::make_unique<Runtime>(options, std::make_unique<LocalTransport>(fabric, r)));
+    }
+  }
+  // Runs fn(rank, runtime) on one thread per rank in `ranks` (default: all).
+  void Run(const std::function<void(int, Runtime&)>& fn, std::vector<int> ranks = {}) {
+    if (ranks.empty()) {
+      for (size_t r = 0; r < runtimes_.size(); ++r) ranks.push_back(static_cast<int>(r));
+    }
+    std::vector<std::thread> threads;
+    for (int r : ranks) threads.emplace_back([&fn, this, r] { fn(r, *At(runtimes_, r)); });
+    for (std::thread& t : threads) t.join();
+  }
+
+ private:
+  std::vector<std::unique_ptr<Runtime>> runtimes_;
+};
+
+TensorRef Tensor(DataType dtype, std::vector<int64_t> shape, const void* in, void* out) {
+  TensorRef t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.input = in;
+  t.output = out;
+  return t;
+}
+
+Request Allreduce(const std::string& name, TensorRef t, ReduceOp op = ReduceOp::kSum,
+                  double pre = 1.0, double post = 1.0) {
+  Request req;
+  req.kind = Kind::kAllreduce;
+  req.name = name;
+  req.op = op;
+  req.prescale = pre;
+  req.postscale = post;
+  req.tensors.push_back(std::move(t));
+  return req;
+}
+
+// Allreduces of float32 (separate output, then in place with Average and postscale) and
+// int32 Max on three ranks. 2000 floats is above what a runtime may complete inline with
+// the signatures; 3 ints is below.
+TEST(Runtime_AllreduceOnThreeRanks) {
+  const int n = 3;
+  RuntimeWorld world(n, 5.0);
+  world.Run([](int r, Runtime& rt) {
+    std::vector<float> in(2000), out(2000, -1.0f);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(r + static_cast<int>(i % 5));
+    CHECK_OK(rt.Run(Allreduce("sum", Tensor(DataType::kFloat32, {20, 100}, in.data(), out.data()))))
+        << " rank " << r;
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (out[i] != static_cast<float>(3 + 3 * (i % 5))) {
+        CHECK_EQ(out[i], static_cast<float>(3 + 3 * (i % 5))) << " rank " << r << " i=" << i;
+        break;
+      }
+    }
+    CHECK_OK(rt.Run(Allreduce("avg", Tensor(DataType::kFloat32, {2000}, out.data(), out.data()),
+                              ReduceOp::kAverage, 1.0, 2.0)));
+    CHECK_EQ(out[7], static_cast<float>(2 * (3 + 3 * 2)));
+    CHECK_EQ(out[1999], static_cast<float>(2 * (3 + 3 * 4)));
+    std::vector<int32_t> ints = {r, -r, 10 * r};
+    CHECK_OK(rt.Run(Allreduce("max", Tensor(DataType::kInt32, {3}, ints.data(), ints.data()),
+                              ReduceOp::kMax)));
+    CHECK(ints == std::vector<int32_t>({2, 0, 20})) << " rank " << r;
+  });
+}
+
+// A mismatched request fails on every rank without moving data; the next one succeeds.
+TEST(Runtime_MismatchFailsEverywhereThenRecovers) {
+  const int n = 3;
+  RuntimeWorld world(n, 5.0);
+  world.Run([](int r, Runtime& rt) {
+    std::vector<float> buf(12, 1.0f);
+    const int64_t count = r == 1 ? 12 : 10;
+    const Status bad =
+        rt.Run(Allreduce("grad", Tensor(DataType::kFloat32, {count}, buf.data(), buf.data())));
+    CHECK(bad.code() == Code::kFailedPrecondition) << " rank " << r << ": " << bad.message();
+    CHECK_CONTAINS(bad.message(), "shape mismatch");
+    CHECK_CONTAINS(bad.message(), "rank 0 has");
+    CHECK_CONTAINS(bad.message(), "rank 1 has");
+    CHECK(buf == std::vector<float>(12, 1.0f)) << " rank " << r << ": data moved";
+    const Status good =
+        rt.Run(Allreduce("grad", Tensor(DataType::kFloat32, {12}, buf.data(), buf.data())));
+    CHECK_OK(good) << " rank " << r;
+    CHECK(buf == std::vector<float>(12, 3.0f)) << " rank " << r;
+  });
+}
+
+// Requests submitted without waiting run in submission order and all complete; sizes from
+// 8 bytes to 10 KiB, small and large.
+TEST(Runtime_SubmitManyRunsInOrder) {
+  const int n = 4, kRequests = 20;
+  RuntimeWorld world(n, 5.0);
+  world.Run([](int r, Runtime& rt) {
+    std::vector<std::vector<int64_t>> bufs(kRequests);
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<int> order;
+    std::vector<Status> status(kRequests);
+    for (int k = 0; k < kRequests; ++k) {
+      At(bufs, k).assign(static_cast<size_t>(k * 70 + 1), r + k);
+      Request req = Allreduce("t" + std::to_string(k), Tensor(DataType::kInt64, {k * 70 + 1},
+                              At(bufs, k).data(), At(bufs, k).data()));
+      req.done = [&, k](const Status& s) {
+        std::lock_guard<std::mutex> lock(mu);
+        At(status, k) = s;
+        order.push_back(k);
+        cv.notify_all();
+      };
+      rt.Submit(std::move(req));
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return order.size() == kRequests; });
+    for (int k = 0; k < kRequests; ++k) {
+      CHECK_EQ(At(order, k), k);
+      CHECK_OK(At(status, k));
+      CHECK(At(bufs, k) == std::vector<int64_t>(static_cast<size_t>(k * 70 + 1), 6 + 4 * k))
+          << " rank " << r << " request " << k;
+    }
+  });
+}
+
+// Broadcast, allgather with different row counts, grouped allreduce with two dtypes, barrier.
+TEST(Runtime_OtherCollectives) {
+  const int n = 3;
+  RuntimeWorld world(n, 5.0);
+  world.Run([](int r, Runtime& rt) {
+    for (int64_t size : {100, 1000}) {  // 800 bytes and 8000 bytes
+      std::vector<double> b(static_cast<size_t>(size), r == 1 ? 2.5 : 0.0);
+      Request bc;
+      bc.kind = Kind::kBroadcast;
+      bc.root = 1;
+      bc.tensors.push_back(Tensor(DataType::kFloat64, {size}, b.data(), b.data()));
+      CHECK_OK(rt.Run(std::move(bc))) << " rank " << r;
+      CHECK(b == std::vector<double>(static_cast<size_t>(size), 2.5)) << " rank " << r;
+    }
+
+    std::vector<int8_t> rows(static_cast<size_t>(2 * r), static_cast<int8_t>(r)), gathered;
+    Request ag;
+    ag.kind = Kind::kAllgather;
+    ag.tensors.push_back(Tensor(DataType::kInt8, {r, 2}, rows.data(), nullptr));
+    ag.allocate_output = [&gathered](int64_t total_rows, void** out) {
+      gathered.assign(static_cast<size_t>(total_rows * 2), -1);
+      *out = gathered.data();
+      return Status::OK();
+    };
+    CHECK_OK(rt.Run(std::move(ag))) << " rank " << r;
+    CHECK(gathered == std::vector<int8_t>({1, 1, 2, 2, 2, 2})) << " rank " << r;
+
+    for (int64_t rows : {7, 150}) {  // 280 bytes or 6000 bytes of float32 in the group
+      std::vector<float> f1(4, 1.0f), f2(static_cast<size_t>(rows * 10), 2.0f);
+      std::vector<int32_t> i1(5, r);
+      Request gr;
+      gr.kind = Kind::kGroupedAllreduce;
+      gr.tensors = {Tensor(DataType::kFloat32, {4}, f1.data(), f1.data()),
+                    Tensor(DataType::kInt32, {5}, i1.data(), i1.data()),
+                    Tensor(DataType::kFloat32, {rows, 10}, f2.data(), f2.data())};
+      CHECK_OK(rt.Run(std::move(gr))) << " rank " << r;
+      CHECK(f1 == std::vector<float>(4, 3.0f) && f2 == std::vector<float>(f2.size(), 6.0f)) << r;
+      CHECK(i1 == std::vector<int32_t>(5, 3)) << " rank " << r;
+    }
+
+    Request barrier;
+    barrier.kind = Kind::kBarrier;
+    CHECK_OK(rt.Run(std::move(barrier))) << " rank " << r;
+  });
+}
+
+// Integer Average with prescale (saturating) and postscale gives the same result whether
+// the tensor is small (3 bytes) or large (6000 bytes).
+TEST(Runtime_IntegerAverageWithScaling) {
+  RuntimeWorld world(3, 5.0);
+  world.Run([](int r, Runtime& rt) {
+    for (size_t size : {3, 6000}) {
+      std::vector<int8_t> in(size), out(size, 0);
+      const int8_t pattern[] = {static_cast<int8_t>(50 * r), static_cast<int8_t>(-50 * r), 1};
+      for (size_t i = 0; i < size; ++i) in[i] = pattern[i % 3];
+      const TensorRef t =
+          Tensor(DataType::kInt8, {static_cast<int64_t>(size)}, in.data(), out.data());
+      CHECK_OK(rt.Run(Allreduce("i8", t, ReduceOp::kAverage, 2.0, 3.0)));
+      // prescale 2 saturates rank 2's 100 / -100; the sums 227 / -228 / 6 wrap to -29 / 28 / 6;
+      // dividing by 3 truncates toward zero to -9 / 9 / 2; postscale 3 gives -27 / 27 / 6.
+      const int8_t want[] = {-27, 27, 6};
+      for (size_t i = 0; i < size; ++i) {
+        if (out[i] != want[i % 3]) {
+          CHECK_EQ(out[i], want[i % 3]) << " rank " << r << " size " << size << " i=" << i;
+          break;
+        }
+      }
+    }
+  });
+}
+
+// A rank that never submits: the others fail with a fatal error within the timeout, and
+// every later request fails at once, naming the earlier failure.
+TEST(Runtime_MissingRankFailsAndStaysBroken) {
+  RuntimeWorld world(3, 0.3);
+  world.Run([](int r, Runtime& rt) {
+    std::vector<float> buf(10, 1.0f);
+    const auto start = keras_ring::Clock::now();
+    const TensorRef t = Tensor(DataType::kFloat32, {10}, buf.data(), buf.data());
+    const Status s = rt.Run(Allreduce("lonely", t));
+    CHECK(!s.ok() && s.fatal()) << " rank " << r << ": " << static_cast<int>(s.code()) << " "
+                                << s.message();
+    CHECK_CONTAINS(s.message(), "lonely");
+    CHECK(SecondsSince(start) < 2.0) << " rank " << r;
+    const Status later = rt.Run(Allreduce("next", t));
+    CHECK(later.code() == s.code()) << " rank " << r;
+    CHECK_CONTAINS(later.message(), "earlier collective failed");
+  }, {0, 1});
+}
+
+}  // namespace
+}  // namespace kr_test

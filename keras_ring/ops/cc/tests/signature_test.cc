@@ -1,0 +1,239 @@
+// Signature exchange and checking over local transports, and bounded waits: deadlines that
+// expire and aborts that unblock peers.
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../core/algorithms.h"
+#include "../core/signature.h"
+#include "test_harness.h"
+#include "test_util.h"
+
+namespace kr_test {
+namespace {
+
+using keras_ring::Code;
+using keras_ring::DataType;
+using keras_ring::Deadline;
+using keras_ring::Kind;
+using keras_ring::Signature;
+using keras_ring::Status;
+using keras_ring::Transport;
+
+Signature AllreduceSig(int64_t count, DataType dtype = DataType::kFloat32) {
+  Signature s;
+  s.seq = 7;
+  s.kind = static_cast<int32_t>(Kind::kAllreduce);
+  s.dtype = static_cast<int32_t>(dtype);
+  s.reduce_op = 0;
+  s.count = count;
+  s.ndims = 1;
+  s.dims[0] = count;
+  s.SetName("grad_dense");
+  return s;
+}
+
+// Every rank exchanges sig_for(rank) and checks the table; returns each rank's verdict.
+std::vector<Status> ExchangeAndCheck(int n, Signature (*sig_for)(int rank)) {
+  LocalWorld world(n);
+  std::vector<Status> verdicts(static_cast<size_t>(n));
+  std::vector<std::vector<Signature>> all(static_cast<size_t>(n));
+  world.Run([&](int r, Transport& t) {
+    Status s = keras_ring::ExchangeSignatures(t, 2.0, sig_for(r), &At(all, r));
+    At(verdicts, r) = s.ok() ? keras_ring::CheckSignatures(At(all, r)) : s;
+  });
+  world.CheckDrained(__FILE__, __LINE__);
+  return verdicts;
+}
+
+// Every rank reached the same verdict, word for word.
+void CheckSameVerdict(const std::vector<Status>& v) {
+  for (size_t r = 1; r < v.size(); ++r) {
+    CHECK(v[r].code() == v[0].code() && v[r].message() == v[0].message() &&
+          v[r].peer() == v[0].peer())
+        << "rank " << r << ": '" << v[r].message() << "' vs rank 0: '" << v[0].message() << "'";
+  }
+}
+
+}  // namespace
+
+TEST(Signatures_IdenticalPass) {
+  const auto verdicts = ExchangeAndCheck(4, [](int) { return AllreduceSig(10); });
+  for (size_t r = 0; r < verdicts.size(); ++r) CHECK_OK(verdicts[r]) << " rank " << r;
+}
+
+// The exchanged table holds every rank's signature, in rank order, on every rank.
+TEST(Signatures_ExchangeIsAnAllgatherInRankOrder) {
+  for (int n : {1, 2, 5, 8}) {
+    LocalWorld world(n);
+    std::vector<std::vector<Signature>> tables(static_cast<size_t>(n));
+    std::vector<Status> status(static_cast<size_t>(n));
+    world.Run([&](int r, Transport& t) {
+      Signature mine = AllreduceSig(100 + r);
+      mine.SetName("from_rank_" + std::to_string(r));
+      At(status, r) = keras_ring::ExchangeSignatures(t, 2.0, mine, &At(tables, r));
+    });
+    world.CheckDrained(__FILE__, __LINE__);
+    for (size_t r = 0; r < tables.size(); ++r) {
+      CHECK_OK(status[r]) << " rank " << r;
+      CHECK_EQ(tables[r].size(), static_cast<size_t>(n));
+      for (size_t q = 0; q < tables[r].size(); ++q) {
+        CHECK_EQ(tables[r][q].count, static_cast<int64_t>(100 + q)) << " table of rank " << r;
+        CHECK_EQ(std::string(tables[r][q].name), "from_rank_" + std::to_string(q));
+      }
+    }
+  }
+}
+
+TEST(Signatures_OneRankAlone) {
+  const auto verdicts = ExchangeAndCheck(1, [](int) { return AllreduceSig(3); });
+  CHECK_OK(verdicts[0]);
+}
+
+TEST(Signatures_CountMismatchNamesBothRanks) {
+  const auto v = ExchangeAndCheck(3, [](int r) { return AllreduceSig(r == 2 ? 12 : 10); });
+  CheckSameVerdict(v);
+  for (const Status& s : v) {
+    CHECK(s.code() == Code::kFailedPrecondition) << static_cast<int>(s.code()) << " "
+                                                 << s.message();
+    CHECK_CONTAINS(s.message(), "shape mismatch");
+    CHECK_CONTAINS(s.message(), "rank 0 has");
+    CHECK_CONTAINS(s.message(), "rank 2 has");
+    CHECK_CONTAINS(s.message(), "10 elements");
+    CHECK_CONTAINS(s.message(), "12 elements");
+    CHECK_CONTAINS(s.message(), "grad_dense");
+    CHECK_EQ(s.peer(), 2);
+  }
+}
+
+TEST(Signatures_DtypeMismatchNamesBothDtypes) {
+  const auto v = ExchangeAndCheck(
+      4, [](int r) { return AllreduceSig(10, r == 1 ? DataType::kInt32 : DataType::kFloat32); });
+  CheckSameVerdict(v);
+  for (const Status& s : v) {
+    CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+    CHECK_CONTAINS(s.message(), "dtype mismatch");
+    CHECK_CONTAINS(s.message(), "float32");
+    CHECK_CONTAINS(s.message(), "int32");
+    CHECK_CONTAINS(s.message(), "rank 1 has");
+  }
+}
+
+TEST(Signatures_SeveralRanksDiffer) {
+  const auto v = ExchangeAndCheck(5, [](int r) {
+    Signature s = AllreduceSig(10);
+    if (r >= 3) s.reduce_op = 3;  // Max instead of Sum
+    return s;
+  });
+  CheckSameVerdict(v);
+  CHECK(v[0].code() == Code::kFailedPrecondition);
+  CHECK_CONTAINS(v[0].message(), "reduce op mismatch");
+  CHECK_CONTAINS(v[0].message(), "Sum");
+  CHECK_CONTAINS(v[0].message(), "Max");
+  CHECK_CONTAINS(v[0].message(), " 3 4)");
+}
+
+TEST(Signatures_OperationMismatch) {
+  const auto v = ExchangeAndCheck(2, [](int r) {
+    Signature s = AllreduceSig(10);
+    if (r == 1) s.kind = static_cast<int32_t>(Kind::kAllgather);
+    return s;
+  });
+  CheckSameVerdict(v);
+  CHECK(v[0].code() == Code::kFailedPrecondition);
+  CHECK_CONTAINS(v[0].message(), "allreduce");
+  CHECK_CONTAINS(v[0].message(), "allgather");
+}
+
+TEST(Signatures_BroadcastRootOutOfRange) {
+  for (int bad_root : {3, -1, 100}) {
+    static int root;  // captureless lambdas below read it
+    root = bad_root;
+    const auto v = ExchangeAndCheck(3, [](int) {
+      Signature s = AllreduceSig(10);
+      s.kind = static_cast<int32_t>(Kind::kBroadcast);
+      s.root = root;
+      return s;
+    });
+    CheckSameVerdict(v);
+    for (const Status& s : v) {
+      CHECK(s.code() == Code::kInvalidArgument) << static_cast<int>(s.code()) << " " << s.message();
+      CHECK_CONTAINS(s.message(), std::to_string(bad_root));
+    }
+  }
+  // Out of range on one rank only is still an invalid argument everywhere.
+  const auto v = ExchangeAndCheck(3, [](int r) {
+    Signature s = AllreduceSig(10);
+    s.kind = static_cast<int32_t>(Kind::kBroadcast);
+    s.root = r == 1 ? 3 : 0;
+    return s;
+  });
+  CheckSameVerdict(v);
+  CHECK(v[0].code() == Code::kInvalidArgument) << v[0].message();
+}
+
+TEST(Transport_RecvTimesOutNamingThePeer) {
+  LocalWorld world(2);
+  char buf[4];
+  const auto start = keras_ring::Clock::now();
+  const Status s = world.transport(0).Recv(1, buf, sizeof buf, Deadline::After(0.2));
+  const double took = SecondsSince(start);
+  CHECK(s.code() == Code::kDeadlineExceeded) << static_cast<int>(s.code());
+  CHECK_EQ(s.peer(), 1);
+  CHECK_CONTAINS(s.message(), "rank 1");
+  CHECK(took >= 0.19 && took < 1.0) << took << " s";
+  // Part of the message arrived: still a timeout, not a short read.
+  CHECK_OK(world.transport(1).Send(0, "ab", 2, Deadline::After(1)));
+  const Status partial = world.transport(0).Recv(1, buf, sizeof buf, Deadline::After(0.1));
+  CHECK(partial.code() == Code::kDeadlineExceeded);
+}
+
+TEST(Transport_AbortUnblocksPendingRecv) {
+  LocalWorld world(2);
+  Status s;
+  double took = 0;
+  std::thread waiter([&] {
+    char buf[8];
+    const auto start = keras_ring::Clock::now();
+    s = world.transport(0).Recv(1, buf, sizeof buf, Deadline::After(10));
+    took = SecondsSince(start);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  world.transport(1).Abort();
+  waiter.join();
+  CHECK(s.code() == Code::kUnavailable) << static_cast<int>(s.code()) << " " << s.message();
+  CHECK_EQ(s.peer(), 1);
+  CHECK(s.fatal());
+  CHECK(took < 1.0) << took << " s";
+  char c = 0;
+  CHECK(world.transport(0).Send(1, &c, 1, Deadline::After(1)).code() == Code::kUnavailable);
+}
+
+// A rank that never joins: the others' allreduce fails within the per-wait timeout.
+TEST(RingAllreduce_MissingRankTimesOut) {
+  LocalWorld world(3);
+  std::vector<Status> status(2);
+  std::vector<double> took(2);
+  keras_ring::AlgoConfig cfg;
+  cfg.timeout_seconds = 0.2;
+  cfg.segment_bytes = 8;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<float> buf(40, 1.0f);
+      const auto start = keras_ring::Clock::now();
+      At(status, r) = keras_ring::RingAllreduce(
+          world.transport(r), cfg, DataType::kFloat32, keras_ring::ReduceOp::kSum, buf.data(),
+          buf.size(), 1.0, 1.0);
+      At(took, r) = SecondsSince(start);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  CHECK(status[0].code() == Code::kDeadlineExceeded) << status[0].message();
+  CHECK_EQ(status[0].peer(), 2);  // rank 0 waits for its left neighbour, rank 2
+  CHECK(!status[1].ok());
+  for (double t : took) CHECK(t < 1.5) << t << " s";
+}
+
+}  // namespace kr_test
