@@ -65,6 +65,7 @@ class Config:
     use_shm: bool
     shm_channel_bytes: int
     timeline_path: str | None
+    intra_op_threads: int | None  # None: automatic; 0: leave TensorFlow's default
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -77,4 +78,8 @@ class Config:
             use_shm=_bool("KERAS_RING_SHM", True),
             shm_channel_bytes=_power_of_two("KERAS_RING_SHM_CHANNEL_BYTES", 1 << 20),
             timeline_path=os.environ.get("KERAS_RING_TIMELINE") or None,
+            intra_op_threads=(
+                _int("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
+                if os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip() else None
+            ),
         )

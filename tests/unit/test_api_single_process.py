@@ -156,3 +156,16 @@ def test_bad_environment_values_name_the_variable(monkeypatch):
     with pytest.raises(ValueError, match="KERAS_RING_TIMEOUT_SECONDS must be a number"):
         kr.init()
     assert not kr.is_initialized()
+
+
+def test_thread_default_respects_the_users_choice(monkeypatch):
+    from keras_ring import threads
+
+    assert threads.default_intra_op_threads(4, cores=2) == 1
+    assert threads.default_intra_op_threads(2, cores=16) == 8
+    monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "3")
+    assert threads.configure(local_size=4, requested=None) is None
+    monkeypatch.delenv("TF_NUM_INTRAOP_THREADS")
+    assert threads.configure(local_size=4, requested=0) is None
+    # One rank per host keeps TensorFlow's own default.
+    assert threads.configure(local_size=1, requested=None) is None
