@@ -307,3 +307,40 @@ TEST(AverageScale_IntegersDivideExactlyFirst) {
 }
 
 }  // namespace kr_test
+
+namespace kr_test {
+namespace {
+
+using namespace keras_ring;  // NOLINT: test-local
+
+// The float16 reduction may take a vectorised F16C path chosen at run time; it must give
+// the same bits as the portable conversions for every op, over many random patterns
+// (subnormals, infinities and NaNs included; NaNs only need to stay NaN).
+TEST(Reduce_Float16VectorPathMatchesScalarConversions) {
+  const size_t n = 4096 + 37;  // full 256-element blocks plus a tail
+  std::vector<uint16_t> a(n), b(n);
+  uint32_t state = 12345;
+  for (size_t i = 0; i < n; ++i) {
+    state = state * 1664525u + 1013904223u;
+    a[i] = static_cast<uint16_t>(state >> 16);
+    b[i] = static_cast<uint16_t>(state);
+  }
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin, ReduceOp::kMax}) {
+    std::vector<uint16_t> out(n);
+    Reduce(DataType::kFloat16, op, out.data(), a.data(), b.data(), n);
+    int mismatches = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const float x = HalfToFloat(a[i]), y = HalfToFloat(b[i]);
+      float r = op == ReduceOp::kSum ? x + y : op == ReduceOp::kProduct ? x * y
+              : op == ReduceOp::kMin ? ((x < y || x != x) ? x : y) : ((x > y || x != x) ? x : y);
+      const uint16_t want = FloatToHalf(r);
+      const bool both_nan = (want & 0x7c00u) == 0x7c00u && (want & 0x3ffu) &&
+                            (out[i] & 0x7c00u) == 0x7c00u && (out[i] & 0x3ffu);
+      if (out[i] != want && !both_nan) ++mismatches;
+    }
+    CHECK(mismatches == 0) << ReduceOpName(op) << ": " << mismatches << " of " << n;
+  }
+}
+
+}  // namespace
+}  // namespace kr_test
