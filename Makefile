@@ -64,6 +64,8 @@ demo: venv
 
 bench: venv
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
+	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
+	$(GUARD) $(VPY) benchmarks/keras_scaling.py --ranks 2
 
 clean:
 	rm -rf build $(OPS_LIB) keras_ring/ops/_keras_ring_ops.json

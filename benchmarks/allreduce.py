@@ -1,0 +1,107 @@
+"""nccl-tests-style allreduce table: keras_ring (eager, and grouped in one tf.function) next to
+MPICH's MPI_Allreduce (through mpi4py) on the same buffers, in the same run.
+
+Run with: mpirun -np 2 python benchmarks/allreduce.py [--max-bytes 268435456]
+Columns: bytes per rank, then per implementation the median time of one allreduce, algbw
+(bytes / time) and busbw (algbw * 2(n-1)/n, the traffic each rank's link carries), in GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from mpi4py import MPI  # imported first: keras_ring then leaves MPI to this program
+
+import tensorflow as tf  # noqa: E402
+
+import keras_ring as kr  # noqa: E402
+
+GROUPED_TENSORS = 64
+
+
+def memcpy_bandwidth(nbytes: int = 64 << 20) -> float:
+    """Single-core copy bandwidth in GB/s (best of several), measured on this rank."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(8):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def timed(fn, nbytes: int, comm) -> float:
+    """Median seconds per call: warm-up, then repeated batches, ranks started together."""
+    fn()
+    fn()
+    iters = max(3, min(200, int(0.05 / max(nbytes / 2e9, 2e-5))))
+    samples = []
+    for _ in range(5):
+        comm.Barrier()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t) / iters)
+    # The slowest rank defines the collective's time.
+    return comm.allreduce(float(np.median(samples)), op=MPI.MAX)
+
+
+def implementations(nbytes: int, comm):
+    count = nbytes // 4
+    rng = np.random.default_rng(comm.rank)
+    host = rng.standard_normal(count).astype(np.float32)
+    out = np.empty_like(host)
+    tensor = tf.constant(host)
+    parts = [tf.constant(p) for p in np.array_split(host, GROUPED_TENSORS)]
+
+    # The tensors are captured, as gradients are made inside a training step: this times the
+    # collective, not TensorFlow's marshalling of 64 Python arguments per call.
+    @tf.function(autograph=False)
+    def grouped():
+        return kr.grouped_allreduce(parts, op=kr.Sum)
+
+    return {
+        "keras_ring": lambda: kr.allreduce(tensor, op=kr.Sum),
+        f"grouped x{GROUPED_TENSORS}": grouped,
+        "MPI_Allreduce": lambda: comm.Allreduce(host, out, op=MPI.SUM),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--min-bytes", type=int, default=4096)
+    parser.add_argument("--max-bytes", type=int, default=256 << 20)
+    args = parser.parse_args()
+    kr.init()
+    comm = MPI.COMM_WORLD
+    n = comm.size
+    copy_bw = memcpy_bandwidth() if comm.rank == 0 else 0.0
+    comm.Barrier()
+    if comm.rank == 0:
+        print(f"# {n} ranks, {os.cpu_count()} cores; float32 Sum; times are medians, the slowest rank's")
+        print(f"# single-core memcpy of 64 MiB: {copy_bw:.2f} GB/s")
+        names = list(implementations(4096, comm))
+        head = "".join(f" | {name:^28}" for name in names)
+        print(f"{'bytes':>11}{head}")
+        print(f"{'':>11}" + " | {:>9} {:>8} {:>8}".format("time(us)", "algbw", "busbw") * len(names))
+    nbytes = args.min_bytes
+    while nbytes <= args.max_bytes:
+        row = []
+        for fn in implementations(nbytes, comm).values():
+            t = timed(fn, nbytes, comm)
+            algbw = nbytes / t / 1e9
+            row.append((t * 1e6, algbw, algbw * 2 * (n - 1) / n))
+        if comm.rank == 0:
+            cells = "".join(f" | {t:9.1f} {a:8.2f} {b:8.2f}" for t, a, b in row)
+            print(f"{nbytes:>11}{cells}", flush=True)
+        nbytes *= 4
+    kr.shutdown()
+
+
+if __name__ == "__main__":
+    main()

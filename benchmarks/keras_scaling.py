@@ -1,0 +1,120 @@
+"""Milliseconds per training step of ``model.fit`` at 1 and N ranks, next to N independent
+single-rank processes running at the same time (the machine's own contention baseline), so
+the cost of communication is separated from the cost of sharing the cores.
+
+Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60]
+(it starts its own processes: one alone, N independent ones, then an N-rank mpirun job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODELS = {"mlp": 128, "cnn": 64}  # model -> batch size per rank
+
+
+def build_model(name: str):
+    import keras
+
+    if name == "mlp":
+        return keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
+                                 keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
+    return keras.Sequential([
+        keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10),
+    ])
+
+
+def worker(model_name: str, steps: int, distributed: bool, threads: int) -> None:
+    """Trains on synthetic data and prints one JSON line with the median ms/step."""
+    import numpy as np
+    import tensorflow as tf
+
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+    import keras
+
+    if distributed:
+        import keras_ring
+
+        keras_ring.init()
+    batch = MODELS[model_name]
+    model = build_model(model_name)
+    shape = model.input_shape[1:]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch * 8, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, batch * 8)
+    optimizer = keras.optimizers.SGD(0.01)
+    callbacks = []
+    if distributed:
+        optimizer = keras_ring.wrap(optimizer)
+        callbacks.append(keras_ring.callbacks.BroadcastGlobalVariablesCallback(0))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.t)
+
+    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[*callbacks, Timer()])
+    ms = float(np.median(times[10:])) * 1e3  # after warm-up (tracing, first steps)
+    if distributed:
+        ms = max(keras_ring.allgather_object(ms))  # the step is as slow as the slowest rank
+        if keras_ring.rank() != 0:
+            return
+    print(json.dumps({"ms": ms}), flush=True)
+
+
+def _run(cmds: list[list[str]]) -> list[float]:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for c in cmds]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(p.args)} failed:\n{err[-2000:]}")
+        results += [json.loads(line)["ms"] for line in out.splitlines() if line.startswith("{")]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--worker", choices=["single", "dist"])
+    parser.add_argument("--model", choices=list(MODELS), default="mlp")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.model, args.steps, args.worker == "dist", args.threads)
+        return
+    n = args.ranks
+    me = [sys.executable, str(Path(__file__).resolve())]
+    mpirun = str(Path(sys.executable).parent / "mpirun")
+    share = max(1, (os.cpu_count() or 1) // n)  # what keras_ring.init() gives each rank
+    print(f"# {os.cpu_count()} cores; ms per step, median after warm-up; {n} ranks; batch per rank: "
+          + ", ".join(f"{m} {b}" for m, b in MODELS.items()))
+    print(f"{'model':<6} | {'1 rank':>8} | {f'{n} independent':>15} | {f'{n} ranks':>9} | {'vs baseline':>11}")
+    for model in MODELS:
+        common = ["--model", model, "--steps", str(args.steps)]
+        single = _run([[*me, "--worker", "single", *common]])[0]
+        baseline = _run([[*me, "--worker", "single", "--threads", str(share), *common] for _ in range(n)])
+        base = sum(baseline) / len(baseline)
+        dist = _run([[mpirun, "-np", str(n), *me, "--worker", "dist", *common]])[0]
+        print(f"{model:<6} | {single:8.2f} | {base:15.2f} | {dist:9.2f} | {100 * (dist / base - 1):+10.1f}%",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
