@@ -10,8 +10,10 @@ would write and a process that never imports keras_ring loads it as e.g. ``Adam`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,9 @@ from keras_ring.compression import Compression, Compressor
 _STATE = "_keras_ring_state"
 _CLASSES: dict[type, type] = {}
 _compile_hook_installed = False
+# Set while a wrapped optimizer applies gradients it has already reduced, so that a wrapped
+# optimizer inside it (a LossScaleOptimizer's inner one) does not reduce them a second time.
+_reduced = threading.local()
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,10 @@ def wrap(
     per optimizer update, not per micro-batch. ``Model.compile`` turns XLA off for a
     wrapped optimizer (the collectives have no XLA kernel), and under the ``mixed_float16``
     policy it moves the communication to the ``LossScaleOptimizer`` that Keras adds, so the
-    finiteness check sees the averaged gradients and every rank skips the same steps.
+    finiteness check sees the averaged gradients and every rank skips the same steps. In a
+    custom loop with loss scaling, wrap the ``LossScaleOptimizer`` itself:
+    ``wrap(LossScaleOptimizer(Adam()))``; a wrapped optimizer inside a wrapped one does not
+    communicate again.
 
     Args:
         optimizer: a ``keras.optimizers.Optimizer`` (a ``LossScaleOptimizer`` too), or a
@@ -119,11 +127,6 @@ def _as_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
     if is_wrapped(optimizer):
         raise ValueError(f"keras_ring.wrap: this {type(optimizer).__name__} is already "
                          "wrapped; wrap an optimizer once")
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None and is_wrapped(inner):
-        raise ValueError("keras_ring.wrap: the inner optimizer of this "
-                         f"{type(optimizer).__name__} is already wrapped; wrap only the "
-                         "outer one, e.g. wrap(LossScaleOptimizer(Adam()))")
     return optimizer
 
 
@@ -155,19 +158,25 @@ def _wrap_in_place(optimizer: keras.optimizers.Optimizer, options: ReduceOptions
     _set_class(optimizer, _distributed_class(base))
 
 
-def _unwrap_in_place(optimizer: keras.optimizers.Optimizer) -> ReduceOptions:
-    state: _WrapState = optimizer.__dict__.pop(_STATE)
-    _set_class(optimizer, state.base)
-    return state.options
+@contextlib.contextmanager
+def _already_reduced():
+    depth = getattr(_reduced, "depth", 0)
+    _reduced.depth = depth + 1
+    try:
+        yield
+    finally:
+        _reduced.depth = depth
 
 
 def _apply(self, grads, trainable_variables=None):
     """Allreduces ``grads`` over the ranks, then applies them with the optimizer's own apply."""
     state: _WrapState = self.__dict__[_STATE]
     grads = list(grads)
-    if grads:
+    if grads and not getattr(_reduced, "depth", 0):
         grads = _communicate(self, state.options, grads, trainable_variables)
-    return state.base.apply(self, grads, trainable_variables)
+    # Tracing is synchronous, so this also holds while tf.function traces the inner apply.
+    with _already_reduced():
+        return state.base.apply(self, grads, trainable_variables)
 
 
 def _communicate(optimizer, options: ReduceOptions, grads: list, variables) -> list:
@@ -261,7 +270,8 @@ def _after_compile(model: Any, requested_jit: Any) -> None:
             and not is_wrapped(optimizer) and is_wrapped(inner)):
         # Keras put a LossScaleOptimizer around ours (mixed_float16). Its finiteness check
         # must see averaged gradients, or ranks would disagree on which steps to skip and
-        # only some would enter the collectives: move the communication outward.
-        _wrap_in_place(optimizer, _unwrap_in_place(inner))
+        # only some would enter the collectives: communicate in the outer one (the inner
+        # one then sees already-reduced gradients and passes them through).
+        _wrap_in_place(optimizer, inner.__dict__[_STATE].options)
     if is_wrapped(optimizer):
         _xla.turn_off_model_jit(model, requested_jit)

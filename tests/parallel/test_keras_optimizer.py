@@ -192,8 +192,9 @@ def test_sum_and_predivide_match_average(world, options, lr_scale):
     ks.assert_weights_close(ks.weights(model), expected, atol=1e-6)
 
 
-def test_jit_compile_is_turned_off_with_one_warning(world):
+def test_jit_compile_is_turned_off_with_one_warning(world, monkeypatch):
     rank, size = world
+    monkeypatch.setattr(keras_ring._xla, "_warned", False)  # once per process: reset it
     x, y = ks.classification_data(size * BATCH * 2, seed=1)
     with pytest.warns(UserWarning, match="turning XLA off") as record:
         model = ks.mlp(ks.rank_seed(rank))
@@ -220,8 +221,9 @@ def test_xla_compiled_custom_step_raises_a_clear_error(world):
         step()
 
 
-def test_mixed_precision_fit_moves_communication_to_loss_scale_optimizer(world):
+def test_mixed_precision_fit_moves_communication_to_loss_scale_optimizer(world, monkeypatch):
     rank, size = world
+    log = CollectiveLog(monkeypatch)
     x, y = ks.classification_data(size * BATCH * 4, seed=2)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -233,15 +235,21 @@ def test_mixed_precision_fit_moves_communication_to_loss_scale_optimizer(world):
     outer = model.optimizer
     assert isinstance(outer, keras.optimizers.LossScaleOptimizer)
     assert keras_ring.optimizer.is_wrapped(outer)
-    assert not keras_ring.optimizer.is_wrapped(outer.inner_optimizer)
     assert int(outer.iterations.numpy()) == 4
+    # Once per step, by the outer optimizer: the wrapped inner one passes reduced grads on.
+    assert int(log.executed.numpy()) == 4
+    assert {name for _, name, _ in log.traced} == {"gradients.bucket0"}
     ks.assert_same_on_all_ranks(ks.weights(model) + [outer.dynamic_scale.numpy()])
 
 
-def test_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(world):
+@pytest.mark.parametrize("inner_wrapped", [False, True])
+def test_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(world, monkeypatch, inner_wrapped):
     rank, size = world
+    log = CollectiveLog(monkeypatch)
     model = ks.mlp(ks.rank_seed(0))
-    optimizer = keras_ring.wrap(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    inner = keras.optimizers.SGD(0.1)
+    inner = keras_ring.wrap(inner) if inner_wrapped else inner
+    optimizer = keras_ring.wrap(keras.optimizers.LossScaleOptimizer(inner))
     optimizer.build(model.trainable_variables)
     before = ks.weights(model)
     scale = float(optimizer.dynamic_scale.numpy())
@@ -255,3 +263,23 @@ def test_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(world):
     optimizer.apply([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables)
     assert not np.allclose(ks.weights(model)[0], before[0])
     ks.assert_same_on_all_ranks(ks.weights(model))
+    assert int(log.executed.numpy()) == 2  # one bucket per step, never a second reduction
+
+
+def test_loss_scale_optimizer_with_inner_accumulation_stays_in_step(world, monkeypatch):
+    rank, size = world
+    log = CollectiveLog(monkeypatch)
+    model = ks.mlp(ks.rank_seed(0))
+    inner = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+    optimizer = keras_ring.wrap(keras.optimizers.LossScaleOptimizer(inner))
+    optimizer.build(model.trainable_variables)
+    for step in range(4):
+        grads = [tf.ones_like(v) * (rank + step) for v in model.trainable_variables]
+        if rank == 0 and step == 1:
+            grads[0] = grads[0] * np.inf  # one rank overflows on one micro-batch
+        optimizer.apply(grads, model.trainable_variables)
+    # Under a LossScaleOptimizer every micro-batch is reduced, so that the overflow check,
+    # and with it the accumulation count, is the same on every rank.
+    assert int(log.executed.numpy()) == 4
+    assert int(inner.iterations.numpy()) == 1  # 3 finite micro-batches: one update
+    ks.assert_same_on_all_ranks(ks.weights(model) + [v.numpy() for v in inner.variables])

@@ -65,8 +65,6 @@ def test_wrap_rejects_what_is_not_a_fresh_keras_optimizer():
     wrapped = keras_ring.wrap(keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match="already wrapped"):
         keras_ring.wrap(wrapped)
-    with pytest.raises(ValueError, match="inner optimizer .* is already wrapped"):
-        keras_ring.wrap(keras.optimizers.LossScaleOptimizer(keras_ring.wrap(keras.optimizers.SGD(0.1))))
 
 
 def test_size_one_training_is_bitwise_plain_keras():
@@ -128,7 +126,15 @@ def test_distributed_gradient_tape_keeps_structure_and_delegates():
         keras_ring.DistributedGradientTape(tf.GradientTape(), op=keras_ring.Max)
 
 
-def test_jit_compile_is_turned_off_for_wrapped_optimizers_only():
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    """The XLA warning is once per process; each test here wants to see it."""
+    from keras_ring import _xla
+
+    monkeypatch.setattr(_xla, "_warned", False)
+
+
+def test_jit_compile_is_turned_off_for_wrapped_optimizers_only(fresh_warning):
     model = _model()
     with pytest.warns(UserWarning, match="turning XLA off .*jit_compile=True"):
         model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse",
@@ -137,3 +143,15 @@ def test_jit_compile_is_turned_off_for_wrapped_optimizers_only():
     plain = _model()
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
     assert plain.jit_compile is True
+
+
+def test_jit_compile_auto_on_a_gpu_machine_is_turned_off_once(fresh_warning, monkeypatch):
+    # What Keras decides for jit_compile="auto" when it sees a GPU.
+    monkeypatch.setattr(keras.Model, "_resolve_auto_jit_compile", lambda self: True, raising=False)
+    with pytest.warns(UserWarning, match="Keras picks XLA on GPU machines when jit_compile='auto'") as record:
+        for _ in range(2):
+            model = _model()
+            model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+            assert model.jit_compile is False
+    assert len([w for w in record if "XLA" in str(w.message)]) == 1
+    model.fit(np.zeros((4, 4), "float32"), np.zeros((4, 2), "float32"), verbose=0)
