@@ -131,6 +131,11 @@ def _exchange(comm, config: Config) -> PeerTable:
 
 def bootstrap(config: Config) -> PeerTable:
     """The peer table for this process, from whichever launcher started it."""
+    from keras_ring import rendezvous  # here: it builds on this module
+
+    table = rendezvous.from_env(config)  # KERAS_RING_RENDEZVOUS & co. win over MPI
+    if table is not None:
+        return table
     if launched_by_mpi():
         return mpi_bootstrap(config)
     return single_process()

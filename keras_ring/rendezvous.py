@@ -1,0 +1,419 @@
+"""An MPI-free bootstrap: ranks find each other through a TCP rendezvous at rank 0.
+
+Set three variables in every process and call ``keras_ring.init()`` as usual:
+
+```
+KERAS_RING_RANK=1  KERAS_RING_SIZE=4  KERAS_RING_RENDEZVOUS=node0:29500  python train.py
+```
+
+Rank 0 listens on the rendezvous port; the other ranks connect to it, retrying until the
+start deadline (``KERAS_RING_START_TIMEOUT_SECONDS``, default ``KERAS_RING_TIMEOUT_SECONDS``),
+and send their rank, size, host identity and the address of their runtime listener. Rank 0
+checks that the claims fit together, draws the job token and sends every rank the whole table.
+The result is the same ``PeerTable`` as the MPI bootstrap's, so every transport works the same
+afterwards.
+
+The runtime listener is created before the exchange (peers may connect as soon as they have
+the table), i.e. before rank 0 knows whether every rank is on its host. So it is bound to
+loopback when the rendezvous host is a loopback address (then every rank runs on that one
+host) and to every interface otherwise.
+
+The pieces are usable on their own: ``exchange()`` is the TCP exchange and ``build_table()``
+turns any exchange's result into a ``PeerTable`` (``keras_ring.spark`` exchanges through
+Spark's barrier tasks instead).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import socket
+import struct
+import time
+from dataclasses import asdict, dataclass
+
+from keras_ring import bootstrap
+from keras_ring.bootstrap import PeerTable, Topology
+from keras_ring.config import Config, _float
+from keras_ring.errors import InitError
+
+RANK_VARIABLE = "KERAS_RING_RANK"
+SIZE_VARIABLE = "KERAS_RING_SIZE"
+RENDEZVOUS_VARIABLE = "KERAS_RING_RENDEZVOUS"
+START_TIMEOUT_VARIABLE = "KERAS_RING_START_TIMEOUT_SECONDS"
+_VARIABLES = (RANK_VARIABLE, SIZE_VARIABLE, RENDEZVOUS_VARIABLE)
+
+# Identifies the protocol, so a stray connection (a port scanner, a health probe, a job of
+# another keras_ring version) is told apart from a rank and ignored.
+_MAGIC = "keras_ring.rendezvous/1"
+_MAX_MESSAGE_BYTES = 1 << 20
+# How long rank 0 waits for a connected client's hello before dropping that connection.
+_HELLO_SECONDS = 10.0
+_RETRY_SECONDS = (0.05, 1.0)  # first and longest pause between connection attempts
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One rank's entry in the exchange: where its runtime listener is, and its host."""
+
+    host_id: str
+    address: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The rendezvous variables of this process, validated."""
+
+    rank: int
+    size: int
+    host: str
+    port: int
+    start_timeout: float
+
+
+def requested() -> bool:
+    """True when any rendezvous variable is set (then all three must be)."""
+    return any(os.environ.get(v, "").strip() for v in _VARIABLES)
+
+
+def settings_from_env(config: Config | None = None) -> Settings:
+    """Reads and checks the rendezvous variables.
+
+    Args:
+        config: supplies the default start timeout; read from the environment when None.
+
+    Raises:
+        ValueError: a variable is missing or invalid; the message names it.
+    """
+    missing = [v for v in _VARIABLES if not os.environ.get(v, "").strip()]
+    if missing:
+        given = [v for v in _VARIABLES if v not in missing]
+        verbs = ("is", "are")
+        raise ValueError(
+            f"{' and '.join(missing)} {verbs[len(missing) > 1]} not set but "
+            f"{' and '.join(given)} {verbs[len(given) > 1]}: the launch without MPI needs "
+            f"all of {', '.join(_VARIABLES)} in every process"
+        )
+    size = _integer(SIZE_VARIABLE, minimum=1)
+    rank = _integer(RANK_VARIABLE, minimum=0)
+    if rank >= size:
+        raise ValueError(f"{RANK_VARIABLE}={rank} is out of range: "
+                         f"{SIZE_VARIABLE}={size} allows ranks 0 to {size - 1}")
+    host, port = parse_address(os.environ[RENDEZVOUS_VARIABLE], RENDEZVOUS_VARIABLE)
+    default = (config or Config.from_env()).timeout_seconds
+    return Settings(rank, size, host, port, _float(START_TIMEOUT_VARIABLE, default))
+
+
+def _integer(name: str, minimum: int) -> int:
+    raw = os.environ[name].strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {raw!r}")
+    return value
+
+
+def parse_address(text: str, name: str = "address") -> tuple[str, int]:
+    """``host:port`` (or ``[v6 address]:port``) as a pair; a ValueError names ``name``.
+
+    Example:
+
+    ```python
+    parse_address("node0:29500")  # ("node0", 29500)
+    parse_address("[::1]:29500")  # ("::1", 29500)
+    ```
+    """
+    text = text.strip()
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or ":" in host and not text.startswith("["):
+        raise ValueError(f"{name} must be host:port (e.g. node0:29500 or [::1]:29500), "
+                         f"got {text!r}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{name} has an invalid port {port_text!r} in {text!r}") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{name} port must be in 1..65535, got {port} in {text!r}")
+    return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` is a loopback address or ``localhost``.
+
+    Other names count as not loopback even when they resolve to 127.x here: many systems map
+    their own host name to 127.0.1.1, yet other hosts reach that name over the network.
+    """
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_table(rank: int, peers: list[Peer], job_token: int,
+                listener: socket.socket | None) -> PeerTable:
+    """The runtime's peer table from an exchange's result (``peers`` in rank order).
+
+    Args:
+        rank: this process's rank.
+        peers: every rank's host identity and listener address, indexed by rank.
+        job_token: the same random number on every rank (rejects connections of other jobs).
+        listener: this rank's listening socket, whose port is ``peers[rank].port``.
+    """
+    host_ids = [p.host_id for p in peers]
+    topology = Topology.from_host_ids(rank, host_ids)
+    if len(peers) == 1:
+        if listener is not None:
+            listener.close()
+        return PeerTable(topology)
+    # Peers on this host are reached over loopback whatever they advertise (as under MPI).
+    addresses = [("127.0.0.1", p.port) if p.host_id == host_ids[rank] else (p.address, p.port)
+                 for p in peers]
+    return PeerTable(topology, addresses, job_token, listener)
+
+
+def from_env(config: Config) -> PeerTable | None:
+    """The peer table through the environment rendezvous, or None when it is not requested.
+
+    Raises:
+        ValueError: a rendezvous variable is missing or invalid.
+        InitError: the rendezvous failed (unreachable, inconsistent ranks, deadline passed).
+    """
+    if not requested():
+        return None
+    s = settings_from_env(config)
+    host_id = config.host_id or socket.gethostname()
+    if s.size == 1:
+        return PeerTable(Topology.from_host_ids(0, [host_id]))
+    listener = bootstrap._listen(multi_host=not is_loopback(s.host), backlog=s.size)
+    try:
+        peers, token = exchange(s.rank, s.size, (s.host, s.port), host_id,
+                                listener.getsockname()[1], config.advertise_address,
+                                s.start_timeout)
+        return build_table(s.rank, peers, token, listener)
+    except BaseException:
+        listener.close()
+        raise
+
+
+def exchange(rank: int, size: int, rendezvous: tuple[str, int], host_id: str, port: int,
+             address: str | None = None, timeout: float = 300.0) -> tuple[list[Peer], int]:
+    """Swaps every rank's ``Peer`` through rank 0 over TCP.
+
+    Rank 0 listens on ``rendezvous``'s port; every other rank connects to it, retrying until
+    ``timeout`` seconds have passed.
+
+    Args:
+        rank: this process's rank in ``[0, size)``.
+        size: the number of ranks; every rank must pass the same.
+        rendezvous: ``(host, port)`` where rank 0 listens.
+        host_id: what identifies this rank's host (ranks with equal ids are local).
+        port: the port of this rank's runtime listener.
+        address: the address peers on other hosts use to reach this rank. None: the address
+            its rendezvous connection came from as rank 0 saw it (for rank 0: the address
+            each rank reached it at), i.e. one that is known to route.
+        timeout: seconds until the whole exchange must be done.
+
+    Returns:
+        Every rank's ``Peer`` in rank order, and the job token rank 0 drew.
+
+    Raises:
+        InitError: the deadline passed, or the ranks' claims do not fit together (the same
+            message on rank 0 and every rank connected to it).
+
+    Example:
+
+    ```python
+    peers, token = exchange(rank, 4, ("node0", 29500), socket.gethostname(), port)
+    table = build_table(rank, peers, token, listener)
+    ```
+    """
+    deadline = time.monotonic() + timeout
+    if rank == 0:
+        return _serve(size, rendezvous, Peer(host_id, address or "", port), deadline, timeout)
+    return _join(rank, size, rendezvous, host_id, port, address, deadline, timeout)
+
+
+# --- rank 0 ----------------------------------------------------------------------------------
+
+def _serve(size: int, rendezvous: tuple[str, int], me: Peer, deadline: float,
+           timeout: float) -> tuple[list[Peer], int]:
+    where = _describe(rendezvous)
+    bind = "127.0.0.1" if is_loopback(rendezvous[0]) else "0.0.0.0"
+    try:
+        server = socket.create_server((bind, rendezvous[1]), backlog=size)
+    except OSError as e:
+        raise InitError(f"rank 0 could not listen on {where} ({RENDEZVOUS_VARIABLE}): {e}; "
+                        "is another job's rank 0 using that port?") from None
+    joined: dict[int, tuple[socket.socket, Peer]] = {}
+    try:
+        with server:
+            while len(joined) < size - 1:
+                accepted = _accept_hello(server, deadline)
+                if accepted is None:
+                    missing = [str(r) for r in range(1, size) if r not in joined]
+                    _fail([c for c, _ in joined.values()],
+                          f"rank 0 waited {timeout:g} s at {where} but rank(s) "
+                          f"{', '.join(missing)} of {size} did not join "
+                          f"({START_TIMEOUT_VARIABLE})")
+                conn, hello = accepted
+                problem = _check(hello, size, joined)
+                if problem:
+                    _fail([conn] + [c for c, _ in joined.values()], problem)
+                address = hello["address"] or conn.getpeername()[0]
+                joined[hello["rank"]] = (conn, Peer(hello["host_id"], address, hello["port"]))
+            token = secrets.randbits(63)
+            peers = [me] + [joined[r][1] for r in range(1, size)]
+            reply = {"token": token, "peers": [asdict(p) for p in peers]}
+            for conn, _ in joined.values():
+                _send_quietly(conn, reply)
+            return peers, token
+    finally:
+        for conn, _ in joined.values():
+            conn.close()
+
+
+def _accept_hello(server: socket.socket, deadline: float) -> tuple[socket.socket, dict] | None:
+    """The next connection that speaks the protocol, with its hello; None past the deadline."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        server.settimeout(remaining)
+        try:
+            conn, _ = server.accept()
+        except socket.timeout:
+            return None
+        try:
+            hello = _receive(conn, min(deadline, time.monotonic() + _HELLO_SECONDS))
+            if hello.get("magic") == _MAGIC and _well_formed(hello):
+                return conn, hello
+        except (OSError, ValueError):
+            pass
+        conn.close()  # not one of ours, or it gave up: keep waiting for the ranks
+
+
+def _well_formed(hello: dict) -> bool:
+    types = {"rank": int, "size": int, "host_id": str, "port": int}
+    return (all(isinstance(hello.get(k), t) for k, t in types.items())
+            and isinstance(hello.get("address"), (str, type(None))))
+
+
+def _check(hello: dict, size: int, joined: dict) -> str | None:
+    """What is wrong with a rank's claim, given those already accepted; None if nothing."""
+    rank, theirs, host = hello["rank"], hello["size"], hello["host_id"]
+    if theirs != size:
+        return (f"{SIZE_VARIABLE} disagrees: rank {rank} on host {host} has "
+                f"{SIZE_VARIABLE}={theirs}, rank 0 has {SIZE_VARIABLE}={size}")
+    if not 0 <= rank < size:
+        return f"{RANK_VARIABLE}={rank} on host {host} is out of range for {size} ranks"
+    if rank == 0 or rank in joined:
+        first = "rank 0 itself" if rank == 0 else f"a process on host {joined[rank][1].host_id}"
+        return (f"two processes claim {RANK_VARIABLE}={rank}: {first} and a process on host "
+                f"{host}; every process needs its own rank")
+    return None
+
+
+def _fail(conns: list[socket.socket], message: str) -> None:
+    """Tells every connected rank what went wrong, and raises it here."""
+    for conn in conns:
+        _send_quietly(conn, {"error": message})
+        conn.close()
+    raise InitError(message)
+
+
+# --- ranks 1.. -------------------------------------------------------------------------------
+
+def _join(rank: int, size: int, rendezvous: tuple[str, int], host_id: str, port: int,
+          address: str | None, deadline: float, timeout: float) -> tuple[list[Peer], int]:
+    where = _describe(rendezvous)
+    with _connect(rendezvous, deadline, timeout) as conn:
+        hello = {"magic": _MAGIC, "rank": rank, "size": size, "host_id": host_id,
+                 "address": address, "port": port}
+        try:
+            _send(conn, hello)
+            reply = _receive(conn, deadline)
+        except socket.timeout:
+            raise InitError(f"rank {rank}: the rendezvous at {where} did not complete within "
+                            f"{timeout:g} s ({START_TIMEOUT_VARIABLE}): rank 0 is still "
+                            "waiting for other ranks") from None
+        except (OSError, ValueError) as e:
+            raise InitError(f"rank {rank}: the rendezvous at {where} broke off: {e}") from None
+        rank0_address = conn.getpeername()[0]
+    if "error" in reply:
+        raise InitError(f"rank {rank}: rendezvous failed: {reply['error']}")
+    peers = [Peer(p["host_id"], p["address"], int(p["port"])) for p in reply["peers"]]
+    # Rank 0 is known to be reachable where this rank just reached it.
+    if not peers[0].address:
+        peers[0] = Peer(peers[0].host_id, rank0_address, peers[0].port)
+    return peers, int(reply["token"])
+
+
+def _connect(rendezvous: tuple[str, int], deadline: float, timeout: float) -> socket.socket:
+    # Rank 0 may start later than the others (or its host name may not resolve yet).
+    pause, last_error = _RETRY_SECONDS[0], None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise InitError(f"could not reach rank 0 at {_describe(rendezvous)} "
+                            f"({RENDEZVOUS_VARIABLE}) within {timeout:g} s "
+                            f"({START_TIMEOUT_VARIABLE}): {last_error}")
+        try:
+            return socket.create_connection(rendezvous, timeout=min(remaining, 5.0))
+        except OSError as e:
+            last_error = e
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        pause = min(pause * 2, _RETRY_SECONDS[1])
+
+
+# --- messages: a 4-byte length, then JSON --------------------------------------------------------
+
+def _send(conn: socket.socket, message: dict) -> None:
+    data = json.dumps(message).encode()
+    conn.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _send_quietly(conn: socket.socket, message: dict) -> None:
+    # A rank that already gave up is no reason to fail the others.
+    try:
+        conn.settimeout(5.0)
+        _send(conn, message)
+    except OSError:
+        pass
+
+
+def _receive(conn: socket.socket, deadline: float) -> dict:
+    (length,) = struct.unpack("!I", _read(conn, 4, deadline))
+    if length > _MAX_MESSAGE_BYTES:
+        raise ValueError(f"rendezvous message of {length} bytes is too long")
+    message = json.loads(_read(conn, length, deadline))
+    if not isinstance(message, dict):
+        raise ValueError("rendezvous message is not an object")
+    return message
+
+
+def _read(conn: socket.socket, n: int, deadline: float) -> bytes:
+    data = b""
+    while len(data) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("timed out")
+        conn.settimeout(remaining)
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("connection closed by the other side")
+        data += chunk
+    return data
+
+
+def _describe(rendezvous: tuple[str, int]) -> str:
+    host, port = rendezvous
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,68 @@
+"""One rank of a job launched without MPI (test_rendezvous.py starts N of these).
+
+``python rendezvous_rank.py collectives``: ``keras_ring.init()`` through the environment
+rendezvous, then collectives checked against numpy references computed locally (every rank
+can generate every rank's input); prints ``RESULT {json}``.
+
+``python rendezvous_rank.py init``: only ``init()``; prints ``ERROR {json}`` with the
+exception and the seconds it took, or ``RESULT {json}``.
+"""
+
+import json
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import keras_ring as kr
+from tests.reference import assert_same, rank_input, reduce_reference
+
+OPS = {"Sum": kr.Sum, "Average": kr.Average, "Min": kr.Min, "Max": kr.Max, "Product": kr.Product}
+
+
+def check_collectives(rank: int, size: int) -> int:
+    checked = 0
+    for dtype in (tf.float32, tf.int64, tf.bfloat16):
+        for name, op in OPS.items():
+            inputs = [rank_input(dtype, (7, 5), r, seed=11, op=name) for r in range(size)]
+            out = kr.allreduce(tf.constant(inputs[rank]), op=op, name=f"{dtype.name}.{name}")
+            assert_same(out.numpy(), reduce_reference(inputs, name, dtype))
+            checked += 1
+    # Many ring segments (the test sets KERAS_RING_SEGMENT_BYTES small).
+    big = [np.arange(200_000, dtype=np.float32) % 97 * (r + 1) for r in range(size)]
+    out = kr.allreduce(tf.constant(big[rank]), op=kr.Sum, name="big")
+    np.testing.assert_array_equal(out.numpy(), np.sum(big, axis=0))
+    # Rows differ by rank: allgatherv.
+    rows = [np.full((r + 1, 3), r, dtype=np.int32) for r in range(size)]
+    out = kr.allgather(tf.constant(rows[rank]), name="rows")
+    np.testing.assert_array_equal(out.numpy(), np.concatenate(rows))
+    for root in (0, size - 1):
+        data = [rank_input(tf.float64, (4,), r, seed=5) for r in range(size)]
+        out = kr.broadcast(tf.constant(data[rank]), root_rank=root, name=f"bcast.{root}")
+        np.testing.assert_array_equal(out.numpy(), data[root])
+    assert kr.allgather_object(rank) == list(range(size))
+    kr.barrier()
+    return checked + 2 + 2 + 1
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    start = time.monotonic()
+    try:
+        kr.init()
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever came out
+        print("ERROR " + json.dumps({"type": type(e).__name__, "message": str(e),
+                                     "seconds": time.monotonic() - start}), flush=True)
+        sys.exit(3)
+    result = {"rank": kr.rank(), "size": kr.size(), "local_rank": kr.local_rank(),
+              "local_size": kr.local_size(), "cross_rank": kr.cross_rank(),
+              "cross_size": kr.cross_size()}
+    if mode == "collectives":
+        result["checked"] = check_collectives(kr.rank(), kr.size())
+    kr.shutdown()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

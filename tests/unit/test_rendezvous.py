@@ -1,0 +1,265 @@
+"""The MPI-free launch: KERAS_RING_RANK / KERAS_RING_SIZE / KERAS_RING_RENDEZVOUS.
+
+Real jobs here are N subprocesses started by the test (no mpirun) running real collectives;
+the exchange's consistency checks run in threads of this process, which is faster.
+"""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import keras_ring as kr
+from keras_ring import rendezvous as rv
+from keras_ring.config import Config
+
+RANK_PROGRAM = Path(__file__).with_name("rendezvous_rank.py")
+GUARD = 180  # seconds: a hang guard for the child processes, never a timing assertion
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(env: dict, size: int, mode: str, host_ids=None, overrides=None,
+                rank0_delay: float = 0.0) -> list[subprocess.Popen]:
+    """``size`` rank processes; rank 0 last (after ``rank0_delay``) so the others retry."""
+    rendezvous = f"127.0.0.1:{free_port()}"
+    procs = {}
+    for rank in reversed(range(size)):
+        if rank == 0 and rank0_delay:
+            time.sleep(rank0_delay)
+        child = dict(env, KERAS_RING_RANK=str(rank), KERAS_RING_SIZE=str(size),
+                     KERAS_RING_RENDEZVOUS=rendezvous)
+        if host_ids:
+            child["KERAS_RING_HOST_ID"] = host_ids[rank]
+        child.update((overrides or {}).get(rank, {}))
+        procs[rank] = subprocess.Popen(
+            [sys.executable, str(RANK_PROGRAM), mode], env=child, cwd=RANK_PROGRAM.parents[2],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return [procs[r] for r in range(size)]
+
+
+def outcomes(procs: list[subprocess.Popen]) -> list[tuple[str, dict]]:
+    """("RESULT" or "ERROR", payload) per rank, in rank order."""
+    found = []
+    for rank, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=GUARD)
+        lines = [ln for ln in out.splitlines() if ln.startswith(("RESULT ", "ERROR "))]
+        assert lines, f"rank {rank} printed no outcome (exit {proc.returncode}):\n{out}\n{err}"
+        kind, _, payload = lines[-1].partition(" ")
+        found.append((kind, json.loads(payload)))
+    return found
+
+
+@pytest.fixture
+def env(clean_env):
+    env = {k: v for k, v in clean_env.items() if not k.startswith("KERAS_RING_")}
+    env.update(KERAS_RING_TIMEOUT_SECONDS="60", KERAS_RING_SEGMENT_BYTES="65536")
+    return env
+
+
+# --- real jobs -------------------------------------------------------------------------------
+
+def test_two_ranks_one_host_run_collectives(env):
+    results = outcomes(start_ranks(env, 2, "collectives", rank0_delay=1.0))
+    for rank, (kind, r) in enumerate(results):
+        assert kind == "RESULT", r
+        assert (r["rank"], r["size"], r["local_rank"], r["local_size"]) == (rank, 2, rank, 2)
+        assert (r["cross_rank"], r["cross_size"]) == (0, 1)
+        assert r["checked"] > 15
+
+
+def test_four_ranks_on_two_hosts_run_collectives(env):
+    # Two host identities on one machine: shared memory within a "host", TCP across.
+    hosts = ["alpha", "alpha", "beta", "beta"]
+    results = outcomes(start_ranks(env, 4, "collectives", host_ids=hosts))
+    for rank, (kind, r) in enumerate(results):
+        assert kind == "RESULT", r
+        assert (r["rank"], r["size"]) == (rank, 4)
+        assert (r["local_rank"], r["local_size"]) == (rank % 2, 2)
+        assert (r["cross_rank"], r["cross_size"]) == (rank // 2, 2)
+
+
+def test_unreachable_rendezvous_fails_init_within_the_start_timeout(monkeypatch):
+    monkeypatch.setenv("KERAS_RING_RANK", "1")
+    monkeypatch.setenv("KERAS_RING_SIZE", "2")
+    monkeypatch.setenv("KERAS_RING_RENDEZVOUS", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("KERAS_RING_START_TIMEOUT_SECONDS", "1.5")
+    start = time.monotonic()
+    with pytest.raises(kr.InitError, match=r"could not reach rank 0 at 127\.0\.0\.1:\d+ "
+                       r"\(KERAS_RING_RENDEZVOUS\) within 1\.5 s "
+                       r"\(KERAS_RING_START_TIMEOUT_SECONDS\): .*Connection refused"):
+        kr.init()
+    assert 1.5 <= time.monotonic() - start < 6.0
+    assert not kr.is_initialized()
+
+
+# --- the variables ---------------------------------------------------------------------------
+
+BAD_SETTINGS = [
+    ({"KERAS_RING_RANK": "one"}, "KERAS_RING_RANK must be an integer, got 'one'"),
+    ({"KERAS_RING_RANK": "-1"}, "KERAS_RING_RANK must be at least 0"),
+    ({"KERAS_RING_SIZE": "0"}, "KERAS_RING_SIZE must be at least 1"),
+    ({"KERAS_RING_SIZE": "2.5"}, "KERAS_RING_SIZE must be an integer"),
+    ({"KERAS_RING_RANK": "2"}, "KERAS_RING_RANK=2 is out of range: KERAS_RING_SIZE=2"),
+    ({"KERAS_RING_RENDEZVOUS": "node0"}, "KERAS_RING_RENDEZVOUS must be host:port"),
+    ({"KERAS_RING_RENDEZVOUS": ":29500"}, "KERAS_RING_RENDEZVOUS must be host:port"),
+    ({"KERAS_RING_RENDEZVOUS": "node0:http"}, "KERAS_RING_RENDEZVOUS has an invalid port"),
+    ({"KERAS_RING_RENDEZVOUS": "node0:70000"}, "KERAS_RING_RENDEZVOUS port must be in"),
+    ({"KERAS_RING_RENDEZVOUS": "::1:29500"}, "KERAS_RING_RENDEZVOUS must be host:port"),
+    ({"KERAS_RING_RENDEZVOUS": ""}, "KERAS_RING_RENDEZVOUS is not set but KERAS_RING_RANK and KERAS_RING_SIZE are"),
+    ({"KERAS_RING_RANK": "", "KERAS_RING_SIZE": ""}, "KERAS_RING_RANK and KERAS_RING_SIZE are not set but KERAS_RING_RENDEZVOUS is"),
+    ({"KERAS_RING_START_TIMEOUT_SECONDS": "soon"}, "KERAS_RING_START_TIMEOUT_SECONDS must be"),
+]
+
+
+@pytest.fixture
+def rendezvous_env(monkeypatch):
+    monkeypatch.setenv("KERAS_RING_RANK", "1")
+    monkeypatch.setenv("KERAS_RING_SIZE", "2")
+    monkeypatch.setenv("KERAS_RING_RENDEZVOUS", "node0:29500")
+    return monkeypatch
+
+
+@pytest.mark.parametrize("changes,message", BAD_SETTINGS, ids=[m for _, m in BAD_SETTINGS])
+def test_bad_variables_name_the_variable(rendezvous_env, changes, message):
+    for name, value in changes.items():
+        rendezvous_env.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rv.settings_from_env()
+
+
+def test_init_reports_a_bad_variable_before_connecting(rendezvous_env):
+    rendezvous_env.setenv("KERAS_RING_RANK", "7")
+    with pytest.raises(ValueError, match="KERAS_RING_RANK=7 is out of range"):
+        kr.init()
+    assert not kr.is_initialized()
+
+
+def test_good_variables_and_ipv6(rendezvous_env):
+    rendezvous_env.setenv("KERAS_RING_START_TIMEOUT_SECONDS", "12")
+    assert rv.settings_from_env() == rv.Settings(1, 2, "node0", 29500, 12.0)
+    rendezvous_env.setenv("KERAS_RING_RENDEZVOUS", "[::1]:29500")
+    assert (rv.settings_from_env().host, rv.settings_from_env().port) == ("::1", 29500)
+
+
+def test_start_timeout_defaults_to_the_timeout(rendezvous_env):
+    rendezvous_env.setenv("KERAS_RING_TIMEOUT_SECONDS", "42")
+    rendezvous_env.delenv("KERAS_RING_START_TIMEOUT_SECONDS", raising=False)
+    assert rv.settings_from_env().start_timeout == 42.0
+
+
+def test_world_of_one_needs_no_exchange(monkeypatch):
+    monkeypatch.setenv("KERAS_RING_RANK", "0")
+    monkeypatch.setenv("KERAS_RING_SIZE", "1")
+    monkeypatch.setenv("KERAS_RING_RENDEZVOUS", f"127.0.0.1:{free_port()}")
+    table = rv.from_env(Config.from_env())
+    assert table.topology.size == 1 and table.listener is None
+
+
+def test_loopback_names():
+    assert rv.is_loopback("127.0.0.1") and rv.is_loopback("::1") and rv.is_loopback("localhost")
+    # Host names count as routable even where /etc/hosts maps them to 127.0.1.1.
+    assert not rv.is_loopback(socket.gethostname()) and not rv.is_loopback("10.1.2.3")
+
+
+# --- the exchange, in threads -------------------------------------------------------------------
+
+def exchange_all(claims: list[tuple[int, int]], timeout: float = 10.0) -> list:
+    """Runs exchange() for each (rank, size) claim in its own thread; results or exceptions."""
+    rendezvous = ("127.0.0.1", free_port())
+    results = [None] * len(claims)
+
+    def one(i, rank, size):
+        try:
+            results[i] = rv.exchange(rank, size, rendezvous, f"host{i % 2}", 40000 + i,
+                                     timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - compared below
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i, *c)) for i, c in enumerate(claims)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(GUARD)
+    return results
+
+
+def test_exchange_gives_every_rank_the_same_table_and_token():
+    results = exchange_all([(2, 3), (1, 3), (0, 3)])
+    tables = [peers for peers, _ in results]
+    tokens = {token for _, token in results}
+    assert len(tokens) == 1 and 0 <= tokens.pop() < 2**63
+    assert tables[0] == tables[1]  # ranks 1 and 2 see rank 0 where they reached it
+    assert [p.port for p in tables[0]] == [40002, 40001, 40000]
+    assert [p.host_id for p in tables[0]] == ["host0", "host1", "host0"]
+    assert all(p.address == "127.0.0.1" for p in tables[0])
+
+
+def test_size_disagreement_is_an_error_on_every_process():
+    results = exchange_all([(0, 2), (1, 3)])
+    for r in results:
+        assert isinstance(r, kr.InitError), r
+        assert ("KERAS_RING_SIZE disagrees: rank 1 on host host1 has KERAS_RING_SIZE=3, "
+                "rank 0 has KERAS_RING_SIZE=2") in str(r)
+    assert str(results[1]).startswith("rank 1: rendezvous failed: ")
+
+
+def test_duplicate_rank_is_an_error_on_every_process():
+    results = exchange_all([(0, 3), (1, 3), (1, 3)])
+    for r in results:
+        assert isinstance(r, kr.InitError), r
+        assert "two processes claim KERAS_RING_RANK=1" in str(r)
+
+
+def test_second_rank_zero_cannot_take_the_port():
+    results = exchange_all([(0, 2), (0, 2)], timeout=2.0)
+    errors = [r for r in results if isinstance(r, kr.InitError)]
+    assert len(errors) == 2, results  # one cannot listen; the other waits for rank 1 in vain
+    assert any("could not listen" in str(e) for e in errors)
+
+
+def test_rank_zero_names_the_ranks_that_never_came():
+    start = time.monotonic()
+    [error] = exchange_all([(0, 4)], timeout=1.0)
+    assert isinstance(error, kr.InitError)
+    assert "rank(s) 1, 2, 3 of 4 did not join" in str(error)
+    assert time.monotonic() - start < 5.0
+
+
+def test_stray_connections_are_ignored():
+    rendezvous = ("127.0.0.1", free_port())
+    result = {}
+    server = threading.Thread(target=lambda: result.update(
+        zero=rv.exchange(0, 2, rendezvous, "h", 1, timeout=10.0)))
+    server.start()
+    deadline = time.monotonic() + 5
+    while True:  # a probe that speaks another protocol, then hangs up
+        try:
+            with socket.create_connection(rendezvous) as probe:
+                probe.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    peers, token = rv.exchange(1, 2, rendezvous, "h", 2, timeout=10.0)
+    server.join(GUARD)
+    assert result["zero"][1] == token and [p.port for p in peers] == [1, 2]
+
+
+def test_build_table_reaches_same_host_peers_over_loopback():
+    peers = [rv.Peer("a", "10.0.0.1", 1), rv.Peer("b", "10.0.0.2", 2), rv.Peer("a", "10.0.0.3", 3)]
+    table = rv.build_table(2, peers, 99, listener=None)
+    assert table.addresses == [("127.0.0.1", 1), ("10.0.0.2", 2), ("127.0.0.1", 3)]
+    topo = table.topology
+    assert (topo.rank, topo.local_rank, topo.local_size, topo.cross_rank) == (2, 1, 2, 0)
+    assert table.job_token == 99
