@@ -279,7 +279,9 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
       return Status(s.code(), "keras_ring: " + s.message(), s.peer());
     }
     inlined_ = all_inlined;
-    if (all_inlined) {
+    if (request.run_on_device) {
+      s = request.run_on_device(*transport_, sigs);
+    } else if (all_inlined) {
       s = ExecuteInline(request, sigs);
     } else {
       switch (request.kind) {
@@ -303,6 +305,7 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
 }
 
 bool Runtime::PackInline(const Request& r, Slot* slot) const {
+  if (r.run_on_device) return false;  // pointers into device memory
   size_t bytes = 0;
   for (const TensorRef& t : r.tensors) bytes += t.num_bytes();
   if (bytes > kInlineCapacity) return false;

@@ -42,6 +42,11 @@ struct Request {
   std::vector<TensorRef> tensors;
   // Allgather only: allocates the output for `total_rows` rows; sets tensors[0].output.
   std::function<Status(int64_t total_rows, void** output)> allocate_output;
+  // Set for tensors in device memory (GPU): after the signatures agree, the worker calls
+  // this instead of the host algorithms, still in submission order. It gets the host
+  // transport as a control channel (e.g. to distribute an NCCL unique id) and every rank's
+  // signature. Device data is never inlined into the exchange.
+  std::function<Status(Transport& control, const std::vector<Signature>& all)> run_on_device;
   std::function<void(const Status&)> done;
   Clock::time_point submitted{};  // set by Submit, for the timeline
 };
