@@ -118,6 +118,9 @@ def _reduce_sparse(grad: tf.IndexedSlices, options: ReduceOptions, name: str) ->
     return tf.IndexedSlices(values, reduced.indices, reduced.dense_shape)
 
 
+# Our control flow is plain Python on structure (None, IndexedSlices, sizes), never on
+# tensor values: autograph need not (and, converting it on every trace, should not) touch it.
+@tf.autograph.experimental.do_not_convert
 def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
                      name: str = "gradients") -> list[Any]:
     """Allreduces ``grads`` (tensors, ``tf.IndexedSlices`` or None) and returns them in order.

@@ -63,6 +63,7 @@ class DistributedGradientTape:
         """The wrapped ``tf.GradientTape``."""
         return self._tape
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE) -> Any:
         """This rank's ``tape.gradient(...)``, reduced over all ranks; same structure as ``sources``."""

@@ -168,6 +168,7 @@ def _already_reduced():
         _reduced.depth = depth
 
 
+@tf.autograph.experimental.do_not_convert
 def _apply(self, grads, trainable_variables=None):
     """Allreduces ``grads`` over the ranks, then applies them with the optimizer's own apply."""
     state: _WrapState = self.__dict__[_STATE]
