@@ -116,9 +116,64 @@ struct ShmTransport::Job {
   size_t element_bytes = 1;
   size_t recv_bytes = 0;
   size_t received = 0;
-  bool send_started = false;
-  bool recv_started = false;
+
+  // Channel state, set up by Transfer.
+  uint64_t cap = 0;
+  Channel* out = nullptr;  // our ring in the receiver's segment
+  char* out_data = nullptr;
+  Segment* out_owner = nullptr;
+  Channel* in = nullptr;  // the sender's ring in our segment
+  const char* in_data = nullptr;
+  Segment* in_owner = nullptr;  // the sender's segment (rung when we free space)
+  uint64_t w = 0;               // our write position in `out`
+  uint64_t c = 0;               // our read position in `in`
+
+  bool sending() const { return sent < send_bytes; }
+  bool receiving() const { return received < recv_bytes; }
+  bool CanProgress() const {
+    return (sending() && w - out->consumed.value.load(std::memory_order_acquire) < cap) ||
+           (receiving() && in->written.value.load(std::memory_order_acquire) >= c + element_bytes);
+  }
+  bool TrySend();
+  bool TryRecv();
 };
+
+bool ShmTransport::Job::TrySend() {
+  if (!sending()) return false;
+  const uint64_t consumed = out->consumed.value.load(std::memory_order_acquire);
+  if (w - consumed >= cap) return false;  // full (w may run ahead by the alignment pad)
+  const uint64_t pos = w & (cap - 1);
+  const size_t k =
+      static_cast<size_t>(std::min<uint64_t>({cap - (w - consumed), send_bytes - sent, cap - pos}));
+  std::memcpy(out_data + pos, send + sent, k);
+  w += k;
+  sent += k;
+  out->written.value.store(w, std::memory_order_release);
+  out_owner->Ring();
+  return true;
+}
+
+bool ShmTransport::Job::TryRecv() {
+  if (!receiving()) return false;
+  const uint64_t written = in->written.value.load(std::memory_order_acquire);
+  if (written <= c) return false;  // nothing new (the sender may not have aligned yet)
+  const uint64_t pos = c & (cap - 1);
+  size_t k =
+      static_cast<size_t>(std::min<uint64_t>({written - c, recv_bytes - received, cap - pos}));
+  k -= k % element_bytes;  // reduce whole elements only
+  if (k == 0) return false;
+  if (reduce != nullptr) {
+    // Straight from the shared ring into the output: no staging copy.
+    (*reduce)(static_cast<char*>(dst) + received, local + received, in_data + pos, k);
+  } else {
+    std::memcpy(recv + received, in_data + pos, k);
+  }
+  c += k;
+  received += k;
+  in->consumed.value.store(c, std::memory_order_release);
+  in_owner->Ring();
+  return true;
+}
 
 ShmTransport::ShmTransport(int rank, int size, const ShmOptions& options)
     : rank_(rank), size_(size), options_(options), peers_(static_cast<size_t>(size)) {}
@@ -145,6 +200,46 @@ void ShmTransport::RemoveStaleSegments() {
   closedir(dir);
 }
 
+std::string ShmTransport::CreateOwnSegment(size_t header_bytes) {
+  own_name_ = SegmentName(options_.job_token, rank_, getpid());
+  int fd = shm_open(own_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  void* mem = MAP_FAILED;
+  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(segment_bytes_)) == 0) {
+    mem = mmap(nullptr, segment_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  const int err = errno;
+  if (fd >= 0) close(fd);
+  if (mem == MAP_FAILED) {
+    if (fd >= 0) shm_unlink(own_name_.c_str());
+    return "creating shared memory " + own_name_ + " failed: " + std::strerror(err);
+  }
+  own_ = new (mem) Segment();  // ftruncate zero-filled the rest
+  own_->magic = kSegmentMagic;
+  own_->rank = rank_;
+  own_->size = size_;
+  own_->channel_bytes = options_.channel_bytes;
+  own_->header_bytes = header_bytes;
+  return "";
+}
+
+std::string ShmTransport::MapPeer(int peer, int pid, int liveness_fd) {
+  const std::string name = SegmentName(options_.job_token, peer, pid);
+  int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  void* mem =
+      fd >= 0 ? mmap(nullptr, segment_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  const int err = errno;
+  if (fd >= 0) close(fd);
+  if (mem == MAP_FAILED) return "mapping " + name + " failed: " + std::strerror(err);
+  auto* segment = static_cast<Segment*>(mem);
+  if (segment->magic != kSegmentMagic || segment->channel_bytes != options_.channel_bytes) {
+    munmap(mem, segment_bytes_);
+    return name + " is not a keras_ring segment of this size (KERAS_RING_SHM_CHANNEL_BYTES "
+                  "must be equal on all ranks)";
+  }
+  peers_[static_cast<size_t>(peer)] = Peer{segment, liveness_fd};
+  return "";
+}
+
 Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
                             const std::vector<int>& liveness_fds, const ShmOptions& options,
                             double timeout_seconds, std::unique_ptr<ShmTransport>* out) {
@@ -161,68 +256,35 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
   t->segment_bytes_ = header + static_cast<size_t>(size) * options.channel_bytes;
   AlgoConfig cfg;
   cfg.timeout_seconds = timeout_seconds;
-
-  // Round 1: create this rank's segment; everyone learns who succeeded and their pids.
-  SetupReport mine{static_cast<int32_t>(getpid()), 1, {}};
-  RemoveStaleSegments();
-  t->own_name_ = SegmentName(options.job_token, rank, mine.pid);
-  int fd = shm_open(t->own_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  void* mem = MAP_FAILED;
-  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(t->segment_bytes_)) == 0) {
-    mem = mmap(nullptr, t->segment_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  }
-  if (mem == MAP_FAILED) {
-    mine.ok = 0;
-    std::snprintf(mine.error, sizeof mine.error, "creating shared memory %s failed: %s",
-                  t->own_name_.c_str(), std::strerror(errno));
-  } else {
-    t->own_ = new (mem) Segment();
-    t->own_->magic = kSegmentMagic;
-    t->own_->rank = rank;
-    t->own_->size = size;
-    t->own_->channel_bytes = options.channel_bytes;
-    t->own_->header_bytes = header;
-  }
-  if (fd >= 0) close(fd);
   std::vector<SetupReport> reports(static_cast<size_t>(size));
-  auto round = [&](SetupReport report) {
-    reports[static_cast<size_t>(rank)] = report;
+  // Every rank reports success or its error, so all fail alike if one cannot set up.
+  auto round = [&](const std::string& error) {
+    SetupReport& mine = reports[static_cast<size_t>(rank)];
+    mine.pid = static_cast<int32_t>(getpid());
+    mine.ok = error.empty() ? 1 : 0;
+    std::snprintf(mine.error, sizeof mine.error, "%s", error.c_str());
     std::vector<size_t> sizes(static_cast<size_t>(size), sizeof(SetupReport));
     Status s = RingAllgatherv(control, cfg, reports.data(), sizes);
     for (int r = 0; s.ok() && r < size; ++r) {
       if (!reports[static_cast<size_t>(r)].ok) {
-        s = Status(Code::kUnavailable, "rank " + std::to_string(r) + ": " +
-                                           reports[static_cast<size_t>(r)].error, r);
+        s = Status(Code::kUnavailable,
+                   "rank " + std::to_string(r) + ": " + reports[static_cast<size_t>(r)].error, r);
       }
     }
     return s;
   };
-  Status s = round(mine);
-  std::vector<int> pids(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) pids[static_cast<size_t>(r)] = reports[static_cast<size_t>(r)].pid;
 
-  // Round 2: map the segments of the other ranks on this host.
-  SetupReport mapped{mine.pid, 1, {}};
+  RemoveStaleSegments();
+  Status s = round(t->CreateOwnSegment(header));  // also tells everyone our pid
+  std::string error;
   for (int peer : local) {
-    if (!s.ok() || peer == rank) continue;
-    const std::string name = SegmentName(options.job_token, peer, pids[static_cast<size_t>(peer)]);
-    int pfd = shm_open(name.c_str(), O_RDWR, 0600);
-    void* pmem = pfd >= 0 ? mmap(nullptr, t->segment_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED,
-                                 pfd, 0)
-                          : MAP_FAILED;
-    if (pfd >= 0) close(pfd);
-    if (pmem == MAP_FAILED || static_cast<Segment*>(pmem)->magic != kSegmentMagic ||
-        static_cast<Segment*>(pmem)->channel_bytes != options.channel_bytes) {
-      mapped.ok = 0;
-      std::snprintf(mapped.error, sizeof mapped.error, "mapping %s failed: %s", name.c_str(),
-                    std::strerror(errno));
-      break;
-    }
-    t->peers_[static_cast<size_t>(peer)].segment = static_cast<Segment*>(pmem);
-    t->peers_[static_cast<size_t>(peer)].liveness_fd = liveness_fds[static_cast<size_t>(peer)];
+    if (!s.ok() || !error.empty()) break;
+    error = t->MapPeer(peer, reports[static_cast<size_t>(peer)].pid,
+                       liveness_fds[static_cast<size_t>(peer)]);
   }
-  if (s.ok()) s = round(mapped);
-  // Everyone has mapped everything it needs (or failed): the name is no longer needed.
+  if (s.ok()) s = round(error);
+  // Every peer has mapped this segment (or the job failed): the name is no longer needed,
+  // and without a name nothing can outlive the job.
   if (t->own_ != nullptr) shm_unlink(t->own_name_.c_str());
   if (!s.ok()) return s;
   *out = std::move(t);
@@ -252,94 +314,54 @@ Status ShmTransport::CheckPeers(int to, int from, bool sending, bool receiving) 
 
 Status ShmTransport::Transfer(Job& job, Deadline deadline) {
   // A peer that already gave up must not let this rank complete a collective it failed.
-  KR_RETURN_IF_ERROR(CheckPeers(job.to, job.from, job.send_bytes > 0, job.recv_bytes > 0));
-  const uint64_t cap = options_.channel_bytes;
-  Channel* out_ch = job.send_bytes ? peers_[static_cast<size_t>(job.to)].segment->channel(rank_) : nullptr;
-  char* out_data = job.send_bytes ? peers_[static_cast<size_t>(job.to)].segment->data(rank_) : nullptr;
-  Channel* in_ch = job.recv_bytes ? own_->channel(job.from) : nullptr;
-  const char* in_data = job.recv_bytes ? own_->data(job.from) : nullptr;
-  uint64_t w = 0, c = 0;  // our positions in the outbound / inbound channel
-  if (out_ch) w = AlignUp(out_ch->written.value.load(std::memory_order_relaxed));
-  if (in_ch) c = AlignUp(in_ch->consumed.value.load(std::memory_order_relaxed));
-
-  auto try_send = [&]() -> bool {
-    if (job.sent >= job.send_bytes) return false;
-    const uint64_t consumed = out_ch->consumed.value.load(std::memory_order_acquire);
-    if (w - consumed >= cap) return false;  // full (w may run ahead by the alignment pad)
-    const uint64_t pos = w & (cap - 1);
-    const size_t k = static_cast<size_t>(
-        std::min<uint64_t>({cap - (w - consumed), job.send_bytes - job.sent, cap - pos}));
-    std::memcpy(out_data + pos, job.send + job.sent, k);
-    w += k;
-    job.sent += k;
-    out_ch->written.value.store(w, std::memory_order_release);
-    peers_[static_cast<size_t>(job.to)].segment->Ring();
-    return true;
-  };
-  auto try_recv = [&]() -> bool {
-    if (job.received >= job.recv_bytes) return false;
-    const uint64_t written = in_ch->written.value.load(std::memory_order_acquire);
-    if (written <= c) return false;  // nothing new (the sender may not have aligned yet)
-    const uint64_t pos = c & (cap - 1);
-    size_t k = static_cast<size_t>(
-        std::min<uint64_t>({written - c, job.recv_bytes - job.received, cap - pos}));
-    k -= k % job.element_bytes;  // reduce whole elements only
-    if (k == 0) return false;
-    if (job.reduce != nullptr) {
-      (*job.reduce)(static_cast<char*>(job.dst) + job.received, job.local + job.received,
-                    in_data + pos, k);  // straight from the shared ring: no staging copy
-    } else {
-      std::memcpy(job.recv + job.received, in_data + pos, k);
-    }
-    c += k;
-    job.received += k;
-    in_ch->consumed.value.store(c, std::memory_order_release);
-    peers_[static_cast<size_t>(job.from)].segment->Ring();
-    return true;
-  };
-  auto can_progress = [&]() {
-    if (job.sent < job.send_bytes &&
-        w - out_ch->consumed.value.load(std::memory_order_acquire) < cap) {
-      return true;
-    }
-    return job.received < job.recv_bytes &&
-           in_ch->written.value.load(std::memory_order_acquire) >= c + job.element_bytes;
-  };
-
+  KR_RETURN_IF_ERROR(CheckPeers(job.to, job.from, job.sending(), job.receiving()));
+  job.cap = options_.channel_bytes;
+  // Both sides start each message on a cache line (AlignUp), so element boundaries never
+  // straddle the ring's wrap-around.
+  if (job.sending()) {
+    job.out_owner = peers_[static_cast<size_t>(job.to)].segment;
+    job.out = job.out_owner->channel(rank_);
+    job.out_data = job.out_owner->data(rank_);
+    job.w = AlignUp(job.out->written.value.load(std::memory_order_relaxed));
+  }
+  if (job.receiving()) {
+    job.in_owner = peers_[static_cast<size_t>(job.from)].segment;
+    job.in = own_->channel(job.from);
+    job.in_data = own_->data(job.from);
+    job.c = AlignUp(job.in->consumed.value.load(std::memory_order_relaxed));
+  }
   int idle = 0;
-  while (job.sent < job.send_bytes || job.received < job.recv_bytes) {
-    bool progress = try_send();
-    progress = try_recv() || progress;
-    if (progress) {
+  while (job.sending() || job.receiving()) {
+    const bool sent = job.TrySend();
+    if (job.TryRecv() || sent) {
       idle = 0;
-      continue;
-    }
-    if (++idle < options_.spin_iterations) {
+    } else if (++idle < options_.spin_iterations) {
       KR_CPU_RELAX();
-      continue;
-    }
-    // Sleep on our doorbell until a peer makes progress for us, or a slice passes.
-    const uint32_t seq = own_->doorbell.load(std::memory_order_seq_cst);
-    own_->sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (!can_progress() && !aborted_.load()) {
-      timespec ts{0, kSleepSliceMs * 1000000L};
-      Futex(&own_->doorbell, FUTEX_WAIT, seq, &ts);
-    }
-    own_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (can_progress()) continue;
-    KR_RETURN_IF_ERROR(CheckPeers(job.to, job.from, job.sent < job.send_bytes,
-                                  job.received < job.recv_bytes));
-    if (deadline.expired()) {
-      const bool waiting_recv = job.received < job.recv_bytes;
-      const int waited = waiting_recv ? job.from : job.to;
-      return Status(Code::kDeadlineExceeded,
-                    "timed out waiting for rank " + std::to_string(waited) +
-                        (waiting_recv ? " to send data" : " to accept data"),
-                    waited);
+    } else {
+      KR_RETURN_IF_ERROR(Sleep(job, deadline));
     }
   }
-  // Both sides align the next message on the channel to a cache line (AlignUp above), so
-  // element boundaries never straddle the ring's wrap-around.
+  return Status::OK();
+}
+
+Status ShmTransport::Sleep(const Job& job, Deadline deadline) {
+  // Sleep on our doorbell until a peer makes progress for us, or a slice passes.
+  const uint32_t seq = own_->doorbell.load(std::memory_order_seq_cst);
+  own_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+  if (!job.CanProgress() && !aborted_.load()) {
+    timespec ts{0, kSleepSliceMs * 1000000L};
+    Futex(&own_->doorbell, FUTEX_WAIT, seq, &ts);
+  }
+  own_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  if (job.CanProgress()) return Status::OK();
+  KR_RETURN_IF_ERROR(CheckPeers(job.to, job.from, job.sending(), job.receiving()));
+  if (deadline.expired()) {
+    const int waited = job.receiving() ? job.from : job.to;
+    return Status(Code::kDeadlineExceeded,
+                  "timed out waiting for rank " + std::to_string(waited) +
+                      (job.receiving() ? " to send data" : " to accept data"),
+                  waited);
+  }
   return Status::OK();
 }
 

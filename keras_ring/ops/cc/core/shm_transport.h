@@ -58,6 +58,10 @@ class ShmTransport : public Transport {
   ShmTransport(int rank, int size, const ShmOptions& options);
   struct Job;  // one Send/Recv/SendRecv(Reduce) call in progress
   Status Transfer(Job& job, Deadline deadline);
+  Status Sleep(const Job& job, Deadline deadline);
+  // Setup steps; each returns an error message, empty on success.
+  std::string CreateOwnSegment(size_t header_bytes);
+  std::string MapPeer(int peer, int pid, int liveness_fd);
   Status CheckPeers(int to, int from, bool sending, bool receiving) const;
 
   int rank_;
