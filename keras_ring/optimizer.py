@@ -111,7 +111,7 @@ DistributedOptimizer = wrap
 
 def is_wrapped(optimizer: Any) -> bool:
     """True if ``optimizer`` was returned by :func:`wrap`."""
-    return _STATE in getattr(optimizer, "__dict__", {})
+    return type(optimizer).__dict__.get("apply") is _apply and _STATE in vars(optimizer)
 
 
 def _as_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
