@@ -32,7 +32,7 @@ from pathlib import Path
 _WRAPPER_FLAG = "--keras-ring-rank-wrapper"
 _TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
 _MARKER = b"KERAS_RING_RUN_EXIT"
-_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "KERAS_RING_RANK", "SLURM_PROCID")
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # How long mpirun may take to wind the ranks down after a stop request before it is killed.
 _STOP_GRACE_SECONDS = 15.0
