@@ -9,59 +9,62 @@ x = keras_ring.allreduce(tf.constant([1.0, 2.0]), op=keras_ring.Sum)
 ```
 """
 
-from keras_ring.basics import (
-    cross_rank,
-    cross_size,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
-from keras_ring.collectives import (
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
-    allgather,
-    allgather_object,
-    allreduce,
-    barrier,
-    broadcast,
-    broadcast_object,
-    broadcast_variables,
-    grouped_allreduce,
-)
-from keras_ring.errors import (
-    CollectiveAbortedError,
-    CollectiveArgumentError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    InitError,
-    KerasRingError,
-    NotInitializedError,
-    PeerFailureError,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "ReduceOp", "Sum", "Average", "Min", "Max", "Product",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables",
-    "broadcast_object", "allgather_object", "barrier", "KerasRingError", "NotInitializedError",
-    "InitError", "CollectiveMismatchError", "CollectiveArgumentError", "CollectiveTimeoutError",
-    "PeerFailureError", "CollectiveAbortedError",
-]
+# Public name -> module that defines it. Imported on first use (PEP 562), so that
+# `import keras_ring` (and the keras-ring-run launcher) does not pay for TensorFlow.
+_EXPORTS = {
+    **dict.fromkeys(
+        ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+         "cross_rank", "cross_size"], "keras_ring.basics"),
+    **dict.fromkeys(
+        ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "allreduce", "grouped_allreduce",
+         "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
+         "barrier"], "keras_ring.collectives"),
+    **dict.fromkeys(
+        ["KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
+         "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",
+         "CollectiveAbortedError"], "keras_ring.errors"),
+    # Keras integration: wrap(optimizer), DistributedGradientTape, compression and callbacks.
+    "wrap": "keras_ring.optimizer",
+    "DistributedOptimizer": "keras_ring.optimizer",
+    "DistributedGradientTape": "keras_ring.gradient_tape",
+    "Compression": "keras_ring.compression",
+    "callbacks": "keras_ring.callbacks",
+}
 
-# Keras integration: wrap(optimizer), DistributedGradientTape, compression and callbacks.
-from keras_ring import callbacks  # noqa: E402
-from keras_ring.compression import Compression  # noqa: E402
-from keras_ring.gradient_tape import DistributedGradientTape  # noqa: E402
-from keras_ring.optimizer import DistributedOptimizer, wrap  # noqa: E402
+__all__ = list(_EXPORTS)
 
-__all__ += ["wrap", "DistributedOptimizer", "DistributedGradientTape", "Compression", "callbacks"]
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_ring' has no attribute {name!r}")
+    imported = importlib.import_module(module)
+    value = imported if module == f"keras_ring.{name}" else getattr(imported, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from keras_ring import callbacks
+    from keras_ring.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
+                                   local_size, rank, shutdown, size)
+    from keras_ring.collectives import (Average, Max, Min, Product, ReduceOp, Sum, allgather,
+                                        allgather_object, allreduce, barrier, broadcast,
+                                        broadcast_object, broadcast_variables, grouped_allreduce)
+    from keras_ring.compression import Compression
+    from keras_ring.errors import (CollectiveAbortedError, CollectiveArgumentError,
+                                   CollectiveMismatchError, CollectiveTimeoutError, InitError,
+                                   KerasRingError, NotInitializedError, PeerFailureError)
+    from keras_ring.gradient_tape import DistributedGradientTape
+    from keras_ring.optimizer import DistributedOptimizer, wrap
