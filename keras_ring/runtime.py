@@ -45,15 +45,22 @@ class Runtime:
         assert self._config is not None
         return self._config
 
-    def init(self) -> None:
+    def init(self, table: _bootstrap.PeerTable | None = None) -> None:
+        """Bootstraps (once per process) and starts the native runtime.
+
+        Args:
+            table: a peer table another launcher prepared (``keras_ring.spark``); used for
+                this start only, not kept, and its owner closes it.
+        """
         with self._lock:
             if self._topology is not None:
                 return
             config = Config.from_env()
             lib = library()
-            if self._table is None:
-                self._table = _bootstrap.bootstrap(config)
-            table = self._table
+            if table is None:
+                if self._table is None:
+                    self._table = _bootstrap.bootstrap(config)
+                table = self._table
             threads.configure(table.topology.local_size, config.intra_op_threads)
             self._start_native(lib, table, config)
             self._topology = table.topology

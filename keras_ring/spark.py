@@ -1,0 +1,260 @@
+"""Run a keras_ring job inside Spark: ``keras_ring.spark.run(fn)``, no MPI and no SSH.
+
+Each rank is a task of one barrier-mode Spark stage (Spark starts all of them together or
+none). The tasks swap what the bootstrap needs through ``BarrierTaskContext.allGather``
+(host identity, listener address and port, rank 0's job token), build the same peer table
+as the MPI bootstrap, initialize keras_ring, run ``fn``, and shut keras_ring down.
+
+Install with ``pip install keras-ring[spark]``. Importing ``keras_ring`` or this module never
+imports pyspark; ``run`` does.
+
+Example:
+
+```python
+import keras_ring.spark
+
+def train(epochs):
+    import keras, keras_ring          # keras_ring is initialized in here
+    ...
+    return history.history
+
+histories = keras_ring.spark.run(train, args=(5,), num_proc=4)   # one per rank, rank order
+```
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import secrets
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+# How long a rank whose collective failed because of another rank waits before it reports,
+# so that the rank with the root cause is the one whose traceback Spark shows.
+_CONSEQUENCE_GRACE_SECONDS = 2.0
+_POLL_SECONDS = 0.5
+_CANCEL_SECONDS = 30.0
+_FAILURE = re.compile(r"keras_ring rank (?P<rank>\d+) of (?P<size>\d+) failed:\n"
+                      r"(?P<traceback>.*?)\n\[end of keras_ring rank (?P=rank) traceback\]", re.S)
+
+
+class RankError(RuntimeError):
+    """``fn`` (or keras_ring's start) raised in a Spark task.
+
+    Attributes:
+        rank: the rank that failed first.
+        remote_traceback: that rank's Python traceback, as text.
+    """
+
+    def __init__(self, rank: int, size: int, remote_traceback: str):
+        super().__init__(f"keras_ring.spark.run: rank {rank} of {size} failed:\n"
+                         f"{remote_traceback}")
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def run(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+        num_proc: int | None = None, use_gpu: bool = False,
+        start_timeout: float = 600) -> list[Any]:
+    """Runs ``fn(*args, **kwargs)`` as a keras_ring job of ``num_proc`` Spark tasks.
+
+    ``fn`` runs with keras_ring already initialized (``keras_ring.init()`` in it is harmless);
+    it and its arguments are pickled with cloudpickle, its return value must be picklable.
+
+    Args:
+        fn: what every rank runs.
+        args: positional arguments for ``fn``.
+        kwargs: keyword arguments for ``fn``.
+        num_proc: the number of ranks (Spark tasks); default the cluster's
+            ``defaultParallelism``. All of them must fit in the cluster at once.
+        use_gpu: give each task the GPUs Spark assigned to it (``spark.task.resource.gpu.
+            amount``) through ``CUDA_VISIBLE_DEVICES``, before TensorFlow starts.
+        start_timeout: seconds Spark may take to start all tasks; past it the job is cancelled
+            and ``TimeoutError`` raised.
+
+    Returns:
+        ``fn``'s return values, in rank order.
+
+    Raises:
+        RankError: ``fn`` raised on some rank; the message holds that rank's traceback (the
+            Spark job fails with the same text). The other ranks' collectives fail when the
+            failing rank's connections close, so no task hangs.
+        TimeoutError: the tasks did not all start within ``start_timeout``.
+
+    Example:
+
+    ```python
+    def train():
+        import keras_ring
+        return keras_ring.rank(), keras_ring.size()
+
+    keras_ring.spark.run(train, num_proc=2)  # [(0, 2), (1, 2)]
+    ```
+    """
+    from pyspark import SparkContext
+
+    sc = SparkContext.getOrCreate()
+    num_proc = sc.defaultParallelism if num_proc is None else int(num_proc)
+    if num_proc < 1:
+        raise ValueError(f"num_proc must be at least 1, got {num_proc}")
+    task = functools.partial(_task, fn, tuple(args), dict(kwargs or {}), bool(use_gpu))
+    rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
+    try:
+        ranked = _collect(sc, rdd, num_proc, start_timeout)
+    except Exception as e:
+        failure = _FAILURE.search(str(e))
+        if failure is None:
+            raise
+        raise RankError(int(failure["rank"]), int(failure["size"]),
+                        failure["traceback"]) from e
+    return [value for _, value in sorted(ranked, key=lambda pair: pair[0])]
+
+
+def _collect(sc, rdd, num_proc: int, start_timeout: float) -> list:
+    """``rdd.collect()``, cancelled if its tasks have not all started within the timeout."""
+    group = f"keras_ring-{secrets.token_hex(6)}"
+    outcome: dict[str, Any] = {}
+
+    def collect() -> None:
+        # Job groups are per thread (pyspark's pinned-thread mode): set it where collect runs.
+        sc.setJobGroup(group, f"keras_ring job of {num_proc} ranks", interruptOnCancel=True)
+        try:
+            outcome["value"] = rdd.collect()
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=collect, name="keras_ring.spark.run", daemon=True)
+    thread.start()
+    deadline, started = time.monotonic() + start_timeout, False
+    try:
+        while thread.is_alive():
+            thread.join(_POLL_SECONDS)
+            started = started or _started_tasks(sc, group) >= num_proc
+            if not started and thread.is_alive() and time.monotonic() > deadline:
+                sc.cancelJobGroup(group)
+                thread.join(_CANCEL_SECONDS)  # bounded: a job Spark holds back may linger
+                raise TimeoutError(
+                    f"keras_ring.spark.run: {_started_tasks(sc, group)} of {num_proc} tasks "
+                    f"started within start_timeout={start_timeout:g} s; a barrier stage "
+                    f"needs {num_proc} free task slots at once")
+    except KeyboardInterrupt:
+        sc.cancelJobGroup(group)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _started_tasks(sc, group: str) -> int:
+    tracker = sc.statusTracker()
+    started = 0
+    for job_id in tracker.getJobIdsForGroup(group):
+        job = tracker.getJobInfo(job_id)
+        for stage_id in job.stageIds if job else ():
+            stage = tracker.getStageInfo(stage_id)
+            if stage:
+                started += stage.numActiveTasks + stage.numCompletedTasks + stage.numFailedTasks
+    return started
+
+
+# --- inside each Spark task ------------------------------------------------------------------
+
+def _task(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool, _partition) -> list:
+    from pyspark import BarrierTaskContext
+
+    context = BarrierTaskContext.get()
+    rank, size = context.partitionId(), len(context.getTaskInfos())
+    table = None
+    try:
+        if use_gpu:
+            _pin_gpus(context)  # before anything imports TensorFlow's GPU runtime
+        from keras_ring.runtime import RUNTIME
+
+        table = _exchange(context, rank, size)
+        if RUNTIME.initialized:  # a reused Python worker whose last job did not end cleanly
+            RUNTIME.shutdown()
+        RUNTIME.init(table=table)
+        result = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported with its traceback below
+        text = traceback.format_exc().rstrip()
+        # Closing this rank's connections now makes every peer's collective fail at once.
+        _stop(table)
+        if _is_consequence(e):
+            time.sleep(_CONSEQUENCE_GRACE_SECONDS)
+        raise RuntimeError(f"keras_ring rank {rank} of {size} failed:\n{text}\n"
+                           f"[end of keras_ring rank {rank} traceback]") from None
+    # No rank shuts down while another may still be finishing its last collective.
+    context.barrier()
+    _stop(table)
+    return [(rank, result)]
+
+
+def _exchange(context, rank: int, size: int):
+    """The peer table, from two allGathers: host identities, then listener addresses."""
+    from keras_ring import bootstrap, rendezvous
+    from keras_ring.config import Config
+
+    config = Config.from_env()
+    host_ids = context.allGather(config.host_id or socket.gethostname())
+    multi_host = len(set(host_ids)) > 1
+    # Loopback only when every rank is on this host, as under MPI.
+    listener = bootstrap._listen(multi_host, size)
+    try:
+        # The executor's address as Spark's driver knows it routes; a host name may not
+        # (many systems map their own name to 127.0.1.1).
+        executor_host = context.getTaskInfos()[rank].address.rpartition(":")[0]
+        address = config.advertise_address or executor_host or "127.0.0.1"
+        token = secrets.randbits(63) if rank == 0 else 0
+        entries = [json.loads(m) for m in context.allGather(
+            json.dumps([address, listener.getsockname()[1], token]))]
+        peers = [rendezvous.Peer(h, a, p) for h, (a, p, _) in zip(host_ids, entries)]
+        return rendezvous.build_table(rank, peers, entries[0][2], listener)
+    except BaseException:
+        listener.close()
+        raise
+
+
+def _stop(table) -> None:
+    runtime = sys.modules.get("keras_ring.runtime")
+    if runtime is not None:
+        runtime.RUNTIME.shutdown()
+    if table is not None:
+        table.close()
+
+
+def _is_consequence(error: BaseException) -> bool:
+    """True for a collective that failed because another rank failed or left."""
+    errors = sys.modules.get("keras_ring.errors")
+    if errors is None:
+        return False
+    if "tensorflow" in sys.modules:
+        import tensorflow as tf
+
+        if isinstance(error, tf.errors.OpError):
+            error = errors.translate(error)
+    return isinstance(error, (errors.PeerFailureError, errors.CollectiveAbortedError,
+                              errors.CollectiveTimeoutError))
+
+
+def _pin_gpus(context) -> None:
+    gpus = context.resources().get("gpu")
+    if gpus is None or not gpus.addresses:
+        raise RuntimeError(
+            "use_gpu=True but Spark assigned this task no GPU: set spark.task.resource.gpu."
+            "amount (and spark.executor.resource.gpu.amount with a discovery script)")
+    visible = ",".join(gpus.addresses)
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if "tensorflow" in sys.modules and current != visible:
+        # CUDA reads the variable once; a reused Python worker cannot switch GPUs.
+        raise RuntimeError(
+            f"Spark assigned GPU(s) {visible}, but this Python worker already loaded "
+            f"TensorFlow with CUDA_VISIBLE_DEVICES={current}: set "
+            "spark.python.worker.reuse=false for GPU jobs")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible

@@ -1,0 +1,145 @@
+"""keras_ring.spark.run on a local Spark (``local[2]``: two barrier tasks, two ranks).
+
+Needs pyspark (the ``test`` extra installs it) and a Java runtime (``.ci/run`` installs
+Debian's ``default-jre-headless``). Without them these tests fail, saying how to install
+what is missing: a silent skip would hide that the Spark launcher went untested.
+
+One Spark session serves the whole module, and the tests run in this order on purpose: the
+first one pays for the Python workers' TensorFlow import, the next reuse those workers.
+"""
+
+import ast
+import os
+import runpy
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import keras_ring.spark as kspark
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "spark_fit.py"
+
+
+def _require_java() -> None:
+    java_home = os.environ.get("JAVA_HOME")
+    if shutil.which("java") or (java_home and Path(java_home, "bin", "java").exists()):
+        return
+    pytest.fail("Java is missing: the Spark tests need a Java 17+ runtime on PATH (or "
+                "JAVA_HOME). Install it with 'apt-get update && apt-get install -y "
+                "default-jre-headless' (Debian/Ubuntu; .ci/run does this), then rerun.",
+                pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    _require_java()
+    try:
+        from pyspark import cloudpickle
+        from pyspark.sql import SparkSession
+    except ImportError:
+        pytest.fail("pyspark is missing: run 'make venv' (the test extra installs it) or "
+                    "'pip install -e .[test]'", pytrace=False)
+    # The functions below are shipped by value: Spark's workers need not import this file.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYSPARK_PYTHON", sys.executable)  # workers run this Python (venv)
+        env.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+        session = (SparkSession.builder.master("local[2]").appName("keras_ring tests")
+                   .config("spark.ui.enabled", "false")
+                   .config("spark.ui.showConsoleProgress", "false")
+                   .config("spark.sql.shuffle.partitions", "2")
+                   .config("spark.driver.host", "127.0.0.1")
+                   .config("spark.driver.bindAddress", "127.0.0.1")
+                   .getOrCreate())
+    session.sparkContext.setLogLevel("FATAL")
+    yield session
+    session.stop()
+
+
+def where_am_i(offset):
+    import tensorflow as tf
+
+    import keras_ring
+
+    total = keras_ring.allreduce(tf.constant(float(keras_ring.rank() + offset)),
+                                 op=keras_ring.Sum)
+    gathered = keras_ring.allgather_object(keras_ring.rank() * 10)
+    return (keras_ring.rank(), keras_ring.size(), keras_ring.local_rank(), float(total),
+            gathered)
+
+
+def test_results_come_back_in_rank_order(spark):
+    assert spark.sparkContext.defaultParallelism == 2
+    assert kspark.run(where_am_i, args=(100,)) == [
+        (0, 2, 0, 201.0, [0, 10]),
+        (1, 2, 1, 201.0, [0, 10]),
+    ]
+
+
+def test_keras_quickstart_trains_with_averaged_metrics(spark):
+    example = runpy.run_path(str(EXAMPLE), run_name="spark_fit_example")
+    histories = example["train_on_spark"](num_proc=2, epochs=3, samples=4096)
+    assert len(histories) == 2
+    # MetricAverageCallback: each rank evaluated its own shard, yet all report the same.
+    assert histories[0].keys() == histories[1].keys() >= {"loss", "accuracy", "val_accuracy"}
+    for name in histories[0]:
+        np.testing.assert_allclose(histories[0][name], histories[1][name], rtol=1e-6)
+    loss, val_accuracy = histories[0]["loss"], histories[0]["val_accuracy"]
+    assert loss[-1] < loss[0]
+    assert val_accuracy[-1] > 0.6  # chance is 0.1
+
+
+def fail_on_rank_one(marker_dir):
+    import tensorflow as tf
+
+    import keras_ring
+
+    if keras_ring.rank() == 1:
+        raise ValueError("rank one cannot go on")
+    try:
+        for _ in range(10_000):  # rank 1 never joins: this must fail, not hang
+            keras_ring.allreduce(tf.ones([4]), name="never_completes")
+    except Exception as e:
+        Path(marker_dir, "rank0").write_text(type(e).__name__)
+        raise
+    return "unreachable"
+
+
+def test_an_exception_fails_the_job_with_its_traceback(spark, tmp_path):
+    with pytest.raises(kspark.RankError) as info:
+        kspark.run(fail_on_rank_one, args=(str(tmp_path),), num_proc=2)
+    error = info.value
+    assert error.rank == 1
+    assert "ValueError: rank one cannot go on" in error.remote_traceback
+    assert ", in fail_on_rank_one" in error.remote_traceback
+    assert str(error).startswith("keras_ring.spark.run: rank 1 of 2 failed:\nTraceback")
+    assert "rank one cannot go on" in str(error.__cause__)  # the Spark job's own failure
+    # Rank 0's pending collective ended through keras_ring's failure semantics.
+    marker = tmp_path / "rank0"
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.read_text() in ("PeerFailureError", "CollectiveAbortedError")
+
+
+def test_start_timeout_cancels_a_job_that_cannot_start(spark):
+    # Three barrier tasks never fit in local[2]: nothing starts, and run() must not wait.
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"0 of 3 tasks started within start_timeout=2 s"):
+        kspark.run(where_am_i, args=(0,), num_proc=3, start_timeout=2)
+    assert time.monotonic() - start < 30
+
+
+def test_importing_keras_ring_does_not_import_pyspark():
+    # Checked in the source: this process has imported pyspark already.
+    for path in (ROOT / "keras_ring").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only; run() imports pyspark lazily
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "pyspark" for n in names), path
