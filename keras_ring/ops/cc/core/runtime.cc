@@ -59,8 +59,20 @@ Runtime::~Runtime() {
   // A collective still in flight at shutdown cannot complete without us; end it now
   // rather than after the timeout.
   transport_->Abort();
+  {
+    std::lock_guard<std::mutex> lock(backend_mu_);
+    if (backend_) backend_->Abort();
+  }
   if (worker_.joinable()) worker_.join();
   if (watchdog_.joinable()) watchdog_.join();
+  backend_.reset();  // no collective can use it any more
+}
+
+DeviceBackend* Runtime::device_backend(
+    const std::function<std::unique_ptr<DeviceBackend>()>& make) {
+  std::lock_guard<std::mutex> lock(backend_mu_);
+  if (!backend_) backend_ = make();
+  return backend_.get();
 }
 
 void Runtime::Submit(Request request) {
@@ -203,6 +215,7 @@ Signature Runtime::MakeSignature(const Request& r, uint64_t seq) const {
   s.root = r.root;
   s.prescale = r.prescale;
   s.postscale = r.postscale;
+  s.device = r.run_on_device ? 1 : 0;
   s.SetName(r.name);
   if (r.kind == Kind::kGroupedAllreduce) {
     uint64_t h = 1469598103934665603ull;

@@ -51,6 +51,15 @@ struct Request {
   Clock::time_point submitted{};  // set by Submit, for the timeline
 };
 
+// Collectives on device memory (the NCCL backend) keep their state here, owned by the runtime
+// so that it lives exactly as long as the runtime: Abort() runs as shutdown begins (a
+// collective in flight ends at once), and the object is destroyed after the worker stopped.
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+  virtual void Abort() = 0;  // thread-safe
+};
+
 struct RuntimeOptions {
   int rank = 0;
   int size = 1;
@@ -81,6 +90,9 @@ class Runtime {
   static std::shared_ptr<Runtime> Get();
   static void Install(std::shared_ptr<Runtime> runtime);
   static std::shared_ptr<Runtime> Uninstall();
+
+  // This runtime's device backend, made by `make` on the first call (any thread).
+  DeviceBackend* device_backend(const std::function<std::unique_ptr<DeviceBackend>()>& make);
 
   // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }
@@ -127,6 +139,8 @@ class Runtime {
   std::thread watchdog_;
 
   Timeline timeline_;
+  std::mutex backend_mu_;
+  std::unique_ptr<DeviceBackend> backend_;
   Clock::time_point exchanged_at_{};  // when the current collective's exchange finished
   bool inlined_ = false;              // whether it completed inside the exchange
 };

@@ -114,6 +114,12 @@ std::vector<Field> FieldsFor(Kind kind) {
                },
                [](auto& s) { return "'" + std::string(s.name) + "'"; }});
   if (kind == Kind::kBarrier) return f;
+  // Before anything else about the data: a host rank would run the ring while a GPU rank
+  // runs NCCL, and their byte streams would not match.
+  f.push_back({"placement", [](auto& a, auto& b) { return a.device == b.device; },
+               [](auto& s) {
+                 return std::string(s.device ? "a tensor in GPU memory" : "a tensor in host memory");
+               }});
   f.push_back({"dtype", [](auto& a, auto& b) { return a.dtype == b.dtype; },
                [](auto& s) { return std::string(DataTypeName(static_cast<DataType>(s.dtype))); }});
   if (kind == Kind::kAllreduce || kind == Kind::kGroupedAllreduce) {
