@@ -15,8 +15,8 @@ TEST_ENV := KERAS_RING_TIMEOUT_SECONDS=60
 # An outer bound per mpirun, in case a test wedges outside keras_ring's own bounded waits.
 GUARD := timeout --signal=TERM --kill-after=30 900
 
-CORE_SRC := $(wildcard keras_ring/ops/cc/core/*.cc)
-CORE_HDR := $(wildcard keras_ring/ops/cc/core/*.h)
+CORE_SRC := $(wildcard keras_ring/ops/cc/core/*.cc keras_ring/ops/cc/core/nccl/*.cc)
+CORE_HDR := $(wildcard keras_ring/ops/cc/core/*.h keras_ring/ops/cc/core/nccl/*.h)
 CPP_TEST_SRC := $(wildcard keras_ring/ops/cc/tests/*.cc)
 OPS_SRC := $(CORE_SRC) $(CORE_HDR) $(wildcard keras_ring/ops/cc/tf/*)
 OPS_LIB := keras_ring/ops/_keras_ring_ops.so
@@ -40,7 +40,7 @@ ops: $(OPS_LIB)
 
 build/core_tests: $(CORE_SRC) $(CORE_HDR) $(CPP_TEST_SRC)
 	mkdir -p build
-	$(CXX) -std=c++17 -O2 -g -Wall -Wextra -Werror -pthread -o $@ $(CORE_SRC) $(CPP_TEST_SRC)
+	$(CXX) -std=c++17 -O2 -g -Wall -Wextra -Werror -pthread -o $@ $(CORE_SRC) $(CPP_TEST_SRC) -ldl
 
 test-cpp: build/core_tests
 	./build/core_tests

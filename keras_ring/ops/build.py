@@ -28,15 +28,19 @@ class BuildError(RuntimeError):
     """The op library could not be compiled."""
 
 
+# The core runtime, its GPU backend (NCCL, loaded at run time: no CUDA headers), the adapter.
+SOURCE_DIRS = ("core", "core/nccl", "tf")
+
+
 def sources() -> list[Path]:
     """The C++ files of the op library: the core runtime and the TensorFlow adapter."""
-    return sorted((CC_DIR / "core").glob("*.cc")) + sorted((CC_DIR / "tf").glob("*.cc"))
+    return [p for d in SOURCE_DIRS for p in sorted((CC_DIR / d).glob("*.cc"))]
 
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for path in sorted((CC_DIR / "core").glob("*")) + sorted((CC_DIR / "tf").glob("*")):
-        h.update(path.name.encode())
+    for path in [p for d in SOURCE_DIRS for p in sorted((CC_DIR / d).glob("*")) if p.is_file()]:
+        h.update(path.relative_to(CC_DIR).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -1,0 +1,137 @@
+// The NCCL backend: collectives on device memory, run by the runtime's ordered worker after
+// the signatures agreed (Request::run_on_device).
+//
+// Ordering without host synchronisation of the caller's stream: at submission an event is
+// recorded on the caller's stream (TensorFlow's compute stream); the runtime's own stream
+// waits for it, runs the NCCL call, records a second event, and the caller's stream waits for
+// that one. The worker then polls the second event (with ncclCommGetAsyncError and the
+// runtime's deadline) before the collective is reported done, so every wait is bounded and an
+// NCCL failure or stall reaches the op that caused it, with the communicator aborted.
+//
+// Communicators: one per device, made at the first collective on it. Every rank first says
+// whether it can take part (libraries found, device usable), so a rank without NCCL makes all
+// ranks fail alike instead of hanging; then rank 0's ncclUniqueId is broadcast over the host
+// transport, in order, like any collective. Destroyed with the runtime; aborted on error,
+// timeout or shutdown.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "../runtime.h"
+#include "device_api.h"
+#include "plan.h"
+
+namespace keras_ring {
+namespace nccl {
+
+class NcclBackend;
+
+// What a device collective carries from submission (the caller's thread) to execution (the
+// worker): where its inputs are ready. Returns its event to the backend when dropped.
+struct DeviceTicket {
+  DeviceTicket(NcclBackend* owner, int device, Stream caller_stream)
+      : owner(owner), device(device), caller_stream(caller_stream) {}
+  ~DeviceTicket();
+  DeviceTicket(const DeviceTicket&) = delete;
+  DeviceTicket& operator=(const DeviceTicket&) = delete;
+
+  NcclBackend* owner;
+  int device;
+  Stream caller_stream;
+  Event ready = nullptr;  // recorded on caller_stream at submission
+  Status status;          // why the submission could not prepare, reported collectively
+};
+
+// The parts of a Request the device path needs (run_on_device does not get the Request).
+struct DeviceCollective {
+  Kind kind = Kind::kAllreduce;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  double prescale = 1.0;
+  double postscale = 1.0;
+  std::vector<TensorRef> tensors;
+  std::function<Status(int64_t total_rows, void** output)> allocate_output;
+};
+
+// One NCCL communicator; aborted rather than destroyed once anything went wrong with it.
+class Communicator {
+ public:
+  Communicator(DeviceApi& api, Comm comm) : api_(api), comm_(comm) {}
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  Comm get() const { return comm_; }
+  bool aborted() const { return aborted_; }
+  void Abort();
+  // A PreMulSum op for (dtype, scalar), made once and kept (scale factors are op attributes,
+  // so a program uses few of them).
+  Status PreMulSumOp(int nccl_dtype, DataType dtype, double scalar, int* op);
+
+ private:
+  DeviceApi& api_;
+  Comm comm_;
+  bool aborted_ = false;
+  std::map<std::pair<int, double>, int> premul_ops_;
+};
+
+class NcclBackend : public DeviceBackend {
+ public:
+  NcclBackend(std::shared_ptr<DeviceApi> api, int rank, int size, double timeout_seconds);
+  ~NcclBackend() override;  // after the worker stopped: tears down communicators and streams
+  void Abort() override;
+
+  // On the submitting thread: records where `caller_stream`'s inputs are ready.
+  std::shared_ptr<DeviceTicket> Prepare(int device, Stream caller_stream);
+
+  // On the worker, in submission order, after the signatures agreed.
+  Status Run(Transport& control, const std::vector<Signature>& sigs, DeviceCollective& c,
+             DeviceTicket& ticket);
+
+  int communicator_count();
+  void ReleaseEvent(int device, Event event);
+
+ private:
+  struct DeviceState {
+    Stream stream = nullptr;  // the runtime's own stream on this device (worker only)
+    std::unique_ptr<Communicator> comm;
+    std::vector<Event> free_events;  // guarded by mu_
+  };
+
+  DeviceState& State(int device);
+  Status TakeEvent(int device, Event* event);
+  Status Connect(Transport& control, int device, const Status& local);
+  Status InitCommunicator(int device, const UniqueId& id, Comm* comm);
+  Status Launch(const std::vector<Signature>& sigs, DeviceCollective& c,
+                const std::vector<ReducePlan>& plans, Communicator& comm, Stream stream);
+  Status LaunchReduce(DeviceCollective& c, const std::vector<ReducePlan>& plans,
+                      Communicator& comm, Stream stream);
+  Status LaunchAllgather(const std::vector<Signature>& sigs, DeviceCollective& c, Comm comm,
+                         Stream stream);
+  Status WaitFor(Event done, Communicator& comm, const char* what);
+  // Why a wait must end now (shutdown, a signal, the deadline), or OK.
+  Status StopReason(const Deadline& deadline, const std::string& what);
+  Status Cuda(int error, const char* call);
+  Status Nccl(int result, const char* call);
+
+  std::shared_ptr<DeviceApi> api_;
+  const int rank_;
+  const int size_;
+  const double timeout_seconds_;
+  std::atomic<bool> aborted_{false};
+  std::mutex mu_;
+  std::map<int, DeviceState> devices_;  // node-based: references stay valid
+};
+
+// Makes `request` a device collective on `runtime`'s NCCL backend (created on first use with
+// `api`): records the ready point on `caller_stream` now and sets request->run_on_device.
+void AttachNccl(Runtime& runtime, int device, Stream caller_stream, Request* request,
+                const std::shared_ptr<DeviceApi>& api = SystemDeviceApi());
+
+}  // namespace nccl
+}  // namespace keras_ring

@@ -1,0 +1,120 @@
+#include "device_c_api.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "../runtime.h"
+#include "backend.h"
+#include "device_api.h"
+
+using keras_ring::Code;
+using keras_ring::DataType;
+using keras_ring::Kind;
+using keras_ring::Request;
+using keras_ring::Runtime;
+using keras_ring::Status;
+using keras_ring::TensorRef;
+
+namespace {
+
+int Report(const Status& s, char* err, size_t err_len) {
+  if (err != nullptr && err_len > 0) {
+    std::strncpy(err, s.message().c_str(), err_len - 1);
+    err[err_len - 1] = '\0';
+  }
+  return static_cast<int>(s.code());
+}
+
+TensorRef Tensor(int dtype, std::vector<int64_t> shape, const void* input, void* output) {
+  TensorRef t;
+  t.dtype = static_cast<DataType>(dtype);
+  t.shape = std::move(shape);
+  t.input = input;
+  t.output = output;
+  return t;
+}
+
+// Validates, attaches the NCCL backend and waits for the result.
+int RunOnDevice(Request request, int device, void* stream, char* err, size_t err_len) {
+  std::shared_ptr<Runtime> runtime = Runtime::Get();
+  if (runtime == nullptr) {
+    return Report(Status(Code::kFailedPrecondition,
+                         "keras_ring has not been initialized; call keras_ring_init() first"),
+                  err, err_len);
+  }
+  for (const TensorRef& t : request.tensors) {
+    if (!keras_ring::IsValidDataType(static_cast<int32_t>(t.dtype))) {
+      return Report(Status(Code::kInvalidArgument, "unknown dtype " +
+                                                       std::to_string(static_cast<int>(t.dtype))),
+                    err, err_len);
+    }
+  }
+  keras_ring::nccl::AttachNccl(*runtime, device, stream, &request);
+  return Report(runtime->Run(std::move(request)), err, err_len);
+}
+
+}  // namespace
+
+extern "C" {
+
+void keras_ring_nccl_set_search_path(const char* dirs) {
+  keras_ring::nccl::SetLibrarySearchPath(dirs != nullptr ? dirs : "");
+}
+
+int keras_ring_nccl_probe(const char* dirs, int* version, char* err, size_t err_len) {
+  int v = 0;
+  Status s = keras_ring::nccl::ProbeNccl(dirs != nullptr ? dirs : "", &v);
+  if (version != nullptr) *version = s.ok() ? v : 0;
+  return Report(s, err, err_len);
+}
+
+int keras_ring_device_allreduce(const void* input, void* output, int64_t count, int dtype,
+                                int reduce_op, double prescale, double postscale, int device,
+                                void* stream, const char* name, char* err, size_t err_len) {
+  if (!keras_ring::IsValidReduceOp(reduce_op)) {
+    return Report(Status(Code::kInvalidArgument, "unknown reduce_op " + std::to_string(reduce_op)),
+                  err, err_len);
+  }
+  Request r;
+  r.kind = Kind::kAllreduce;
+  r.name = name != nullptr ? name : "";
+  r.op = static_cast<keras_ring::ReduceOp>(reduce_op);
+  r.prescale = prescale;
+  r.postscale = postscale;
+  r.tensors.push_back(Tensor(dtype, {count}, input, output));
+  return RunOnDevice(std::move(r), device, stream, err, err_len);
+}
+
+int keras_ring_device_allgather(const void* input, void* output, int64_t rows,
+                                int64_t row_elems, int64_t output_rows, int dtype, int device,
+                                void* stream, const char* name, char* err, size_t err_len) {
+  Request r;
+  r.kind = Kind::kAllgather;
+  r.name = name != nullptr ? name : "";
+  r.tensors.push_back(Tensor(dtype, {rows, row_elems}, input, nullptr));
+  r.allocate_output = [output, output_rows](int64_t total_rows, void** out) -> Status {
+    if (total_rows > output_rows) {
+      return Status(Code::kInvalidArgument, "the output holds " + std::to_string(output_rows) +
+                                                " rows, the allgather needs " +
+                                                std::to_string(total_rows));
+    }
+    *out = output;
+    return Status::OK();
+  };
+  return RunOnDevice(std::move(r), device, stream, err, err_len);
+}
+
+int keras_ring_device_broadcast(const void* input, void* output, int64_t count, int dtype,
+                                int root, int device, void* stream, const char* name,
+                                char* err, size_t err_len) {
+  Request r;
+  r.kind = Kind::kBroadcast;
+  r.name = name != nullptr ? name : "";
+  r.root = root;
+  r.tensors.push_back(Tensor(dtype, {count}, input, output));
+  return RunOnDevice(std::move(r), device, stream, err, err_len);
+}
+
+}  // extern "C"

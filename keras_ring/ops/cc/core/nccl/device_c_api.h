@@ -1,0 +1,40 @@
+// The C face of the GPU backend, for ctypes: locating NCCL (from Python at init), probing it
+// (tests and diagnostics), and synchronous collectives on device pointers for programs
+// without TensorFlow (benchmarks/gpu_check.py builds the core alone with this and
+// tf/c_api.cc, which has no TensorFlow dependency either). Functions return 0 or a status
+// code and write a message into `err`.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Directories (colon-separated) searched for libnccl.so.2 and libcudart before the system's.
+void keras_ring_nccl_set_search_path(const char* dirs);
+
+// Loads NCCL as a GPU collective would, searching `dirs` first; sets *version to NCCL's
+// version code (e.g. 21903 for 2.19.3). The error is the one a GPU collective would raise.
+int keras_ring_nccl_probe(const char* dirs, int* version, char* err, size_t err_len);
+
+// Collectives on device memory of CUDA device `device`, ordered after the work queued on
+// `stream` (a cudaStream_t; 0 is the legacy default stream). They return once the result is
+// in `output` (and `stream` is made to wait for it). dtype and reduce_op take the values of
+// keras_ring's DataType and ReduceOp enums (core/common.h). `name` may be null.
+int keras_ring_device_allreduce(const void* input, void* output, int64_t count, int dtype,
+                                int reduce_op, double prescale, double postscale, int device,
+                                void* stream, const char* name, char* err, size_t err_len);
+// `rows` of `row_elems` elements from this rank; `output` holds `output_rows` rows, which
+// must be at least the sum of every rank's rows.
+int keras_ring_device_allgather(const void* input, void* output, int64_t rows,
+                                int64_t row_elems, int64_t output_rows, int dtype, int device,
+                                void* stream, const char* name, char* err, size_t err_len);
+int keras_ring_device_broadcast(const void* input, void* output, int64_t count, int dtype,
+                                int root, int device, void* stream, const char* name,
+                                char* err, size_t err_len);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,321 @@
+// The real DeviceApi: the CUDA runtime and NCCL opened with dlopen at the first GPU
+// collective, so a machine without them builds and loads the same library and only a GPU
+// collective there fails, with a message that says what to install.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "device_api.h"
+
+namespace keras_ring {
+namespace nccl {
+
+std::string NcclVersionString(int code) {
+  // NCCL_VERSION_CODE is major*10000 + minor*100 + patch since 2.9, major*1000 + ... before.
+  const bool wide = code >= 10000;
+  const int major = wide ? code / 10000 : code / 1000;
+  const int minor = wide ? (code % 10000) / 100 : (code % 1000) / 100;
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(code % 100);
+}
+
+namespace {
+
+// C signatures, written from the CUDA runtime and NCCL API documentation.
+using GetDeviceFn = int (*)(int*);
+using SetDeviceFn = int (*)(int);
+using StreamCreateFn = int (*)(Stream*, unsigned);
+using StreamDestroyFn = int (*)(Stream);
+using EventCreateFn = int (*)(Event*, unsigned);
+using EventDestroyFn = int (*)(Event);
+using EventRecordFn = int (*)(Event, Stream);
+using StreamWaitEventFn = int (*)(Stream, Event, unsigned);
+using EventQueryFn = int (*)(Event);
+using ErrorStringFn = const char* (*)(int);
+using VersionFn = int (*)(int*);
+using UniqueIdFn = int (*)(UniqueId*);
+using CommInitRankFn = int (*)(Comm*, int, UniqueId, int);
+using AsyncErrorFn = int (*)(Comm, int*);
+using CommFn = int (*)(Comm);
+using GroupFn = int (*)();
+using AllReduceFn = int (*)(const void*, void*, size_t, int, int, Comm, Stream);
+using BroadcastFn = int (*)(const void*, void*, size_t, int, int, Comm, Stream);
+using AllGatherFn = int (*)(const void*, void*, size_t, int, Comm, Stream);
+using PreMulSumFn = int (*)(int*, void*, int, int, Comm);
+using RedOpDestroyFn = int (*)(int, Comm);
+
+struct CudaFns {
+  GetDeviceFn get_device = nullptr;
+  SetDeviceFn set_device = nullptr;
+  StreamCreateFn stream_create = nullptr;
+  StreamDestroyFn stream_destroy = nullptr;
+  EventCreateFn event_create = nullptr;
+  EventDestroyFn event_destroy = nullptr;
+  EventRecordFn event_record = nullptr;
+  StreamWaitEventFn stream_wait_event = nullptr;
+  EventQueryFn event_query = nullptr;
+  ErrorStringFn error_string = nullptr;
+};
+
+struct NcclFns {
+  VersionFn version = nullptr;
+  UniqueIdFn unique_id = nullptr;
+  CommInitRankFn init_rank = nullptr;
+  AsyncErrorFn async_error = nullptr;
+  CommFn abort = nullptr;
+  CommFn destroy = nullptr;
+  GroupFn group_start = nullptr;
+  GroupFn group_end = nullptr;
+  AllReduceFn all_reduce = nullptr;
+  BroadcastFn broadcast = nullptr;
+  AllGatherFn all_gather = nullptr;
+  PreMulSumFn pre_mul_sum = nullptr;
+  RedOpDestroyFn red_op_destroy = nullptr;
+  ErrorStringFn error_string = nullptr;
+};
+
+// Process-wide: libraries are opened once and never closed (communicators may be torn down
+// late in the process's life, and unloading NCCL under its own threads is unsafe).
+struct Libraries {
+  std::mutex mu;
+  std::string search_path;
+  bool cuda_loaded = false;
+  bool nccl_loaded = false;
+  CudaFns cuda;
+  NcclFns nccl;
+};
+
+Libraries& Libs() {
+  static Libraries* libs = new Libraries;  // deliberately leaked, see above
+  return *libs;
+}
+
+std::vector<std::string> SplitDirs(const std::string& dirs) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    const size_t end = std::min(dirs.find(':', start), dirs.size());
+    if (end > start) out.push_back(dirs.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+// Opens the first of `names` found: a copy the process already has (TensorFlow's or
+// PyTorch's, so one process never holds two), then each directory, then the system's path.
+void* Open(const std::vector<std::string>& names, const std::vector<std::string>& dirs,
+           std::string* last_error) {
+  for (const std::string& name : names) {
+    if (void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD)) return h;
+  }
+  std::vector<std::string> candidates;
+  for (const std::string& dir : dirs) {
+    for (const std::string& name : names) candidates.push_back(dir + "/" + name);
+  }
+  candidates.insert(candidates.end(), names.begin(), names.end());
+  for (const std::string& path : candidates) {
+    if (void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) return h;
+    const char* e = dlerror();
+    if (e != nullptr) *last_error = e;
+  }
+  return nullptr;
+}
+
+// Where a loaded library lives, for messages.
+std::string PathOf(void* symbol) {
+  Dl_info info{};
+  if (symbol != nullptr && dladdr(symbol, &info) != 0 && info.dli_fname != nullptr) {
+    return info.dli_fname;
+  }
+  return "?";
+}
+
+template <typename F>
+void Resolve(void* handle, const char* name, F* fn, std::string* missing) {
+  *fn = reinterpret_cast<F>(dlsym(handle, name));
+  if (*fn == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+}
+
+std::string Searched(const std::vector<std::string>& dirs) {
+  std::string s;
+  for (const std::string& d : dirs) s += d + ", ";
+  return "searched " + s + "the already loaded libraries and the system's library path";
+}
+
+Status LoadCudaLocked(Libraries& l) {
+  if (l.cuda_loaded) return Status::OK();
+  const std::vector<std::string> dirs = SplitDirs(l.search_path);
+  std::string error;
+  void* h = Open({"libcudart.so.12", "libcudart.so.13", "libcudart.so"}, dirs, &error);
+  if (h == nullptr) {
+    return Status(Code::kFailedPrecondition,
+                  "keras_ring: GPU collective needs the CUDA runtime: libcudart.so.12 not found "
+                  "(install nvidia-cuda-runtime-cu12, which tensorflow[and-cuda] brings, or put "
+                  "the CUDA libraries on LD_LIBRARY_PATH); " + Searched(dirs) +
+                      (error.empty() ? "" : "; last error: " + error));
+  }
+  CudaFns f;
+  std::string missing;
+  Resolve(h, "cudaGetDevice", &f.get_device, &missing);
+  Resolve(h, "cudaSetDevice", &f.set_device, &missing);
+  Resolve(h, "cudaStreamCreateWithFlags", &f.stream_create, &missing);
+  Resolve(h, "cudaStreamDestroy", &f.stream_destroy, &missing);
+  Resolve(h, "cudaEventCreateWithFlags", &f.event_create, &missing);
+  Resolve(h, "cudaEventDestroy", &f.event_destroy, &missing);
+  Resolve(h, "cudaEventRecord", &f.event_record, &missing);
+  Resolve(h, "cudaStreamWaitEvent", &f.stream_wait_event, &missing);
+  Resolve(h, "cudaEventQuery", &f.event_query, &missing);
+  Resolve(h, "cudaGetErrorString", &f.error_string, &missing);
+  if (!missing.empty()) {
+    return Status(Code::kFailedPrecondition, "keras_ring: the CUDA runtime " +
+                                                 PathOf(dlsym(h, "cudaGetDevice")) +
+                                                 " lacks " + missing);
+  }
+  l.cuda = f;
+  l.cuda_loaded = true;
+  return Status::OK();
+}
+
+Status ResolveNccl(void* h, NcclFns* f) {
+  std::string missing;
+  Resolve(h, "ncclGetVersion", &f->version, &missing);
+  Resolve(h, "ncclGetUniqueId", &f->unique_id, &missing);
+  Resolve(h, "ncclCommInitRank", &f->init_rank, &missing);
+  Resolve(h, "ncclCommGetAsyncError", &f->async_error, &missing);
+  Resolve(h, "ncclCommAbort", &f->abort, &missing);
+  Resolve(h, "ncclCommDestroy", &f->destroy, &missing);
+  Resolve(h, "ncclGroupStart", &f->group_start, &missing);
+  Resolve(h, "ncclGroupEnd", &f->group_end, &missing);
+  Resolve(h, "ncclAllReduce", &f->all_reduce, &missing);
+  Resolve(h, "ncclBroadcast", &f->broadcast, &missing);
+  Resolve(h, "ncclAllGather", &f->all_gather, &missing);
+  Resolve(h, "ncclRedOpCreatePreMulSum", &f->pre_mul_sum, &missing);
+  Resolve(h, "ncclRedOpDestroy", &f->red_op_destroy, &missing);
+  Resolve(h, "ncclGetErrorString", &f->error_string, &missing);
+  if (missing.empty()) return Status::OK();
+  return Status(Code::kFailedPrecondition,
+                "keras_ring: " + PathOf(dlsym(h, "ncclGetVersion")) + " lacks " + missing +
+                    "; keras_ring needs NCCL >= " + NcclVersionString(kMinNcclVersion) +
+                    " (pip install -U nvidia-nccl-cu12)");
+}
+
+Status LoadNcclLocked(Libraries& l, const std::vector<std::string>& dirs) {
+  if (l.nccl_loaded) return Status::OK();
+  std::string error;
+  void* h = Open({"libnccl.so.2", "libnccl.so"}, dirs, &error);
+  if (h == nullptr) {
+    return Status(Code::kFailedPrecondition,
+                  "keras_ring: GPU collective needs NCCL: libnccl.so.2 not found (install "
+                  "keras-ring[cuda] or nvidia-nccl-cu12, or put libnccl.so.2 on "
+                  "LD_LIBRARY_PATH); " + Searched(dirs) +
+                      (error.empty() ? "" : "; last error: " + error));
+  }
+  NcclFns f;
+  KR_RETURN_IF_ERROR(ResolveNccl(h, &f));
+  int version = 0;
+  if (f.version(&version) != kNcclSuccess || version < kMinNcclVersion) {
+    return Status(Code::kFailedPrecondition,
+                  "keras_ring: NCCL " + NcclVersionString(version) + " (" +
+                      PathOf(reinterpret_cast<void*>(f.version)) + ") is too old: keras_ring "
+                      "needs NCCL >= " + NcclVersionString(kMinNcclVersion) +
+                      " (pip install -U nvidia-nccl-cu12)");
+  }
+  l.nccl = f;
+  l.nccl_loaded = true;
+  return Status::OK();
+}
+
+constexpr int kCudaErrorNotLoaded = 3;  // cudaErrorInitializationError
+
+// Every call goes through the loaded pointers; the backend loads before it calls.
+class DynamicApi : public DeviceApi {
+ public:
+  Status LoadCuda() override {
+    std::lock_guard<std::mutex> lock(Libs().mu);
+    return LoadCudaLocked(Libs());
+  }
+  Status LoadNccl() override {
+    std::lock_guard<std::mutex> lock(Libs().mu);
+    return LoadNcclLocked(Libs(), SplitDirs(Libs().search_path));
+  }
+  int GetDevice(int* d) override { return cuda().get_device ? cuda().get_device(d) : kCudaErrorNotLoaded; }
+  int SetDevice(int d) override { return cuda().set_device ? cuda().set_device(d) : kCudaErrorNotLoaded; }
+  int StreamCreate(Stream* s) override {
+    return cuda().stream_create ? cuda().stream_create(s, kCudaStreamNonBlocking) : kCudaErrorNotLoaded;
+  }
+  int StreamDestroy(Stream s) override { return cuda().stream_destroy(s); }
+  int EventCreate(Event* e) override {
+    return cuda().event_create ? cuda().event_create(e, kCudaEventDisableTiming) : kCudaErrorNotLoaded;
+  }
+  int EventDestroy(Event e) override { return cuda().event_destroy(e); }
+  int EventRecord(Event e, Stream s) override { return cuda().event_record(e, s); }
+  int StreamWaitEvent(Stream s, Event e) override { return cuda().stream_wait_event(s, e, 0); }
+  int EventQuery(Event e) override { return cuda().event_query(e); }
+  std::string CudaErrorString(int error) override {
+    const char* s = cuda().error_string ? cuda().error_string(error) : nullptr;
+    return s != nullptr ? s : "CUDA error " + std::to_string(error);
+  }
+
+  int NcclVersion(int* v) override { return nccl().version(v); }
+  int GetUniqueId(UniqueId* id) override { return nccl().unique_id(id); }
+  int CommInitRank(Comm* comm, int nranks, const UniqueId& id, int rank) override {
+    return nccl().init_rank(comm, nranks, id, rank);
+  }
+  int CommGetAsyncError(Comm c, int* e) override { return nccl().async_error(c, e); }
+  int CommAbort(Comm c) override { return nccl().abort(c); }
+  int CommDestroy(Comm c) override { return nccl().destroy(c); }
+  int GroupStart() override { return nccl().group_start(); }
+  int GroupEnd() override { return nccl().group_end(); }
+  int AllReduce(const void* send, void* recv, size_t count, int dtype, int op, Comm c,
+                Stream s) override {
+    return nccl().all_reduce(send, recv, count, dtype, op, c, s);
+  }
+  int Broadcast(const void* send, void* recv, size_t count, int dtype, int root, Comm c,
+                Stream s) override {
+    return nccl().broadcast(send, recv, count, dtype, root, c, s);
+  }
+  int AllGather(const void* send, void* recv, size_t count, int dtype, Comm c,
+                Stream s) override {
+    return nccl().all_gather(send, recv, count, dtype, c, s);
+  }
+  int RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence, Comm c) override {
+    return nccl().pre_mul_sum(op, scalar, dtype, residence, c);
+  }
+  int RedOpDestroy(int op, Comm c) override { return nccl().red_op_destroy(op, c); }
+  std::string NcclErrorString(int result) override {
+    const char* s = nccl().error_string ? nccl().error_string(result) : nullptr;
+    return s != nullptr ? s : "NCCL error " + std::to_string(result);
+  }
+
+ private:
+  // Written once under the mutex before any call that uses them; read-only afterwards.
+  static const CudaFns& cuda() { return Libs().cuda; }
+  static const NcclFns& nccl() { return Libs().nccl; }
+};
+
+}  // namespace
+
+std::shared_ptr<DeviceApi> SystemDeviceApi() {
+  static std::shared_ptr<DeviceApi> api = std::make_shared<DynamicApi>();
+  return api;
+}
+
+void SetLibrarySearchPath(const std::string& dirs) {
+  std::lock_guard<std::mutex> lock(Libs().mu);
+  Libs().search_path = dirs;
+}
+
+Status ProbeNccl(const std::string& dirs, int* version) {
+  std::lock_guard<std::mutex> lock(Libs().mu);
+  std::vector<std::string> search = SplitDirs(dirs);
+  for (const std::string& d : SplitDirs(Libs().search_path)) search.push_back(d);
+  KR_RETURN_IF_ERROR(LoadNcclLocked(Libs(), search));
+  return Libs().nccl.version(version) == kNcclSuccess
+             ? Status::OK()
+             : Status(Code::kInternal, "keras_ring: ncclGetVersion failed");
+}
+
+}  // namespace nccl
+}  // namespace keras_ring

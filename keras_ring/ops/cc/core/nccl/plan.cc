@@ -1,0 +1,138 @@
+#include "plan.h"
+
+#include <cstring>
+
+#include "../reduce.h"
+
+namespace keras_ring {
+namespace nccl {
+
+namespace {
+
+bool IsFloat(DataType t) {
+  return t == DataType::kFloat16 || t == DataType::kBFloat16 || t == DataType::kFloat32 ||
+         t == DataType::kFloat64;
+}
+
+std::string Factor(double f) {
+  std::string s = std::to_string(f);
+  while (s.size() > 1 && s.back() == '0' && s[s.size() - 2] != '.') s.pop_back();
+  return s;
+}
+
+}  // namespace
+
+Status NcclReduceType(DataType dtype, int* nccl_type) {
+  switch (dtype) {
+    case DataType::kFloat16: *nccl_type = kNcclFloat16; return Status::OK();
+    case DataType::kBFloat16: *nccl_type = kNcclBfloat16; return Status::OK();
+    case DataType::kFloat32: *nccl_type = kNcclFloat32; return Status::OK();
+    case DataType::kFloat64: *nccl_type = kNcclFloat64; return Status::OK();
+    case DataType::kInt8: *nccl_type = kNcclInt8; return Status::OK();
+    case DataType::kUInt8: *nccl_type = kNcclUint8; return Status::OK();
+    case DataType::kInt32: *nccl_type = kNcclInt32; return Status::OK();
+    case DataType::kInt64: *nccl_type = kNcclInt64; return Status::OK();
+    case DataType::kBool: break;
+  }
+  return Status(Code::kInvalidArgument,
+                std::string("allreduce does not support ") + DataTypeName(dtype) + " tensors");
+}
+
+Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale, int size,
+                  ReducePlan* plan) {
+  KR_RETURN_IF_ERROR(NcclReduceType(dtype, &plan->dtype));
+  plan->premul = false;
+  plan->scalar = 1.0;
+  const bool unscaled = prescale == 1.0 && postscale == 1.0;
+  double factor = prescale * postscale;
+  switch (op) {
+    case ReduceOp::kSum: plan->op = kNcclSum; break;
+    case ReduceOp::kAverage: plan->op = kNcclAvg; break;
+    case ReduceOp::kMin: plan->op = kNcclMin; break;
+    case ReduceOp::kMax: plan->op = kNcclMax; break;
+    case ReduceOp::kProduct: plan->op = kNcclProd; break;
+  }
+  const bool linear = op == ReduceOp::kSum || op == ReduceOp::kAverage;
+  if (unscaled || (linear && factor == 1.0)) return Status::OK();
+  if (!linear || !IsFloat(dtype)) {
+    return Status(Code::kInvalidArgument,
+                  std::string("a GPU allreduce with op ") + ReduceOpName(op) + " on " +
+                      DataTypeName(dtype) + " and prescale_factor=" + Factor(prescale) +
+                      ", postscale_factor=" + Factor(postscale) +
+                      " is not supported: NCCL can fold scale factors only into Sum and "
+                      "Average of floating-point tensors; scale the tensor outside the "
+                      "collective, or place this allreduce on the CPU");
+  }
+  if (op == ReduceOp::kAverage) factor /= static_cast<double>(size);
+  plan->premul = true;
+  plan->scalar = factor;
+  return Status::OK();
+}
+
+uint64_t EncodeScalar(DataType dtype, double value) {
+  uint64_t bits = 0;
+  switch (dtype) {
+    case DataType::kFloat16: {
+      const uint16_t h = FloatToHalf(static_cast<float>(value));
+      std::memcpy(&bits, &h, sizeof h);
+      break;
+    }
+    case DataType::kBFloat16: {
+      const uint16_t b = FloatToBFloat16(static_cast<float>(value));
+      std::memcpy(&bits, &b, sizeof b);
+      break;
+    }
+    case DataType::kFloat32: {
+      const float f = static_cast<float>(value);
+      std::memcpy(&bits, &f, sizeof f);
+      break;
+    }
+    default:
+      std::memcpy(&bits, &value, sizeof value);
+      break;
+  }
+  return bits;
+}
+
+GatherPlan PlanGather(const std::vector<Signature>& sigs, size_t element_bytes) {
+  GatherPlan plan;
+  plan.uniform = true;
+  for (const Signature& s : sigs) {
+    const size_t bytes = static_cast<size_t>(s.count * s.row_elems) * element_bytes;
+    plan.offset.push_back(plan.total);
+    plan.bytes.push_back(bytes);
+    plan.total += bytes;
+    plan.uniform = plan.uniform && bytes == plan.bytes.front();
+  }
+  return plan;
+}
+
+Status NcclError(int result, const std::string& call, const std::string& text) {
+  std::string msg = call + " failed: " + text + " (ncclResult_t " + std::to_string(result) + ")";
+  Code code = Code::kInternal;
+  switch (result) {
+    case kNcclSystemError:
+    case kNcclRemoteError:
+      code = Code::kUnavailable;
+      msg += "; a peer process or the network between the ranks failed";
+      break;
+    case kNcclInvalidUsage:
+      if (call == "ncclCommInitRank") {
+        msg += "; if two ranks share one GPU: that needs NCCL >= 2.30 with "
+               "NCCL_MULTI_RANK_GPU_ENABLE=1 (keras_ring.init() pins each rank to the GPU of "
+               "its local_rank)";
+      }
+      break;
+    default:
+      break;
+  }
+  return Status(code, msg + "; NCCL_DEBUG=WARN prints NCCL's own report");
+}
+
+Status CudaError(int error, const std::string& call, const std::string& text) {
+  return Status(Code::kInternal,
+                call + " failed: " + text + " (cudaError_t " + std::to_string(error) + ")");
+}
+
+}  // namespace nccl
+}  // namespace keras_ring

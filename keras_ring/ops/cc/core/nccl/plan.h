@@ -1,0 +1,58 @@
+// How keras_ring's collectives map onto NCCL: data types, reduce ops with their scale
+// factors, allgather layouts, and NCCL/CUDA result codes as statuses. Pure functions, so
+// the C++ tests cover them without a GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../common.h"
+#include "../signature.h"
+#include "abi.h"
+
+namespace keras_ring {
+namespace nccl {
+
+// One allreduce in NCCL's terms.
+struct ReducePlan {
+  int dtype = kNcclFloat32;
+  int op = kNcclSum;     // a built-in ncclRedOp_t, used unless `premul`
+  bool premul = false;   // an op from ncclRedOpCreatePreMulSum: the sum of scalar * x
+  double scalar = 1.0;
+};
+
+// The NCCL type of `dtype` in a reduction (bool has none).
+Status NcclReduceType(DataType dtype, int* nccl_type);
+
+// NCCL has no post-scaling and no device kernels can be launched here, so scale factors are
+// folded into one pre-multiplication: postscale * reduce(prescale * x) equals
+// sum(prescale * postscale * x) for Sum, and with 1/size more for Average. Both factors equal
+// to 1 map to ncclSum / ncclAvg (which for integers divides exactly, truncating toward zero,
+// as the host path does). Min, Max and Product are not linear, and integers cannot carry a
+// fractional factor: with factors other than 1 those are InvalidArgument (on every rank alike,
+// since the factors are part of the checked signature).
+Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale, int size,
+                  ReducePlan* plan);
+
+// The PreMulSum scalar as one element of `dtype` in the low bytes (NCCL reads the scalar in
+// the data's own type).
+uint64_t EncodeScalar(DataType dtype, double value);
+
+// Allgather of blocks that may differ in size: where each rank's block goes in the output.
+struct GatherPlan {
+  std::vector<size_t> offset;  // bytes, per rank
+  std::vector<size_t> bytes;   // per rank
+  size_t total = 0;
+  bool uniform = false;  // all blocks equal: one ncclAllGather; else a group of broadcasts
+};
+GatherPlan PlanGather(const std::vector<Signature>& sigs, size_t element_bytes);
+
+// An NCCL / CUDA result as a status. `call` names the function, `text` is the library's own
+// description. Errors after which the communicator cannot be trusted are fatal statuses.
+Status NcclError(int result, const std::string& call, const std::string& text);
+Status CudaError(int error, const std::string& call, const std::string& text);
+
+}  // namespace nccl
+}  // namespace keras_ring

@@ -1,0 +1,356 @@
+#include "nccl_fake.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "../core/reduce.h"
+
+namespace kr_test {
+
+namespace kn = keras_ring::nccl;
+using keras_ring::DataType;
+using keras_ring::ReduceOp;
+
+namespace {
+
+DataType FromNccl(int t) {
+  switch (t) {
+    case kn::kNcclFloat16: return DataType::kFloat16;
+    case kn::kNcclBfloat16: return DataType::kBFloat16;
+    case kn::kNcclFloat32: return DataType::kFloat32;
+    case kn::kNcclFloat64: return DataType::kFloat64;
+    case kn::kNcclUint8: return DataType::kUInt8;
+    case kn::kNcclInt32: return DataType::kInt32;
+    case kn::kNcclInt64: return DataType::kInt64;
+    default: return DataType::kInt8;
+  }
+}
+
+double DecodeScalar(DataType t, const void* p) {
+  uint16_t h = 0;
+  switch (t) {
+    case DataType::kFloat16: std::memcpy(&h, p, 2); return keras_ring::HalfToFloat(h);
+    case DataType::kBFloat16: std::memcpy(&h, p, 2); return keras_ring::BFloat16ToFloat(h);
+    case DataType::kFloat32: { float f; std::memcpy(&f, p, 4); return f; }
+    default: { double d; std::memcpy(&d, p, 8); return d; }
+  }
+}
+
+}  // namespace
+
+void FakeNcclWorld::SetLoadNcclError(int rank, const std::string& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ranks_[static_cast<size_t>(rank)].nccl_error = message;
+}
+
+void FakeNcclWorld::SetInitResult(int rank, int result) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ranks_[static_cast<size_t>(rank)].init_result = result;
+}
+
+std::vector<std::string> FakeNcclWorld::Log(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ranks_[static_cast<size_t>(rank)].log;
+}
+
+int FakeNcclWorld::Count(int rank, const std::string& entry) {
+  int n = 0;
+  for (const std::string& e : Log(rank)) n += e.compare(0, entry.size(), entry) == 0 ? 1 : 0;
+  return n;
+}
+
+int FakeNcclWorld::LiveObjects(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ranks_[static_cast<size_t>(rank)].live;
+}
+
+void FakeNcclWorld::Note(int rank, const std::string& entry) {
+  ranks_[static_cast<size_t>(rank)].log.push_back(entry);
+}
+
+// Runs one launch for every rank: call j of every rank together.
+void FakeNcclWorld::Execute(CommState& comm, Launch& launch) {
+  const size_t n = launch.calls.size();
+  for (size_t j = 0; j < launch.calls[0].size(); ++j) {
+    const FakeCall& first = launch.calls[0][j];
+    if (first.type == FakeCall::kAllReduce) {
+      const DataType t = FromNccl(first.dtype);
+      const size_t bytes = first.count * keras_ring::DataTypeSize(t);
+      auto premul = comm.premul_scalars.find(first.op);
+      std::vector<char> acc(bytes), peer(bytes);
+      for (size_t r = 0; r < n; ++r) {
+        char* dst = r == 0 ? acc.data() : peer.data();
+        std::memcpy(dst, launch.calls[r][j].send, bytes);
+        if (premul != comm.premul_scalars.end()) keras_ring::Scale(t, dst, first.count, premul->second);
+        if (r == 0) continue;
+        const ReduceOp op = first.op == kn::kNcclProd ? ReduceOp::kProduct
+                            : first.op == kn::kNcclMax ? ReduceOp::kMax
+                            : first.op == kn::kNcclMin ? ReduceOp::kMin
+                                                       : ReduceOp::kSum;
+        keras_ring::Reduce(t, op, acc.data(), peer.data(), first.count);
+      }
+      if (first.op == kn::kNcclAvg) {
+        keras_ring::AverageScale(t, acc.data(), first.count, static_cast<int64_t>(n), 1.0);
+      }
+      for (size_t r = 0; r < n; ++r) std::memcpy(launch.calls[r][j].recv, acc.data(), bytes);
+    } else if (first.type == FakeCall::kBroadcast) {
+      std::vector<char> data(first.count);
+      std::memcpy(data.data(), launch.calls[static_cast<size_t>(first.root)][j].send, first.count);
+      for (size_t r = 0; r < n; ++r) std::memcpy(launch.calls[r][j].recv, data.data(), first.count);
+    } else {
+      std::vector<char> data;
+      for (size_t r = 0; r < n; ++r) {
+        const char* p = static_cast<const char*>(launch.calls[r][j].send);
+        data.insert(data.end(), p, p + first.count);
+      }
+      for (size_t r = 0; r < n; ++r) std::memcpy(launch.calls[r][j].recv, data.data(), data.size());
+    }
+  }
+  *launch.done = true;
+}
+
+keras_ring::Status FakeDeviceApi::LoadNccl() {
+  std::lock_guard<std::mutex> lock(world_->mu_);
+  const std::string& e = world_->ranks_[static_cast<size_t>(rank_)].nccl_error;
+  return e.empty() ? keras_ring::Status::OK()
+                   : keras_ring::Status(keras_ring::Code::kFailedPrecondition, e);
+}
+
+std::string FakeDeviceApi::Name(const void* handle) {
+  if (handle == CallerStream(rank_)) return "caller";
+  auto it = names_.find(handle);
+  return it != names_.end() ? it->second : "?";
+}
+
+int FakeDeviceApi::GetDevice(int* device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  *device = device_;
+  return 0;
+}
+
+int FakeDeviceApi::SetDevice(int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  device_ = device;
+  return 0;
+}
+
+int FakeDeviceApi::StreamCreate(kn::Stream* stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  *stream = reinterpret_cast<kn::Stream>(static_cast<uintptr_t>(next_handle_));
+  names_[*stream] = "stream" + std::to_string(next_handle_++);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->ranks_[static_cast<size_t>(rank_)].live++;
+  return 0;
+}
+
+int FakeDeviceApi::StreamDestroy(kn::Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->Note(rank_, "destroy " + Name(stream));
+  world_->ranks_[static_cast<size_t>(rank_)].live--;
+  return 0;
+}
+
+int FakeDeviceApi::EventCreate(kn::Event* event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  *event = reinterpret_cast<kn::Event>(static_cast<uintptr_t>(next_handle_));
+  names_[*event] = "event" + std::to_string(next_handle_++);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->ranks_[static_cast<size_t>(rank_)].live++;
+  return 0;
+}
+
+int FakeDeviceApi::EventDestroy(kn::Event event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->Note(rank_, "destroy " + Name(event));
+  world_->ranks_[static_cast<size_t>(rank_)].live--;
+  return 0;
+}
+
+int FakeDeviceApi::EventRecord(kn::Event event, kn::Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  events_[event] = streams_[stream];
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->Note(rank_, "record " + Name(event) + "@" + Name(stream));
+  return 0;
+}
+
+int FakeDeviceApi::StreamWaitEvent(kn::Stream stream, kn::Event event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->Note(rank_, "wait " + Name(stream) + ":" + Name(event));
+  return 0;
+}
+
+int FakeDeviceApi::EventQuery(kn::Event event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  for (const auto& done : events_[event]) {
+    if (!*done) return kn::kCudaErrorNotReady;
+  }
+  return 0;
+}
+
+int FakeDeviceApi::GetUniqueId(kn::UniqueId* id) {
+  std::lock_guard<std::mutex> lock(world_->mu_);
+  std::memset(id, 0, sizeof *id);
+  const std::string text = "fake-nccl-id-" + std::to_string(world_->next_id_++);
+  std::memcpy(id->internal, text.data(), text.size());
+  world_->Note(rank_, "uniqueid");
+  return 0;
+}
+
+int FakeDeviceApi::CommInitRank(kn::Comm* comm, int nranks, const kn::UniqueId& id, int rank) {
+  std::unique_lock<std::mutex> wlock(world_->mu_);
+  while (world_->block_init.load()) world_->cv_.wait_for(wlock, std::chrono::milliseconds(5));
+  world_->Note(rank_, "init " + std::to_string(rank) + "/" + std::to_string(nranks));
+  const int result = world_->ranks_[static_cast<size_t>(rank_)].init_result;
+  if (result != 0) return result;
+  world_->comms_[std::string(id.internal)];  // joins (or makes) the communicator
+  wlock.unlock();
+  std::lock_guard<std::mutex> lock(mu_);
+  *comm = reinterpret_cast<kn::Comm>(static_cast<uintptr_t>(next_handle_));
+  names_[*comm] = "comm" + std::to_string(next_handle_++);
+  comm_ids_[*comm] = std::string(id.internal);
+  return 0;
+}
+
+int FakeDeviceApi::CommGetAsyncError(kn::Comm, int* async_error) {
+  *async_error = world_->async_error_rank.load() == rank_ ? world_->async_error.load() : 0;
+  return 0;
+}
+
+int FakeDeviceApi::CommAbort(kn::Comm comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  aborted_[comm] = true;
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->Note(rank_, "abort");
+  return 0;
+}
+
+int FakeDeviceApi::CommDestroy(kn::Comm) {
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->Note(rank_, "destroy comm");
+  return 0;
+}
+
+int FakeDeviceApi::GroupStart() {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_group_ = true;
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->Note(rank_, "group start");
+  return 0;
+}
+
+int FakeDeviceApi::GroupEnd() {
+  std::vector<FakeCall> calls;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_group_ = false;
+    calls.swap(group_);
+    std::lock_guard<std::mutex> wlock(world_->mu_);
+    world_->Note(rank_, "group end");
+  }
+  if (calls.empty()) return 0;
+  return Submit(std::move(calls), const_cast<kn::Comm>(static_cast<const kn::CommObject*>(group_comm_)),
+                const_cast<kn::Stream>(group_stream_));
+}
+
+int FakeDeviceApi::Enqueue(const FakeCall& call, kn::Comm comm, kn::Stream stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const char* what = call.type == FakeCall::kAllReduce   ? "allreduce"
+                       : call.type == FakeCall::kBroadcast ? "broadcast"
+                                                           : "allgather";
+    std::lock_guard<std::mutex> wlock(world_->mu_);
+    world_->Note(rank_, std::string(what) + "@" + Name(stream));
+    if (in_group_) {
+      group_.push_back(call);
+      group_comm_ = comm;
+      group_stream_ = stream;
+      return 0;
+    }
+  }
+  return Submit({call}, comm, stream);
+}
+
+int FakeDeviceApi::Submit(std::vector<FakeCall> calls, kn::Comm comm, kn::Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_[comm]) return kn::kNcclInvalidUsage;
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  FakeNcclWorld::CommState& c = world_->comms_[comm_ids_[comm]];
+  const int seq = c.next_seq[rank_]++;
+  FakeNcclWorld::Launch& launch = c.launches[seq];
+  launch.calls.resize(static_cast<size_t>(world_->size_));
+  launch.calls[static_cast<size_t>(rank_)] = std::move(calls);
+  streams_[stream].push_back(launch.done);
+  if (++launch.arrived == world_->size_ && !world_->hang.load()) world_->Execute(c, launch);
+  return 0;
+}
+
+int FakeDeviceApi::AllReduce(const void* send, void* recv, size_t count, int dtype, int op,
+                             kn::Comm comm, kn::Stream stream) {
+  FakeCall call;
+  call.type = FakeCall::kAllReduce;
+  call.send = send;
+  call.recv = recv;
+  call.count = count;
+  call.dtype = dtype;
+  call.op = op;
+  return Enqueue(call, comm, stream);
+}
+
+int FakeDeviceApi::Broadcast(const void* send, void* recv, size_t count, int dtype, int root,
+                             kn::Comm comm, kn::Stream stream) {
+  FakeCall call;
+  call.type = FakeCall::kBroadcast;
+  call.send = send;
+  call.recv = recv;
+  call.count = count * keras_ring::DataTypeSize(FromNccl(dtype));
+  call.root = root;
+  return Enqueue(call, comm, stream);
+}
+
+int FakeDeviceApi::AllGather(const void* send, void* recv, size_t count, int dtype,
+                             kn::Comm comm, kn::Stream stream) {
+  FakeCall call;
+  call.type = FakeCall::kAllGather;
+  call.send = send;
+  call.recv = recv;
+  call.count = count * keras_ring::DataTypeSize(FromNccl(dtype));
+  return Enqueue(call, comm, stream);
+}
+
+int FakeDeviceApi::RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence,
+                                        kn::Comm comm) {
+  if (residence != kn::kNcclScalarHostImmediate) return kn::kNcclInvalidArgument;
+  std::string id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    id = comm_ids_[comm];
+  }
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  FakeNcclWorld::CommState& c = world_->comms_[id];
+  // Every rank makes the same ops in the same order, so ids agree like NCCL's do.
+  const double value = DecodeScalar(FromNccl(dtype), scalar);
+  for (const auto& entry : c.premul_scalars) {
+    if (entry.second == value) {
+      *op = entry.first;
+      world_->Note(rank_, "premul " + std::to_string(value));
+      return 0;
+    }
+  }
+  *op = c.next_op++;
+  c.premul_scalars[*op] = value;
+  world_->Note(rank_, "premul " + std::to_string(value));
+  return 0;
+}
+
+int FakeDeviceApi::RedOpDestroy(int, kn::Comm) {
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  world_->Note(rank_, "destroy premul");
+  return 0;
+}
+
+}  // namespace kr_test

@@ -1,0 +1,146 @@
+// A host-memory stand-in for the CUDA runtime and NCCL behind the GPU backend's seam, for the
+// C++ tests only (no GPU here). Ranks are threads and "device memory" is host memory. An NCCL
+// launch (one call, or every call of a group) completes when every rank of the communicator
+// has made its launch with the same sequence number: the last one computes everybody's
+// results with the core's reduce kernels. An event is reached once every launch queued on its
+// stream before it completed. Knobs inject the failures the backend must survive.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../core/nccl/device_api.h"
+
+namespace kr_test {
+
+struct FakeCall {
+  enum Type { kAllReduce, kBroadcast, kAllGather } type = kAllReduce;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;
+  int dtype = 0;
+  int op = 0;
+  int root = 0;
+};
+
+// State shared by the ranks: communicators by unique id, pending launches, knobs, counters.
+class FakeNcclWorld {
+ public:
+  explicit FakeNcclWorld(int size) : size_(size), ranks_(static_cast<size_t>(size)) {}
+  int size() const { return size_; }
+
+  // Knobs (set before the ranks run, or while they wait).
+  std::atomic<bool> hang{false};           // launches never complete
+  std::atomic<int> async_error{0};         // reported by ncclCommGetAsyncError of...
+  std::atomic<int> async_error_rank{-1};   // ...this rank (-1: none)
+  std::atomic<bool> block_init{false};     // ncclCommInitRank waits until this is cleared
+  void SetLoadNcclError(int rank, const std::string& message);
+  void SetInitResult(int rank, int result);
+
+  // What happened on `rank`, in order ("init", "record ready@caller", ...).
+  std::vector<std::string> Log(int rank);
+  int Count(int rank, const std::string& entry);  // log entries starting with `entry`
+  int LiveObjects(int rank);  // streams + events created and not destroyed
+
+ private:
+  friend class FakeDeviceApi;
+  struct Launch {
+    std::vector<std::vector<FakeCall>> calls;  // by rank
+    int arrived = 0;
+    std::shared_ptr<bool> done = std::make_shared<bool>(false);
+  };
+  struct CommState {
+    int next_seq[64] = {};
+    std::map<int, Launch> launches;
+    std::map<int, double> premul_scalars;  // op id -> scalar
+    int next_op = 5;                       // after the built-in ops
+  };
+  struct RankState {
+    std::vector<std::string> log;
+    std::string nccl_error;
+    int init_result = 0;
+    int live = 0;
+  };
+
+  void Execute(CommState& comm, Launch& launch);
+  void Note(int rank, const std::string& entry);  // needs mu_
+
+  const int size_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<RankState> ranks_;
+  std::map<std::string, CommState> comms_;  // by unique id
+  int next_id_ = 1;
+};
+
+// One rank's view; handles are small integers cast to pointers, named in the log.
+class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
+ public:
+  FakeDeviceApi(std::shared_ptr<FakeNcclWorld> world, int rank)
+      : world_(std::move(world)), rank_(rank) {}
+
+  keras_ring::Status LoadCuda() override { return keras_ring::Status::OK(); }
+  keras_ring::Status LoadNccl() override;
+  int GetDevice(int* device) override;
+  int SetDevice(int device) override;
+  int StreamCreate(keras_ring::nccl::Stream* stream) override;
+  int StreamDestroy(keras_ring::nccl::Stream stream) override;
+  int EventCreate(keras_ring::nccl::Event* event) override;
+  int EventDestroy(keras_ring::nccl::Event event) override;
+  int EventRecord(keras_ring::nccl::Event event, keras_ring::nccl::Stream stream) override;
+  int StreamWaitEvent(keras_ring::nccl::Stream stream, keras_ring::nccl::Event event) override;
+  int EventQuery(keras_ring::nccl::Event event) override;
+  std::string CudaErrorString(int error) override { return "fake cuda error " + std::to_string(error); }
+
+  int NcclVersion(int* version) override { *version = 22304; return 0; }
+  int GetUniqueId(keras_ring::nccl::UniqueId* id) override;
+  int CommInitRank(keras_ring::nccl::Comm* comm, int nranks, const keras_ring::nccl::UniqueId& id,
+                   int rank) override;
+  int CommGetAsyncError(keras_ring::nccl::Comm comm, int* async_error) override;
+  int CommAbort(keras_ring::nccl::Comm comm) override;
+  int CommDestroy(keras_ring::nccl::Comm comm) override;
+  int GroupStart() override;
+  int GroupEnd() override;
+  int AllReduce(const void* send, void* recv, size_t count, int dtype, int op,
+                keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream) override;
+  int Broadcast(const void* send, void* recv, size_t count, int dtype, int root,
+                keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream) override;
+  int AllGather(const void* send, void* recv, size_t count, int dtype,
+                keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream) override;
+  int RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence,
+                           keras_ring::nccl::Comm comm) override;
+  int RedOpDestroy(int op, keras_ring::nccl::Comm comm) override;
+  std::string NcclErrorString(int result) override { return "fake nccl error " + std::to_string(result); }
+
+ private:
+  int Enqueue(const FakeCall& call, keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream);
+  int Submit(std::vector<FakeCall> calls, keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream);
+  std::string Name(const void* handle);
+
+  std::shared_ptr<FakeNcclWorld> world_;
+  const int rank_;
+  int device_ = 0;
+  int next_handle_ = 1;
+  std::map<const void*, std::string> names_;  // handle -> "stream1", "event3"
+  std::map<const void*, std::vector<std::shared_ptr<bool>>> streams_;  // pending launches
+  std::map<const void*, std::vector<std::shared_ptr<bool>>> events_;   // recorded snapshot
+  std::map<const void*, std::string> comm_ids_;
+  std::map<const void*, bool> aborted_;
+  bool in_group_ = false;
+  std::vector<FakeCall> group_;
+  const void* group_comm_ = nullptr;
+  const void* group_stream_ = nullptr;
+  std::mutex mu_;  // the backend calls from the worker, its init helper and submitters
+};
+
+// A caller stream for rank r (TensorFlow's compute stream in production).
+inline keras_ring::nccl::Stream CallerStream(int rank) {
+  return reinterpret_cast<keras_ring::nccl::Stream>(static_cast<uintptr_t>(0x7000 + rank));
+}
+
+}  // namespace kr_test
