@@ -62,6 +62,13 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_install_signal_handlers.restype = None
     c.keras_ring_build_info.argtypes = []
     c.keras_ring_build_info.restype = ctypes.c_char_p
+    # GPU backend (cc/core/nccl/device_c_api.h): where NCCL is, and whether it loads.
+    c.keras_ring_nccl_set_search_path.argtypes = [ctypes.c_char_p]
+    c.keras_ring_nccl_set_search_path.restype = None
+    c.keras_ring_nccl_probe.argtypes = [
+        ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t,
+    ]
+    c.keras_ring_nccl_probe.restype = ctypes.c_int
 
 
 def _load(path: str) -> Library:

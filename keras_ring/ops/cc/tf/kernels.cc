@@ -1,18 +1,13 @@
-// CPU kernels: validate, enqueue on the runtime, return. done() is called from the
-// runtime's worker, so TensorFlow's thread pool never blocks on the network.
-#include <memory>
-#include <string>
+// The collective kernels (declared in kernels.h) and their CPU registrations.
+#include "kernels.h"
+
 #include <utility>
 
-#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
-
-#include "../core/runtime.h"
 
 namespace keras_ring_tf {
 
 namespace kr = ::keras_ring;
-using ::tensorflow::AsyncOpKernel;
 using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
@@ -48,156 +43,131 @@ kr::TensorRef Ref(const Tensor& in, Tensor* out) {
   return ref;
 }
 
-// Base for every collective kernel: the common attributes, the runtime lookup, and
-// completion from the worker thread.
-class CollectiveKernel : public AsyncOpKernel {
- public:
-  explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
-  }
-
- protected:
-  // Null (with the context's status set) when init() has not run.
-  std::shared_ptr<kr::Runtime> GetRuntime(OpKernelContext* ctx) {
-    auto runtime = kr::Runtime::Get();
-    if (runtime == nullptr) {
-      ctx->SetStatus(absl::FailedPreconditionError(
-          "keras_ring has not been initialized; call keras_ring.init() first"));
-    }
-    return runtime;
-  }
-
-  void Submit(kr::Runtime& runtime, kr::Request request, OpKernelContext* ctx,
-              DoneCallback done) {
-    request.name = tensor_name_;
-    request.done = [ctx, done = std::move(done)](const kr::Status& s) {
-      if (!s.ok()) ctx->SetStatus(ToTf(s));
-      done();
-    };
-    runtime.Submit(std::move(request));
-  }
-
-  std::string tensor_name_;
-};
-
-class ReduceKernel : public CollectiveKernel {
- public:
-  explicit ReduceKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
-    int op = 0;
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op));
-    OP_REQUIRES(c, kr::IsValidReduceOp(op),
-                absl::InvalidArgumentError("unknown reduce_op " + std::to_string(op)));
-    op_ = static_cast<kr::ReduceOp>(op);
-    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
-    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
-  }
-
- protected:
-  kr::Request MakeRequest(kr::Kind kind) const {
-    kr::Request r;
-    r.kind = kind;
-    r.op = op_;
-    r.prescale = prescale_;
-    r.postscale = postscale_;
-    return r;
-  }
-
- private:
-  kr::ReduceOp op_ = kr::ReduceOp::kSum;
-  float prescale_ = 1.0f;
-  float postscale_ = 1.0f;
-};
-
-class AllreduceKernel : public ReduceKernel {
- public:
-  using ReduceKernel::ReduceKernel;
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    auto runtime = GetRuntime(ctx);
-    if (runtime == nullptr) return done();
-    const Tensor& in = ctx->input(0);
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out),
-                         done);
-    kr::Request r = MakeRequest(kr::Kind::kAllreduce);
-    r.tensors.push_back(Ref(in, out));
-    Submit(*runtime, std::move(r), ctx, std::move(done));
-  }
-};
-
-class GroupedAllreduceKernel : public ReduceKernel {
- public:
-  using ReduceKernel::ReduceKernel;
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    auto runtime = GetRuntime(ctx);
-    if (runtime == nullptr) return done();
-    kr::Request r = MakeRequest(kr::Kind::kGroupedAllreduce);
-    for (int i = 0; i < ctx->num_inputs(); ++i) {
-      const Tensor& in = ctx->input(i);
-      Tensor* out = nullptr;
-      OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out),
-                           done);
-      r.tensors.push_back(Ref(in, out));
-    }
-    Submit(*runtime, std::move(r), ctx, std::move(done));
-  }
-};
-
-class AllgatherKernel : public CollectiveKernel {
- public:
-  using CollectiveKernel::CollectiveKernel;
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    auto runtime = GetRuntime(ctx);
-    if (runtime == nullptr) return done();
-    const Tensor& in = ctx->input(0);
-    kr::Request r;
-    r.kind = kr::Kind::kAllgather;
-    r.tensors.push_back(Ref(in, nullptr));
-    if (in.dims() == 0) r.tensors[0].shape = {1};  // a scalar is one row
-    const TensorShape row_shape = [&] {
-      TensorShape s = in.shape();
-      if (s.dims() > 0) s.RemoveDim(0);
-      return s;
-    }();
-    // Runs on the worker once every rank's row count is known.
-    r.allocate_output = [ctx, row_shape](int64_t rows, void** output) -> kr::Status {
-      TensorShape shape({rows});
-      shape.AppendShape(row_shape);
-      Tensor* out = nullptr;
-      absl::Status s = ctx->allocate_output(0, shape, &out);
-      if (!s.ok()) return kr::Status(kr::Code::kResourceExhausted, std::string(s.message()));
-      *output = const_cast<char*>(out->tensor_data().data());
-      return kr::Status::OK();
-    };
-    Submit(*runtime, std::move(r), ctx, std::move(done));
-  }
-};
-
-class BroadcastKernel : public CollectiveKernel {
- public:
-  explicit BroadcastKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
-  }
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    auto runtime = GetRuntime(ctx);
-    if (runtime == nullptr) return done();
-    // The root's range is checked with the signatures, so every rank fails alike even
-    // when only one of them names a bad root.
-    const Tensor& in = ctx->input(0);
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out),
-                         done);
-    kr::Request r;
-    r.kind = kr::Kind::kBroadcast;
-    r.root = root_;
-    r.tensors.push_back(Ref(in, out));
-    Submit(*runtime, std::move(r), ctx, std::move(done));
-  }
-
- private:
-  int root_ = 0;
-};
-
 }  // namespace
+
+CollectiveKernel::CollectiveKernel(OpKernelConstruction* c)
+    : AsyncOpKernel(c),
+      on_gpu_(c->device_type() == ::tensorflow::DeviceType(::tensorflow::DEVICE_GPU)) {
+  OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
+}
+
+std::shared_ptr<kr::Runtime> CollectiveKernel::GetRuntime(OpKernelContext* ctx) {
+  auto runtime = kr::Runtime::Get();
+  if (runtime == nullptr) {
+    ctx->SetStatus(absl::FailedPreconditionError(
+        "keras_ring has not been initialized; call keras_ring.init() first"));
+  }
+  return runtime;
+}
+
+void CollectiveKernel::Submit(kr::Runtime& runtime, kr::Request request, OpKernelContext* ctx,
+                              DoneCallback done) {
+  request.name = tensor_name_;
+  if (on_gpu_) {
+    const absl::Status s = AttachToGpuStream(ctx, runtime, &request);
+    if (!s.ok()) {
+      ctx->SetStatus(s);
+      done();
+      return;
+    }
+  }
+  request.done = [ctx, done = std::move(done)](const kr::Status& s) {
+    if (!s.ok()) ctx->SetStatus(ToTf(s));
+    done();
+  };
+  runtime.Submit(std::move(request));
+}
+
+ReduceKernel::ReduceKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
+  int op = 0;
+  OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op));
+  OP_REQUIRES(c, kr::IsValidReduceOp(op),
+              absl::InvalidArgumentError("unknown reduce_op " + std::to_string(op)));
+  op_ = static_cast<kr::ReduceOp>(op);
+  OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
+  OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+}
+
+kr::Request ReduceKernel::MakeRequest(kr::Kind kind) const {
+  kr::Request r;
+  r.kind = kind;
+  r.op = op_;
+  r.prescale = prescale_;
+  r.postscale = postscale_;
+  return r;
+}
+
+void AllreduceKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
+  auto runtime = GetRuntime(ctx);
+  if (runtime == nullptr) return done();
+  const Tensor& in = ctx->input(0);
+  Tensor* out = nullptr;
+  OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out),
+                       done);
+  kr::Request r = MakeRequest(kr::Kind::kAllreduce);
+  r.tensors.push_back(Ref(in, out));
+  Submit(*runtime, std::move(r), ctx, std::move(done));
+}
+
+void GroupedAllreduceKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
+  auto runtime = GetRuntime(ctx);
+  if (runtime == nullptr) return done();
+  kr::Request r = MakeRequest(kr::Kind::kGroupedAllreduce);
+  for (int i = 0; i < ctx->num_inputs(); ++i) {
+    const Tensor& in = ctx->input(i);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out),
+                         done);
+    r.tensors.push_back(Ref(in, out));
+  }
+  Submit(*runtime, std::move(r), ctx, std::move(done));
+}
+
+void AllgatherKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
+  auto runtime = GetRuntime(ctx);
+  if (runtime == nullptr) return done();
+  const Tensor& in = ctx->input(0);
+  kr::Request r;
+  r.kind = kr::Kind::kAllgather;
+  r.tensors.push_back(Ref(in, nullptr));
+  if (in.dims() == 0) r.tensors[0].shape = {1};  // a scalar is one row
+  const TensorShape row_shape = [&] {
+    TensorShape s = in.shape();
+    if (s.dims() > 0) s.RemoveDim(0);
+    return s;
+  }();
+  // Runs on the worker once every rank's row count is known.
+  r.allocate_output = [ctx, row_shape](int64_t rows, void** output) -> kr::Status {
+    TensorShape shape({rows});
+    shape.AppendShape(row_shape);
+    Tensor* out = nullptr;
+    absl::Status s = ctx->allocate_output(0, shape, &out);
+    if (!s.ok()) return kr::Status(kr::Code::kResourceExhausted, std::string(s.message()));
+    *output = const_cast<char*>(out->tensor_data().data());
+    return kr::Status::OK();
+  };
+  Submit(*runtime, std::move(r), ctx, std::move(done));
+}
+
+BroadcastKernel::BroadcastKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
+  OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
+}
+
+void BroadcastKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
+  auto runtime = GetRuntime(ctx);
+  if (runtime == nullptr) return done();
+  // The root's range is checked with the signatures, so every rank fails alike even
+  // when only one of them names a bad root.
+  const Tensor& in = ctx->input(0);
+  Tensor* out = nullptr;
+  OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out),
+                       done);
+  kr::Request r;
+  r.kind = kr::Kind::kBroadcast;
+  r.root = root_;
+  r.tensors.push_back(Ref(in, out));
+  Submit(*runtime, std::move(r), ctx, std::move(done));
+}
 
 REGISTER_KERNEL_BUILDER(Name("KerasRingAllreduce").Device(::tensorflow::DEVICE_CPU),
                         AllreduceKernel);

@@ -1,0 +1,77 @@
+// The collective kernels, shared by the CPU registrations (kernels.cc) and the GPU ones
+// (gpu_kernels.cc). Each validates, enqueues on the runtime and returns; done() is called
+// from the runtime's worker, so TensorFlow's threads never block on the network. On a GPU the
+// request additionally becomes a device collective that NCCL runs on the runtime's stream.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "tensorflow/core/framework/op_kernel.h"
+
+#include "../core/runtime.h"
+
+namespace keras_ring_tf {
+
+// Makes `request` a device collective ordered after the work TensorFlow queued so far on
+// the op's GPU stream. Defined in gpu_kernels.cc.
+absl::Status AttachToGpuStream(::tensorflow::OpKernelContext* ctx, ::keras_ring::Runtime& runtime,
+                               ::keras_ring::Request* request);
+
+// Base for every collective kernel: the common attributes, the runtime lookup, and
+// completion from the worker thread.
+class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
+ public:
+  explicit CollectiveKernel(::tensorflow::OpKernelConstruction* c);
+
+ protected:
+  // Null (with the context's status set) when init() has not run.
+  std::shared_ptr<::keras_ring::Runtime> GetRuntime(::tensorflow::OpKernelContext* ctx);
+  void Submit(::keras_ring::Runtime& runtime, ::keras_ring::Request request,
+              ::tensorflow::OpKernelContext* ctx, DoneCallback done);
+
+  std::string tensor_name_;
+  bool on_gpu_ = false;
+};
+
+class ReduceKernel : public CollectiveKernel {
+ public:
+  explicit ReduceKernel(::tensorflow::OpKernelConstruction* c);
+
+ protected:
+  ::keras_ring::Request MakeRequest(::keras_ring::Kind kind) const;
+
+ private:
+  ::keras_ring::ReduceOp op_ = ::keras_ring::ReduceOp::kSum;
+  float prescale_ = 1.0f;
+  float postscale_ = 1.0f;
+};
+
+class AllreduceKernel : public ReduceKernel {
+ public:
+  using ReduceKernel::ReduceKernel;
+  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) override;
+};
+
+class GroupedAllreduceKernel : public ReduceKernel {
+ public:
+  using ReduceKernel::ReduceKernel;
+  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) override;
+};
+
+class AllgatherKernel : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) override;
+};
+
+class BroadcastKernel : public CollectiveKernel {
+ public:
+  explicit BroadcastKernel(::tensorflow::OpKernelConstruction* c);
+  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) override;
+
+ private:
+  int root_ = 0;
+};
+
+}  // namespace keras_ring_tf

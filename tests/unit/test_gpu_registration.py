@@ -1,0 +1,95 @@
+"""The GPU side of the op library on a machine without a GPU (CI): every op has a GPU kernel
+in the same library as the CPU one, and a missing NCCL is reported clearly.
+
+What only a GPU can show (NCCL results, stream ordering on real hardware) is checked by
+benchmarks/gpu_check.sh; the backend's host logic by the C++ tests (nccl_test.cc).
+"""
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import kernels
+
+from keras_ring import gpu
+from keras_ring.ops import build
+from keras_ring.ops.loader import library
+
+OPS = ("KerasRingAllreduce", "KerasRingGroupedAllreduce", "KerasRingAllgather", "KerasRingBroadcast")
+
+
+def _kernels(op):
+    library()
+    return {k.device_type: k for k in kernels.get_registered_kernels_for_op(op).kernel}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_has_a_gpu_kernel_next_to_its_cpu_kernel(op):
+    assert set(_kernels(op)) == {"CPU", "GPU"}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_kernels_leave_int32_to_the_cpu(op):
+    # TensorFlow keeps int32 tensors of GPU ops in host memory: NCCL must never see them.
+    (constraint,) = _kernels(op)["GPU"].constraint
+    allowed = {tf.dtypes.as_dtype(t) for t in constraint.allowed_values.list.type}
+    expected = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int64}
+    if op in ("KerasRingAllgather", "KerasRingBroadcast"):
+        expected.add(tf.bool)
+    assert constraint.name == "T" and allowed == expected
+
+
+def _probe(dirs: str) -> tuple[int, int, str]:
+    version = ctypes.c_int(-1)
+    err = ctypes.create_string_buffer(4096)
+    rc = library().c.keras_ring_nccl_probe(dirs.encode(), ctypes.byref(version), err, len(err))
+    return rc, version.value, err.value.decode()
+
+
+def test_missing_nccl_is_reported_with_what_to_install(tmp_path):
+    rc, version, message = _probe(str(tmp_path))
+    if rc == 0:
+        pytest.skip(f"NCCL is installed here (version code {version})")
+    assert rc == 9, message  # FailedPrecondition
+    assert message.startswith("keras_ring: GPU collective needs NCCL: libnccl.so.2 not found")
+    assert "install keras-ring[cuda] or nvidia-nccl-cu12" in message
+    assert str(tmp_path) in message  # where it looked
+    with pytest.raises(RuntimeError, match="libnccl.so.2 not found"):
+        gpu.nccl_version()
+
+
+# Every function the backend resolves; the stub reports NCCL 2.8.4 (old version encoding).
+_STUB = "\n".join(
+    [f'extern "C" int {name}() {{ return 0; }}' for name in (
+        "ncclGetUniqueId", "ncclCommInitRank", "ncclCommGetAsyncError", "ncclCommAbort",
+        "ncclCommDestroy", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce", "ncclBroadcast",
+        "ncclAllGather", "ncclRedOpCreatePreMulSum", "ncclRedOpDestroy")]
+    + ['extern "C" const char* ncclGetErrorString(int) { return "stub"; }',
+       'extern "C" int ncclGetVersion(int* v) { *v = 2804; return 0; }']
+)
+
+
+def test_nccl_from_the_search_path_is_version_checked(tmp_path):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    if _probe("")[0] == 0:
+        pytest.skip("a real NCCL is installed here and would be found first")
+    (tmp_path / "stub.cc").write_text(_STUB)
+    # No soname: a later lookup of "libnccl.so.2" by name cannot pick up this stub.
+    subprocess.run([cxx, "-shared", "-fPIC", "-o", str(tmp_path / "libnccl.so.2"),
+                    str(tmp_path / "stub.cc")], check=True)
+    rc, _, message = _probe(f"/nonexistent:{tmp_path}")
+    assert rc == 9, message
+    assert f"NCCL 2.8.4 ({tmp_path}/libnccl.so.2) is too old" in message
+    assert "needs NCCL >= 2.12.0" in message
+
+
+def test_the_gpu_free_build_is_one_library():
+    # The CPU and GPU kernels and the NCCL backend come from the same sources and library.
+    names = {p.relative_to(build.CC_DIR).as_posix() for p in build.sources()}
+    assert {"tf/kernels.cc", "tf/gpu_kernels.cc", "core/nccl/backend.cc", "core/nccl/dynamic_api.cc"} <= names
+    text = build.library_path().read_bytes()
+    assert b"keras_ring_nccl_probe" in text and b"libnccl.so.2" in text
