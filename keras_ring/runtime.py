@@ -10,7 +10,7 @@ from keras_ring import bootstrap as _bootstrap
 from keras_ring.bootstrap import Topology
 from keras_ring.config import Config
 from keras_ring.errors import InitError, NotInitializedError
-from keras_ring import threads, timeline
+from keras_ring import gpu, threads, timeline
 from keras_ring.ops.loader import Library, NativeConfig, library
 
 
@@ -62,6 +62,7 @@ class Runtime:
                     self._table = _bootstrap.bootstrap(config)
                 table = self._table
             threads.configure(table.topology.local_size, config.intra_op_threads)
+            gpu.configure(lib, table.topology)  # before TensorFlow starts its GPUs
             self._start_native(lib, table, config)
             self._topology = table.topology
             self._config = config
