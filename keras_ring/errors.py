@@ -10,9 +10,15 @@ import re
 
 import tensorflow as tf
 
-_LABEL = re.compile(r"keras_ring: (?P<collective>\w+ (?:'[^']*'|#\d+))")
+# "keras_ring: allreduce 'x' ..." or, for a collective refused after an earlier failure,
+# "keras_ring: cannot run allreduce 'x' because ...": the collective is the one called.
+_LABEL = re.compile(r"keras_ring: (?:cannot run )?(?P<collective>\w+ (?:'[^']*'|#\d+))")
 _TF_SUFFIX = re.compile(r"\s*\[Op:[^\]]*\].*$", re.S)
 _RANK = re.compile(r"\brank (?P<rank>\d+)\b")
+# "... failed on rank R: <cause>" names the reporting rank; the cause names the rank it is about.
+_REPORTER = re.compile(r"^.*\bfailed on rank \d+: ", re.S)
+# "rank 0 has X, rank N has Y": rank 0 is the reference, N the one that diverged.
+_DIVERGING = re.compile(r"\brank 0 has .*?, rank (?P<rank>\d+) has ", re.S)
 
 
 class KerasRingError(Exception):
@@ -32,7 +38,8 @@ class KerasRingError(Exception):
         m = _LABEL.search(message)
         self.collective = m.group("collective") if m else None
         self.reason = message[m.end():].lstrip(": ") if m else message
-        r = _RANK.search(self.reason)
+        cause = _REPORTER.sub("", self.reason)
+        r = _DIVERGING.search(cause) or _RANK.search(cause)
         self.rank = int(r.group("rank")) if r else None
 
 
