@@ -81,6 +81,14 @@ def _run(fn, *args):
         if translated is e:
             raise
         raise translated from None
+    except RuntimeError as e:
+        # Ctrl-C: the op fails with "interrupted by SIGINT" while Python's KeyboardInterrupt
+        # is pending; it fires while TensorFlow builds its exception and pybind11 reports the
+        # clash as "RuntimeError: ... MISMATCH ... REPLACED BY KeyboardInterrupt". Give the
+        # program the KeyboardInterrupt it expects (so `except KeyboardInterrupt` works).
+        if "REPLACED BY KeyboardInterrupt" in str(e):
+            raise KeyboardInterrupt from None
+        raise
 
 
 def allreduce(
@@ -197,7 +205,11 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor
     _check_dtype(tensor, GATHER_DTYPES, "broadcast")
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
         raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
-    return _run(wrappers.broadcast, tensor, int(root_rank), _check_name(name))
+    # The op attribute is an int32. A root beyond it is out of range like any other: clamp it
+    # so the runtime's range check reports it on every rank alike, instead of TensorFlow
+    # (or an OverflowError) failing on this rank alone and leaving the others waiting.
+    root = max(-(2**31), min(int(root_rank), 2**31 - 1))
+    return _run(wrappers.broadcast, tensor, root, _check_name(name))
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
