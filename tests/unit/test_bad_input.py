@@ -1,0 +1,222 @@
+"""Bad inputs in one place, in a world of one (no launcher): each gives a clear error (or,
+where the input is merely unusual, the right result), never a crash, and the runtime keeps
+working afterwards.
+
+Already covered by tests/unit/test_api_single_process.py and not repeated here: every API
+call before init(), the first eight after shutdown(), string/complex64/uint16/int16 tensors
+in the four collectives, bool in allreduce, op=7, object() in allreduce, a lone tensor in
+grouped_allreduce, root_rank="0" and root_rank=1, bad environment values.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ring as kr
+from tests.reference import GATHER_DTYPES, OP_NAMES, REDUCE_DTYPES, assert_same, reduce_reference
+
+COLLECTIVES = {
+    "allreduce": lambda x: kr.allreduce(x),
+    "grouped_allreduce": lambda x: kr.grouped_allreduce([tf.ones([1]), x]),
+    "allgather": lambda x: kr.allgather(x),
+    "broadcast": lambda x: kr.broadcast(x, root_rank=0),
+}
+MORE_UNSUPPORTED = {
+    "uint32": lambda: tf.zeros([2], tf.uint32),
+    "uint64": lambda: tf.zeros([2], tf.uint64),
+    "complex128": lambda: tf.zeros([2], tf.complex128),
+    "qint8": lambda: tf.cast(tf.zeros([2]), tf.qint8),
+    "bool-empty": lambda: tf.zeros([0], tf.bool),  # reducible dtypes only, even when empty
+}
+
+
+def _root_error(root):
+    return (kr.CollectiveArgumentError, f"root_rank {root} on rank 0 is out of range for 1 ranks")
+
+
+# id -> (call, expected exception class(es), regex the message must match)
+BAD = {
+    # Unsupported dtypes (more of them, and inside tf.function, where the check runs at trace).
+    **{f"{what}-{dt}": (lambda call=call, make=make: call(make()), TypeError,
+                        f"keras_ring.{what} does not support dtype {dt.split('-')[0]}")
+       for what, call in COLLECTIVES.items() for dt, make in MORE_UNSUPPORTED.items()
+       if not (dt == "bool-empty" and what in ("allgather", "broadcast"))},
+    "allreduce-int16-in-tf.function": (
+        lambda: tf.function(lambda x: kr.allreduce(x))(tf.zeros([2], tf.int16)),
+        TypeError, "does not support dtype int16"),
+    # Not tensors.
+    **{f"{what}-{kind}": (lambda call=call, value=value: call(value), TypeError,
+                          f"keras_ring.{what} needs a tensor, got {type(value).__name__}")
+       for what, call in [("allreduce", kr.allreduce), ("allgather", kr.allgather),
+                          ("broadcast", lambda v: kr.broadcast(v, 0))]
+       for kind, value in [("object", object()), ("dict", {"a": 1}), ("None", None),
+                           ("ragged-list", [[1.0], [1.0, 2.0]])]},
+    "allreduce-RaggedTensor": (lambda: kr.allreduce(tf.ragged.constant([[1.0], [1.0, 2.0]])),
+                               TypeError, "needs a tensor, got RaggedTensor"),
+    "allreduce-SparseTensor": (lambda: kr.allreduce(tf.sparse.from_dense(tf.ones([2, 2]))),
+                               TypeError, "needs a tensor, got SparseTensor"),
+    "grouped-None-entry": (lambda: kr.grouped_allreduce([tf.ones([1]), None]), TypeError,
+                           "needs a tensor, got NoneType"),
+    "grouped-object": (lambda: kr.grouped_allreduce(object()), TypeError, None),
+    "grouped-None": (lambda: kr.grouped_allreduce(None), TypeError, None),
+    # A dict is iterated by its keys (strings): still a TypeError.
+    "grouped-dict": (lambda: kr.grouped_allreduce({"a": tf.ones([1])}), TypeError, None),
+    # Other arguments.
+    "op-None": (lambda: kr.allreduce(tf.ones([1]), op=None), ValueError, "op must be one of"),
+    "op-string": (lambda: kr.allreduce(tf.ones([1]), op="Sum"), ValueError, "op must be one of"),
+    "op-negative": (lambda: kr.allreduce(tf.ones([1]), op=-1), ValueError, "op must be one of"),
+    "name-int": (lambda: kr.allreduce(tf.ones([1]), name=5), TypeError, "name must be a string"),
+    "name-bytes": (lambda: kr.allgather(tf.ones([1]), name=b"x"), TypeError, "name must be a string"),
+    "prescale-None": (lambda: kr.allreduce(tf.ones([1]), prescale_factor=None), TypeError, None),
+    # root_rank out of range, of the wrong type, or beyond the op attribute's int32.
+    "root-negative": (lambda: kr.broadcast(tf.ones([2]), root_rank=-1), *_root_error(-1)),
+    "root-2**31": (lambda: kr.broadcast(tf.ones([2]), root_rank=2**31),
+                   kr.CollectiveArgumentError, "out of range for 1 ranks"),
+    "root-2**63": (lambda: kr.broadcast(tf.ones([2]), root_rank=2**63),
+                   kr.CollectiveArgumentError, "out of range for 1 ranks"),
+    "root--2**63": (lambda: kr.broadcast(tf.ones([2]), root_rank=-(2**63)),
+                    kr.CollectiveArgumentError, "out of range for 1 ranks"),
+    "root-bool": (lambda: kr.broadcast(tf.ones([2]), root_rank=True), TypeError, "root_rank must be an int"),
+    "root-float": (lambda: kr.broadcast(tf.ones([2]), root_rank=0.0), TypeError, "root_rank must be an int"),
+    "root-None": (lambda: kr.broadcast(tf.ones([2]), root_rank=None), TypeError, "root_rank must be an int"),
+    "root-in-tf.function": (lambda: tf.function(lambda: kr.broadcast(tf.ones([2]), root_rank=3))(),
+                            tf.errors.InvalidArgumentError, "root_rank 3 on rank 0 is out of range"),
+    "broadcast_object-root": (lambda: kr.broadcast_object("x", root_rank=1), *_root_error(1)),
+    "broadcast_variables-root": (lambda: kr.broadcast_variables([tf.Variable(1.0)], 5), *_root_error(5)),
+    # Objects that cannot be pickled fail before anything is communicated.
+    "broadcast_object-unpicklable": (lambda: kr.broadcast_object(lambda: 1, root_rank=0),
+                                     (pickle.PicklingError, AttributeError, TypeError), "pickle"),
+    "allgather_object-unpicklable": (lambda: kr.allgather_object(lambda: 1),
+                                     (pickle.PicklingError, AttributeError, TypeError), "pickle"),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    kr.init()
+    yield
+    kr.shutdown()
+
+
+def _still_works():
+    assert kr.allreduce(tf.constant([1.5, -2.0]), op=kr.Sum).numpy().tolist() == [1.5, -2.0]
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_a_clear_error(case):
+    call, error, message = BAD[case]
+    with pytest.raises(error, match=message):
+        call()
+    _still_works()
+
+
+# Unusual but valid inputs: converted like tf.convert_to_tensor does, never refused.
+ACCEPTED = {
+    "python-list": (lambda: kr.allreduce([1.0, 2.0], op=kr.Sum), [1.0, 2.0]),
+    "numpy-array": (lambda: kr.allgather(np.arange(3, dtype=np.int32)), [0, 1, 2]),
+    "python-int": (lambda: kr.allreduce(3, op=kr.Max), 3),
+    "numpy-root": (lambda: kr.broadcast(tf.constant([4]), root_rank=np.int64(0)), [4]),
+    "variable": (lambda: kr.broadcast(tf.Variable([5.0]), root_rank=np.int32(0)), [5.0]),
+    "grouped-generator": (lambda: kr.grouped_allreduce(t for t in [tf.constant([1.0])])[0], [1.0]),
+    "grouped-empty": (lambda: kr.grouped_allreduce([]), []),
+    "long-name": (lambda: kr.allreduce(tf.constant([1.0]), name="n" * 500), [1.0]),
+    "odd-name": (lambda: kr.allreduce(tf.constant([1.0]), name="a b/ü'\"\n#1"), [1.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED))
+def test_unusual_valid_input(case):
+    call, expected = ACCEPTED[case]
+    out = call()
+    out = out.numpy().tolist() if hasattr(out, "numpy") else out
+    assert out == expected
+
+
+def test_traced_function_after_shutdown_and_init_again():
+    """A tf.function traced while initialised fails clearly after shutdown(), works after init()."""
+    step = tf.function(lambda x: kr.allreduce(x, op=kr.Sum, name="traced"))
+    assert step(tf.constant([2.0])).numpy().tolist() == [2.0]
+    kr.shutdown()
+    try:
+        with pytest.raises(tf.errors.FailedPreconditionError, match=r"call keras_ring.init\(\)"):
+            step(tf.constant([2.0]))
+        for call in (lambda: kr.broadcast_variables([tf.Variable(1.0)], 0),
+                     lambda: kr.broadcast_object(1, 0), lambda: kr.allgather_object(1),
+                     kr.barrier):
+            with pytest.raises(kr.NotInitializedError):  # the rest of the API (see the docstring)
+                call()
+    finally:
+        kr.init()
+    assert step(tf.constant([2.0])).numpy().tolist() == [2.0]
+
+
+# --- NaN and Inf -------------------------------------------------------------------------
+
+FLOATS = [d for d in REDUCE_DTYPES if d.is_floating]
+SPECIAL = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1.0, -2.5, np.nan]
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_nan_and_inf_pass_through_allreduce(dtype, op):
+    x = np.array(SPECIAL).astype(dtype.as_numpy_dtype)
+    for postscale in (1.0, 2.0):
+        with np.errstate(invalid="ignore"):
+            want = reduce_reference([x], op, dtype, postscale=postscale)
+        got = kr.allreduce(tf.constant(x), op=getattr(kr, op), postscale_factor=postscale).numpy()
+        assert_same(got, want)
+        # In a world of one every op is the identity (then scaled): -0.0 stays -0.0, which
+        # numpy's sum (starting from +0.0) would not keep.
+        assert np.signbit(got[3:5]).tolist() == [True, False], got
+        grouped = kr.grouped_allreduce([tf.constant(x), tf.ones([3], dtype)], op=getattr(kr, op),
+                                       postscale_factor=postscale)
+        assert_same(grouped[0].numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_nan_and_inf_pass_through_broadcast_and_allgather(dtype):
+    x = np.array(SPECIAL).astype(dtype.as_numpy_dtype).reshape(4, 2)
+    for out in (kr.broadcast(tf.constant(x), root_rank=0), kr.allgather(tf.constant(x))):
+        got = out.numpy()
+        assert_same(got, x)
+        # Bit for bit: NaN payloads and the sign of zero are data too.
+        assert got.view(f"u{x.itemsize}").tolist() == x.view(f"u{x.itemsize}").tolist()
+
+
+# --- tensors over 2 GiB --------------------------------------------------------------------
+# One large tensor and its result at a time (about 4.5 GiB). Fresh pages are zero, so a copy
+# cut short at 2**31 bytes (or an element count that wrapped) shows up as a 0 in the result.
+
+OVER_2GIB = 2**31 + 16
+
+
+def _min_max(t: tf.Tensor) -> tuple:
+    return float(tf.reduce_min(t)), float(tf.reduce_max(t))
+
+
+def test_allreduce_over_2gib():
+    x = tf.ones([OVER_2GIB], tf.uint8)  # more elements than an int32 can count
+    y = kr.allreduce(x, op=kr.Sum)
+    assert y.shape == (OVER_2GIB,) and y.dtype == tf.uint8
+    assert _min_max(y) == (1.0, 1.0)
+    del x, y
+    x = tf.ones([OVER_2GIB // 4], tf.float32)  # the same bytes in fewer, wider elements
+    y = kr.allreduce(x, op=kr.Average, postscale_factor=3.0)
+    assert y.shape == (OVER_2GIB // 4,) and _min_max(y) == (3.0, 3.0)
+    del x, y
+    _still_works()
+
+
+def test_allgather_and_broadcast_over_2gib():
+    x = tf.ones([OVER_2GIB // 8, 8], tf.uint8)
+    y = kr.allgather(x)
+    assert y.shape == x.shape and _min_max(y) == (1.0, 1.0)
+    del y
+    y = kr.broadcast(x, root_rank=0)
+    assert y.shape == x.shape and _min_max(y) == (1.0, 1.0)
+    del x, y
+    _still_works()
