@@ -118,7 +118,9 @@ void* Open(const std::vector<std::string>& names, const std::vector<std::string>
   for (const std::string& path : candidates) {
     if (void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) return h;
     const char* e = dlerror();
-    if (e != nullptr) *last_error = e;
+    // The system's answer for the main name says most ("cannot open shared object file",
+    // or a missing dependency); otherwise the first error seen.
+    if (e != nullptr && (last_error->empty() || path == names.front())) *last_error = e;
   }
   return nullptr;
 }
@@ -310,7 +312,9 @@ void SetLibrarySearchPath(const std::string& dirs) {
 Status ProbeNccl(const std::string& dirs, int* version) {
   std::lock_guard<std::mutex> lock(Libs().mu);
   std::vector<std::string> search = SplitDirs(dirs);
-  for (const std::string& d : SplitDirs(Libs().search_path)) search.push_back(d);
+  for (const std::string& d : SplitDirs(Libs().search_path)) {
+    if (std::find(search.begin(), search.end(), d) == search.end()) search.push_back(d);
+  }
   KR_RETURN_IF_ERROR(LoadNcclLocked(Libs(), search));
   return Libs().nccl.version(version) == kNcclSuccess
              ? Status::OK()

@@ -1,0 +1,67 @@
+"""The GPU path on machines without a GPU, across real processes: a device collective
+(through the op library's device C API, the entry the GPU kernels share) fails on every rank
+alike with a message saying what is missing, and a rank whose tensor is on the GPU while the
+others' are on the host is a placement mismatch, not a hang. The runtime stays usable.
+
+Skipped (on every rank alike) where TensorFlow sees a GPU: benchmarks/gpu_check.sh covers that.
+"""
+
+import ctypes
+
+import pytest
+import tensorflow as tf
+
+import keras_ring as kr
+from keras_ring.ops.loader import library
+
+pytestmark = pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")),
+                                reason="a GPU is present: see benchmarks/gpu_check.sh")
+
+FLOAT32, SUM = 2, 0
+
+
+def _device_allreduce(buf, name: bytes | None) -> tuple[int, str]:
+    c = library().c
+    c.keras_ring_device_allreduce.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p,
+        ctypes.c_char_p, ctypes.c_size_t]
+    err = ctypes.create_string_buffer(4096)
+    # Host memory posing as device memory: nothing may touch it, since no GPU is usable.
+    rc = c.keras_ring_device_allreduce(ctypes.addressof(buf), ctypes.addressof(buf), len(buf),
+                                       FLOAT32, SUM, 1.0, 1.0, 0, None, name, err, len(err))
+    return rc, err.value.decode()
+
+
+def _still_usable():
+    assert kr.allreduce(tf.constant([1.0]), op=kr.Sum).numpy()[0] == kr.size()
+
+
+def test_device_collective_without_gpu_fails_alike_on_every_rank(world):
+    rank, _ = world
+    buf = (ctypes.c_float * 4)(1, 2, 3, 4)
+    rc, message = _device_allreduce(buf, b"gpu_grad")
+    assert rc == 9, message  # FailedPrecondition: not fatal, nothing was sent
+    assert f"allreduce 'gpu_grad' failed on rank {rank}: rank 0: " in message
+    # Whatever is missing here (the CUDA runtime, a driver or device, NCCL), it is named.
+    assert any(s in message for s in ("libcudart.so.12 not found", "cudaSetDevice failed",
+                                      "libnccl.so.2 not found")), message
+    assert list(buf) == [1, 2, 3, 4]
+    verdicts = kr.allgather_object(message.split(": rank 0: ", 1)[1])
+    assert len(set(verdicts)) == 1, verdicts
+    _still_usable()
+
+
+def test_gpu_tensor_on_one_rank_is_a_placement_mismatch(world):
+    rank, _ = world
+    if rank == 0:
+        buf = (ctypes.c_float * 4)()
+        rc, message = _device_allreduce(buf, None)
+        assert rc == 9, message
+        assert "placement mismatch: rank 0 has a tensor in GPU memory" in message
+    else:
+        with pytest.raises(kr.CollectiveMismatchError, match="placement mismatch: rank 0 has a "
+                           "tensor in GPU memory, rank 1 has a "
+                           "tensor in host memory"):
+            kr.allreduce(tf.zeros([4]), op=kr.Sum)
+    _still_usable()
