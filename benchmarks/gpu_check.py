@@ -1,0 +1,521 @@
+"""keras_ring's NCCL backend on a GPU machine without TensorFlow: results and bandwidth.
+
+benchmarks/gpu_check.sh builds the core runtime and its C API (no TensorFlow) into
+libkeras_ring_core.so and runs this driver on 2 ranks. Each rank checks allreduce (every op,
+several dtypes and sizes, scale factors, in place, ordering against a busy caller stream),
+allgather (equal and varying rows) and broadcast on CuPy arrays against NumPy, then rank 0
+prints an nccl-tests-style busbw table next to torch.distributed's NCCL allreduce on the same
+buffers. Exit status 0 means every check passed.
+
+    python benchmarks/gpu_check.py --lib build/gpu_check/libkeras_ring_core.so --spawn 2
+    mpirun -np 2 python benchmarks/gpu_check.py --lib ...   (ranks found through mpi4py)
+
+keras_ring's device C API waits for each collective (its worker polls completion), so its
+small-message times include that round trip; torch's are nccl-tests style (back to back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # keras_ring.ops.loader and keras_ring.gpu import no TensorFlow
+
+DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4, "uint8": 5,
+          "int32": 6, "int64": 7, "bool": 8}
+OPS = {"Sum": 0, "Average": 1, "Min": 2, "Max": 3, "Product": 4}
+CODES = {1: "CANCELLED", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 8: "RESOURCE_EXHAUSTED",
+         9: "FAILED_PRECONDITION", 10: "ABORTED", 13: "INTERNAL", 14: "UNAVAILABLE"}
+FATAL = {4, 10, 13, 14}  # the runtime is broken afterwards: stop checking
+RTOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+
+
+# ---------------------------------------------------------------- pure logic (unit-tested)
+
+def storage_dtype(name: str) -> np.dtype:
+    """NumPy/CuPy storage of a keras_ring dtype (bfloat16 travels as its uint16 bits)."""
+    return np.dtype(np.uint16 if name == "bfloat16" else np.bool_ if name == "bool" else name)
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounding to nearest even."""
+    b = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def as_float64(name: str, x: np.ndarray) -> np.ndarray:
+    return bf16_values(x).astype(np.float64) if name == "bfloat16" else x.astype(np.float64)
+
+
+def rank_input(name: str, op: str, count: int, rank: int, seed: int = 0) -> np.ndarray:
+    """Rank `rank`'s input: small values whose sums and products stay exact and in range."""
+    rng = np.random.default_rng([seed, rank, count, DTYPES[name], OPS.get(op, 9)])
+    if name == "bool":
+        return rng.integers(0, 2, count).astype(np.bool_)
+    if op == "Product":
+        values = rng.integers(-2, 3, count) if name in ("int8", "int32", "int64") else \
+            rng.integers(1, 3, count) if name == "uint8" else rng.choice([0.5, 1.0, 1.5, 2.0], count)
+    elif name == "uint8":
+        values = rng.integers(0, 100, count)
+    else:
+        values = rng.integers(-50, 51, count)
+    values = np.asarray(values)
+    if name == "bfloat16":
+        return bf16_bits(values.astype(np.float32))
+    return values.astype(storage_dtype(name))
+
+
+def reference_allreduce(name: str, op: str, inputs: list[np.ndarray], prescale: float = 1.0,
+                        postscale: float = 1.0) -> np.ndarray:
+    """What every rank should get, computed like the host runtime defines it."""
+    n = len(inputs)
+    if name in RTOL:
+        v = np.stack([as_float64(name, x) * prescale for x in inputs])
+        r = {"Sum": v.sum(0), "Average": v.sum(0) / n, "Min": v.min(0), "Max": v.max(0),
+             "Product": v.prod(0)}[op] * postscale
+        return bf16_bits(r.astype(np.float32)) if name == "bfloat16" else r.astype(storage_dtype(name))
+    v = np.stack([x.astype(np.int64) for x in inputs])
+    if op == "Average":  # integer Average divides exactly, truncating toward zero
+        s = v.sum(0)
+        return (np.sign(s) * (np.abs(s) // n)).astype(storage_dtype(name))
+    r = {"Sum": v.sum(0), "Min": v.min(0), "Max": v.max(0), "Product": v.prod(0)}[op]
+    return r.astype(storage_dtype(name))  # wraps like the hardware
+
+
+def close(name: str, got: np.ndarray, want: np.ndarray) -> bool:
+    if got.shape != want.shape:
+        return False
+    if name not in RTOL:
+        return bool(np.array_equal(got, want))
+    g, w = as_float64(name, got), as_float64(name, want)
+    return bool(np.allclose(g, w, rtol=RTOL[name], atol=RTOL[name]))
+
+
+def iterations(nbytes: int) -> int:
+    """Timed calls per size: the same on every rank (no agreement round needed)."""
+    return int(max(5, min(200, 2e8 // max(nbytes, 1 << 20) if nbytes > (1 << 20) else 200)))
+
+
+def bandwidths(nbytes: int, seconds: float, n: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s, nccl-tests' definitions for allreduce."""
+    algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    return algbw, algbw * (2 * (n - 1) / n if n > 1 else 1.0)
+
+
+def bench_sizes(max_bytes: int) -> list[int]:
+    sizes, s = [], 8
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 4
+    return sizes
+
+
+def table(rows: list[dict], n: int, torch_label: str | None) -> str:
+    head = f"{'bytes':>12} {'elements':>11} | {'keras_ring us':>13} {'algbw':>7} {'busbw':>7}"
+    if torch_label:
+        head += f" | {torch_label + ' us':>13} {'algbw':>7} {'busbw':>7}"
+    lines = [f"# allreduce float32 Sum, {n} ranks, GB/s", head]
+    for row in rows:
+        line = f"{row['bytes']:>12} {row['bytes'] // 4:>11} | {row['kr_us']:>13.1f} " \
+               f"{row['kr_algbw']:>7.2f} {row['kr_busbw']:>7.2f}"
+        if torch_label and row.get("torch_us") is not None:
+            line += f" | {row['torch_us']:>13.1f} {row['torch_algbw']:>7.2f} {row['torch_busbw']:>7.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def nccl_version_string(code: int) -> str:
+    wide = code >= 10000
+    major, minor = (code // 10000, code % 10000 // 100) if wide else (code // 1000, code % 1000 // 100)
+    return f"{major}.{minor}.{code % 100}"
+
+
+# ---------------------------------------------------------------- ranks and the library
+
+class CollectiveError(RuntimeError):
+    def __init__(self, code: int, message: str):
+        super().__init__(f"{CODES.get(code, code)}: {message}")
+        self.code = code
+
+
+class Core:
+    """libkeras_ring_core.so through ctypes: init from a peer table, device collectives."""
+
+    def __init__(self, path: str):
+        from keras_ring.ops.loader import _declare_c_api
+
+        self.c = ctypes.CDLL(path)
+        _declare_c_api(self.c)
+        vp, i64, i, d, cp_ = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
+        tail = [vp, cp_, cp_, ctypes.c_size_t]  # stream, name, err, err_len
+        self.c.keras_ring_device_allreduce.argtypes = [vp, vp, i64, i, i, d, d, i] + tail
+        self.c.keras_ring_device_allgather.argtypes = [vp, vp, i64, i64, i64, i, i] + tail
+        self.c.keras_ring_device_broadcast.argtypes = [vp, vp, i64, i, i, i] + tail
+        self.err = ctypes.create_string_buffer(4096)
+
+    def _check(self, rc: int) -> None:
+        if rc != 0:
+            raise CollectiveError(rc, self.err.value.decode(errors="replace"))
+
+    def init(self, rank: int, size: int, listener: socket.socket, ports: list[int], token: int):
+        from keras_ring.ops.loader import NativeConfig
+
+        cfg = NativeConfig(
+            rank=rank, size=size, listen_fd=listener.fileno(),
+            hosts=(ctypes.c_char_p * size)(*[b"127.0.0.1"] * size),
+            ports=(ctypes.c_int * size)(*ports), host_index=(ctypes.c_int * size)(*[0] * size),
+            job_token=token, timeout_seconds=60.0, stall_warning_seconds=30.0, segment_bytes=0,
+            use_shm=0, shm_channel_bytes=0, timeline=0)
+        self._check(self.c.keras_ring_init(ctypes.byref(cfg), self.err, len(self.err)))
+
+    def nccl_version(self, search_path: str) -> int:
+        self.c.keras_ring_nccl_set_search_path(search_path.encode())
+        version = ctypes.c_int(0)
+        self._check(self.c.keras_ring_nccl_probe(search_path.encode(), ctypes.byref(version),
+                                                 self.err, len(self.err)))
+        return version.value
+
+    def allreduce(self, x, y, name, op, device, stream=0, pre=1.0, post=1.0):
+        self._check(self.c.keras_ring_device_allreduce(
+            x.data.ptr, y.data.ptr, x.size, DTYPES[name], OPS[op], pre, post, device, stream,
+            None, self.err, len(self.err)))
+
+    def allgather(self, x, out, name, rows, row_elems, device, stream=0):
+        self._check(self.c.keras_ring_device_allgather(
+            x.data.ptr, out.data.ptr, rows, row_elems, out.shape[0], DTYPES[name], device,
+            stream, None, self.err, len(self.err)))
+
+    def broadcast(self, x, y, name, root, device, stream=0):
+        self._check(self.c.keras_ring_device_broadcast(
+            x.data.ptr, y.data.ptr, x.size, DTYPES[name], root, device, stream, None,
+            self.err, len(self.err)))
+
+    def barrier(self):
+        self._check(self.c.keras_ring_barrier(b"gpu_check", self.err, len(self.err)))
+
+    def shutdown(self):
+        self.c.keras_ring_shutdown()
+
+
+def nccl_candidates() -> list[str]:
+    """Directories that may hold libnccl.so.2: wheels (NCCL's own, PyTorch's), the system's."""
+    dirs = []
+    from keras_ring.gpu import library_search_path
+
+    dirs += [d for d in library_search_path().split(":") if d]
+    try:
+        import importlib.util
+
+        torch_spec = importlib.util.find_spec("torch")
+        if torch_spec and torch_spec.origin:
+            dirs.append(str(Path(torch_spec.origin).parent / "lib"))
+    except (ImportError, ValueError):
+        pass
+    try:
+        ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+        dirs += [str(Path(line.split("=>")[-1].strip()).parent)
+                 for line in ldconfig.splitlines() if "libnccl.so.2" in line]
+    except OSError:
+        pass
+    cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    dirs += [f"{cuda}/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/local/nccl/lib", "/usr/lib64"]
+    return list(dict.fromkeys(d for d in dirs if Path(d, "libnccl.so.2").exists()))
+
+
+def find_nccl() -> tuple[str, int]:
+    """The directory of the newest libnccl.so.2 here and its version code ("", 0 if none).
+    Each candidate is asked in a child process: a library once loaded cannot be unloaded."""
+    probe = ("import ctypes,sys; v=ctypes.c_int(0); "
+             "ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v)); print(v.value)")
+    best = ("", 0)
+    for d in nccl_candidates():
+        out = subprocess.run([sys.executable, "-c", probe, str(Path(d, "libnccl.so.2"))],
+                             capture_output=True, text=True)
+        code = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+        print(f"gpu_check: {d}/libnccl.so.2: " + (nccl_version_string(code) if code else out.stderr.strip()[-200:]),
+              file=sys.stderr)
+        if code > best[1]:
+            best = (d, code)
+    return best
+
+
+def rendezvous(listener: socket.socket) -> tuple[int, int, list[int], int, str]:
+    """(rank, size, ports, job token, shared directory), through MPI or the spawn launcher."""
+    port = listener.getsockname()[1]
+    if "KR_CHECK_RANK" in os.environ:
+        rank, size = int(os.environ["KR_CHECK_RANK"]), int(os.environ["KR_CHECK_SIZE"])
+        shared = os.environ["KR_CHECK_DIR"]
+        Path(shared, f"port.{rank}.tmp").write_text(str(port))
+        os.replace(Path(shared, f"port.{rank}.tmp"), Path(shared, f"port.{rank}"))
+        deadline = time.time() + 120
+        while not all(Path(shared, f"port.{r}").exists() for r in range(size)):
+            if time.time() > deadline:
+                raise SystemExit(f"rank {rank}: the other ranks did not start within 120 s")
+            time.sleep(0.05)
+        ports = [int(Path(shared, f"port.{r}").read_text()) for r in range(size)]
+        return rank, size, ports, int(os.environ["KR_CHECK_TOKEN"]), shared
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise SystemExit(f"gpu_check: without --spawn the ranks meet through mpi4py, which does not import: {e}")
+    comm = MPI.COMM_WORLD
+    shared = comm.bcast(tempfile.mkdtemp(prefix="kr_gpu_check_") if comm.rank == 0 else None)
+    token = comm.bcast(secrets.randbits(63) if comm.rank == 0 else None)
+    return comm.rank, comm.size, comm.allgather(port), token, shared
+
+
+class Checks:
+    def __init__(self, rank: int):
+        self.rank, self.passed, self.failed = rank, 0, []
+
+    def expect(self, what: str, ok: bool, detail: str = "") -> None:
+        if ok:
+            self.passed += 1
+            return
+        self.failed.append(what)
+        print(f"[rank {self.rank}] FAIL {what} {detail}", flush=True)
+
+
+def run_collective(checks: Checks, what: str, fn) -> bool:
+    """Runs one collective; a fatal error ends the run (the runtime is broken afterwards)."""
+    try:
+        fn()
+        return True
+    except CollectiveError as e:
+        checks.expect(what, False, str(e))
+        if e.code in FATAL:
+            raise
+        return False
+
+
+def check_allreduce(core: Core, cp, checks: Checks, rank: int, n: int, device: int) -> None:
+    for name in ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64"):
+        for op in OPS:
+            if name == "bfloat16" and op == "Product":
+                continue
+            for count in (1, 3, 1000, (1 << 20) + 7):
+                inputs = [rank_input(name, op, count, r) for r in range(n)]
+                x = cp.asarray(inputs[rank])
+                y = cp.empty_like(x)
+                what = f"allreduce {op} {name} x{count}"
+                if run_collective(checks, what, lambda: core.allreduce(x, y, name, op, device)):
+                    checks.expect(what, close(name, cp.asnumpy(y), reference_allreduce(name, op, inputs)))
+    for name, op, pre, post in (("float32", "Sum", 0.5, 3.0), ("float16", "Average", 0.25, 4.0),
+                                ("float64", "Average", 2.0, 1.5)):
+        inputs = [rank_input(name, op, 4096, r) for r in range(n)]
+        x = cp.asarray(inputs[rank])  # in place: output == input
+        what = f"allreduce {op} {name} prescale={pre} postscale={post} in place"
+        if run_collective(checks, what, lambda: core.allreduce(x, x, name, op, device, pre=pre, post=post)):
+            checks.expect(what, close(name, cp.asnumpy(x), reference_allreduce(name, op, inputs, pre, post)))
+    # Refused on every rank alike, and the runtime stays usable.
+    x = cp.ones(8, cp.float32)
+    try:
+        core.allreduce(x, x, "float32", "Max", device, pre=2.0)
+        checks.expect("Max with prescale is refused", False, "it ran")
+    except CollectiveError as e:
+        checks.expect("Max with prescale is refused", e.code == 3 and "not supported" in str(e), str(e))
+
+
+def check_ordering(core: Core, cp, checks: Checks, rank: int, n: int, device: int) -> None:
+    """The input is produced on a busy non-default stream and not synchronised: the
+    collective must still read the finished values (it waits for an event on that stream)."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    count = 1 << 22
+    with stream:
+        a = cp.ones((4096, 4096), cp.float32)
+        for _ in range(8):
+            a = a @ a / 4096.0  # keeps the stream busy for milliseconds; stays all ones
+        x = cp.full(count, float(rank + 1), cp.float32) * a[0, 0]
+        y = cp.empty_like(x)
+    what = "allreduce after unsynchronised work on the caller's stream"
+    if run_collective(checks, what, lambda: core.allreduce(x, y, "float32", "Sum", device, stream.ptr)):
+        with stream:
+            total = float(cp.asnumpy(y[::4096]).sum()) / (count // 4096)
+        checks.expect(what, total == n * (n + 1) / 2, f"got mean {total}")
+    stream.synchronize()
+
+
+def check_allgather_broadcast(core: Core, cp, checks: Checks, rank: int, n: int, device: int) -> None:
+    for name in ("float32", "float16", "int64", "uint8", "bool", "bfloat16"):
+        for rows_of in (lambda r: 5, lambda r: 3 * r, lambda r: 1000 * (r + 1)):
+            rows = [rows_of(r) for r in range(n)]
+            inputs = [rank_input(name, "Sum", rows[r] * 4, r).reshape(rows[r], 4) for r in range(n)]
+            out = cp.empty((sum(rows), 4), storage_dtype(name))
+            what = f"allgather {name} rows {rows}"
+            x = cp.asarray(inputs[rank])
+            if run_collective(checks, what, lambda: core.allgather(x, out, name, rows[rank], 4, device)):
+                checks.expect(what, close(name, cp.asnumpy(out), np.concatenate(inputs)))
+    for name in ("float32", "int32", "bool", "float64"):
+        for count in (1, 1000, 1 << 20):
+            for root in sorted({0, n - 1}):
+                inputs = [rank_input(name, "Sum", count, r) for r in range(n)]
+                x = cp.asarray(inputs[rank])
+                y = cp.empty_like(x)
+                what = f"broadcast {name} x{count} root {root}"
+                if run_collective(checks, what, lambda: core.broadcast(x, y, name, root, device)):
+                    checks.expect(what, close(name, cp.asnumpy(y), inputs[root]))
+
+
+def timed(fn, iters: int, core: Core, sync) -> float:
+    fn()
+    fn()
+    sync()
+    core.barrier()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / iters
+
+
+def benchmark(core: Core, cp, rank: int, n: int, device: int, shared: str, max_bytes: int) -> tuple[list, str]:
+    rows = []
+    buffers = {}
+    for nbytes in bench_sizes(max_bytes):
+        x = cp.ones(max(nbytes // 4, 1), cp.float32)
+        y = cp.empty_like(x)
+        buffers[nbytes] = (x, y)
+        sec = timed(lambda: core.allreduce(x, y, "float32", "Sum", device), iterations(nbytes), core,
+                    cp.cuda.runtime.deviceSynchronize)
+        algbw, busbw = bandwidths(nbytes, sec, n)
+        rows.append({"bytes": nbytes, "kr_us": sec * 1e6, "kr_algbw": algbw, "kr_busbw": busbw})
+    label = None
+    try:  # after keras_ring, so torch finds the NCCL keras_ring loaded if they share the soname
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=f"file://{shared}/torch_store", rank=rank, world_size=n)
+        v = torch.cuda.nccl.version()
+        label = f"torch {torch.__version__.split('+')[0]} nccl {'.'.join(map(str, v)) if isinstance(v, tuple) else v}"
+        for row in rows:
+            x, _ = buffers[row["bytes"]]
+            t = torch.as_tensor(x, device=f"cuda:{device}")  # the same memory, no copy
+            sec = timed(lambda: dist.all_reduce(t), iterations(row["bytes"]), core, torch.cuda.synchronize)
+            row["torch_us"] = sec * 1e6
+            row["torch_algbw"], row["torch_busbw"] = bandwidths(row["bytes"], sec, n)
+        dist.destroy_process_group()
+    except Exception as e:  # the keras_ring results stand on their own
+        if rank == 0:
+            print(f"torch.distributed comparison skipped: {type(e).__name__}: {e}", flush=True)
+        label = None
+    return rows, label
+
+
+def run_rank(args) -> int:
+    try:
+        import cupy as cp
+    except ImportError as e:
+        print(f"gpu_check: CuPy is needed ({e})", flush=True)
+        return 2
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    rank, n, ports, token, shared = rendezvous(listener)
+    if args.ranks and n != args.ranks:
+        print(f"gpu_check: started as {n} rank(s), expected {args.ranks}: mpi4py's MPI does not "
+              "match this mpirun", flush=True)
+        return 3
+    gpus = cp.cuda.runtime.getDeviceCount()
+    device = rank % gpus
+    if gpus < n:  # ranks share a GPU: NCCL >= 2.30 allows it when asked to
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    cp.cuda.Device(device).use()
+    core = Core(args.lib)
+    core.init(rank, n, listener, ports, token)
+    from keras_ring.gpu import library_search_path
+
+    search = ":".join(p for p in (os.environ.get("KERAS_RING_GPU_CHECK_NCCL_DIR", ""), library_search_path()) if p)
+    checks = Checks(rank)
+    try:
+        version = core.nccl_version(search)
+        if rank == 0:
+            print(f"# {n} ranks on {gpus} GPU(s) ({cp.cuda.runtime.getDeviceProperties(device)['name'].decode()}), "
+                  f"NCCL {nccl_version_string(version)}, CuPy {cp.__version__}", flush=True)
+        started = time.perf_counter()
+        check_allreduce(core, cp, checks, rank, n, device)
+        check_ordering(core, cp, checks, rank, n, device)
+        check_allgather_broadcast(core, cp, checks, rank, n, device)
+        if rank == 0:
+            print(f"# checks: {checks.passed} passed, {len(checks.failed)} failed "
+                  f"({time.perf_counter() - started:.1f} s)", flush=True)
+        rows, label = benchmark(core, cp, rank, n, device, shared, args.max_bytes)
+    except CollectiveError as e:
+        print(f"[rank {rank}] stopped: {e}", flush=True)
+        return 1
+    finally:
+        core.shutdown()
+    if rank == 0:
+        print(table(rows, n, label), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"ranks": n, "gpus": gpus, "nccl": nccl_version_string(version),
+                                                   "failed": checks.failed, "passed": checks.passed,
+                                                   "torch": label, "rows": rows}, indent=1))
+    return 1 if checks.failed else 0
+
+
+def spawn(args) -> int:
+    """Starts args.spawn ranks of this script without MPI and returns the worst exit status."""
+    shared = tempfile.mkdtemp(prefix="kr_gpu_check_")
+    env = dict(os.environ, KR_CHECK_SIZE=str(args.spawn), KR_CHECK_DIR=shared,
+               KR_CHECK_TOKEN=str(secrets.randbits(63)))
+    argv = [sys.executable, __file__, "--lib", args.lib, "--max-bytes", str(args.max_bytes)]
+    argv += ["--json", args.json] if args.json else []
+    procs = [subprocess.Popen(argv, env=dict(env, KR_CHECK_RANK=str(r))) for r in range(args.spawn)]
+    deadline = time.time() + args.timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            print(f"gpu_check: a rank ran past {args.timeout} s; stopping all", flush=True)
+            for q in procs:
+                q.kill()
+            return 124
+    return max(codes, key=abs)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lib", help="libkeras_ring_core.so built by gpu_check.sh")
+    parser.add_argument("--find-nccl", action="store_true",
+                        help="print 'GPUS DIR VERSION_CODE' for the newest libnccl.so.2 here")
+    parser.add_argument("--ranks", type=int, default=0, help="under mpirun: the expected world size")
+    parser.add_argument("--spawn", type=int, default=0, help="start this many ranks without MPI")
+    parser.add_argument("--max-bytes", type=int, default=1 << 28)
+    parser.add_argument("--json", default=None, help="rank 0 writes the results here")
+    parser.add_argument("--timeout", type=float, default=480.0)
+    args = parser.parse_args(argv)
+    if args.find_nccl:
+        try:
+            import cupy
+
+            gpus = cupy.cuda.runtime.getDeviceCount()
+        except Exception:  # reported by the run itself
+            gpus = 0
+        directory, code = find_nccl()
+        print(gpus, directory or "-", code)
+        return 0
+    if not args.lib:
+        parser.error("--lib is required")
+    return spawn(args) if args.spawn else run_rank(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

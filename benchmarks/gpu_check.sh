@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# keras_ring's NCCL backend on a GPU machine, in one call of a few minutes, without
+# TensorFlow and without network: builds the core runtime and its C API with g++ into
+# libkeras_ring_core.so, then runs benchmarks/gpu_check.py on NP ranks (default 2, sharing
+# one GPU when there is only one: NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1). The ranks
+# check allreduce, allgather and broadcast on CuPy arrays against NumPy and print an
+# nccl-tests-style busbw table next to torch.distributed's NCCL allreduce.
+#
+# Needs g++, a CUDA driver, NCCL (nvidia-nccl-cu12 wheel or the system's), NumPy and CuPy;
+# PyTorch (the comparison) and mpirun + mpi4py are optional: without them the ranks are
+# started by the driver itself. Output: $OUT/gpu_check.{log,json} if OUT is set, else
+# build/gpu_check/. Exit status 0 when every check passed. BUILD_ONLY=1 stops after the build
+# (it needs nothing but g++: that part is checked on machines without a GPU too).
+#
+#   benchmarks/gpu_check.sh
+#   NP=4 PYTHON=python3.11 benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+NP=${NP:-2}
+BUILD=build/gpu_check
+DEST=${OUT:-$BUILD}
+mkdir -p "$BUILD/obj" "$DEST"
+exec > >(tee "$DEST/gpu_check.log") 2>&1
+
+say() { echo "gpu_check: $*"; }
+die() { say "$*"; exit 2; }
+
+# 1. What this machine has.
+command -v "$PY" >/dev/null || die "no $PY here (set PYTHON=...)"
+CXX=${CXX:-$(command -v g++ || command -v c++ || true)}
+[ -n "$CXX" ] || die "needs a C++17 compiler: no g++ or c++ on PATH (set CXX=...)"
+say "$("$CXX" --version | head -1); $("$PY" --version 2>&1)"
+build() {
+    rm -f "$BUILD"/obj/*.o
+    local src pid failed=0 start pids=()
+    local sources=(keras_ring/ops/cc/core/*.cc keras_ring/ops/cc/core/nccl/*.cc keras_ring/ops/cc/tf/c_api.cc)
+    say "building $BUILD/libkeras_ring_core.so from ${#sources[@]} files (no TensorFlow) ..."
+    start=$(date +%s)
+    for src in "${sources[@]}"; do
+        "$CXX" -std=c++17 -O2 -fPIC -pthread -Wall -Wextra -c "$src" \
+            -o "$BUILD/obj/$(echo "$src" | tr / _).o" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    [ "$failed" = 0 ] || die "compilation failed (above)"
+    "$CXX" -shared -pthread -o "$BUILD/libkeras_ring_core.so" "$BUILD"/obj/*.o -ldl \
+        || die "linking failed (above)"
+    say "built in $(( $(date +%s) - start )) s"
+}
+if [ "${BUILD_ONLY:-0}" = 1 ]; then
+    build
+    exit 0
+fi
+nvidia-smi -L 2>/dev/null || say "nvidia-smi is not available (continuing)"
+"$PY" - <<'EOF' || die "a required Python package is missing (see above)"
+import importlib, sys
+missing = []
+for name, required in (("numpy", True), ("cupy", True), ("torch", False), ("mpi4py", False)):
+    try:
+        module = importlib.import_module(name)
+        print(f"gpu_check: {name} {getattr(module, '__version__', '?')}")
+    except Exception as e:
+        print(f"gpu_check: {name} does not import ({type(e).__name__}: {e})"
+              + ("" if required else "; optional, continuing"))
+        missing += [name] if required else []
+sys.exit(1 if missing else 0)
+EOF
+read -r GPUS NCCL_DIR NCCL_CODE < <("$PY" benchmarks/gpu_check.py --find-nccl)
+[ "${GPUS:-0}" -gt 0 ] || die "CuPy sees no GPU"
+[ "${NCCL_CODE:-0}" -gt 0 ] || die "no libnccl.so.2 found (pip install nvidia-nccl-cu12, or put it on LD_LIBRARY_PATH)"
+say "$GPUS GPU(s); newest NCCL: $NCCL_DIR (version code $NCCL_CODE)"
+export KERAS_RING_GPU_CHECK_NCCL_DIR=$NCCL_DIR
+if [ "$GPUS" -lt "$NP" ] && [ "$NCCL_CODE" -lt 23000 ]; then
+    say "$NP ranks would share $GPUS GPU(s), which needs NCCL >= 2.30; running $GPUS rank(s) instead"
+    NP=$GPUS
+fi
+export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}  # used only when ranks share a GPU
+
+# 2. The core runtime and its C APIs, without TensorFlow.
+build
+
+# 3. The ranks: through mpirun when it and mpi4py are here, else started by the driver.
+ARGS=(--lib "$BUILD/libkeras_ring_core.so" --json "$DEST/gpu_check.json" --max-bytes "${MAX_BYTES:-268435456}")
+rm -f "$DEST/gpu_check.json"
+rc=3
+MPIRUN=$(command -v mpirun || command -v mpiexec || true)
+if [ -n "$MPIRUN" ] && "$PY" -c "import mpi4py" 2>/dev/null; then
+    extra=()
+    if "$MPIRUN" --version 2>&1 | grep -qi "open mpi"; then
+        extra=(--oversubscribe -x NCCL_MULTI_RANK_GPU_ENABLE -x KERAS_RING_GPU_CHECK_NCCL_DIR)
+        [ "$(id -u)" = 0 ] && extra+=(--allow-run-as-root)
+    fi
+    say "running $NP ranks with $MPIRUN"
+    timeout -k 10 300 "$MPIRUN" -np "$NP" ${extra[@]+"${extra[@]}"} "$PY" benchmarks/gpu_check.py --ranks "$NP" "${ARGS[@]}"
+    rc=$?
+    if [ ! -f "$DEST/gpu_check.json" ] && [ "$rc" != 0 ] && [ "$rc" != 1 ]; then
+        say "mpirun did not complete a run (exit $rc); starting the ranks without MPI"
+        rc=3
+    fi
+fi
+if [ "$rc" = 3 ]; then
+    say "running $NP ranks started by the driver"
+    timeout -k 10 300 "$PY" benchmarks/gpu_check.py --spawn "$NP" --timeout 280 "${ARGS[@]}"
+    rc=$?
+fi
+say "exit status $rc"
+exit "$rc"
