@@ -2,15 +2,17 @@
 
 ``python rendezvous_rank.py collectives``: ``keras_ring.init()`` through the environment
 rendezvous, then collectives checked against numpy references computed locally (every rank
-can generate every rank's input); prints ``RESULT {json}``.
+can generate every rank's input); prints ``RESULT {json}``. Needs ``RENDEZVOUS_TEST_DIR``.
 
 ``python rendezvous_rank.py init``: only ``init()``; prints ``ERROR {json}`` with the
 exception and the seconds it took, or ``RESULT {json}``.
 """
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
@@ -60,8 +62,25 @@ def main() -> None:
               "cross_size": kr.cross_size()}
     if mode == "collectives":
         result["checked"] = check_collectives(kr.rank(), kr.size())
+        wait_for_everyone(kr.rank(), kr.size())
     kr.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def wait_for_everyone(rank: int, size: int) -> None:
+    """An out-of-band barrier (files in RENDEZVOUS_TEST_DIR) before shutdown().
+
+    Shutting down while a peer may still be finishing the last collective is a runtime
+    matter tested elsewhere; this test is about the bootstrap, so every rank leaves only once
+    all have finished (as keras_ring.spark does with Spark's own barrier).
+    """
+    folder = Path(os.environ["RENDEZVOUS_TEST_DIR"])
+    (folder / f"done.{rank}").touch()
+    deadline = time.monotonic() + 120
+    while len(list(folder.glob("done.*"))) < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other ranks did not finish within 120 s")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
