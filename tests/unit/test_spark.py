@@ -12,6 +12,7 @@ import ast
 import os
 import runpy
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -143,3 +144,48 @@ def test_importing_keras_ring_does_not_import_pyspark():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] == "pyspark" for n in names), path
+
+
+class _FakeContext:
+    """Just enough of BarrierTaskContext for the GPU pinning."""
+
+    def __init__(self, gpus):
+        self._resources = {} if gpus is None else {"gpu": type("R", (), {"addresses": gpus})}
+
+    def resources(self):
+        return self._resources
+
+
+def test_use_gpu_without_assigned_gpus_says_what_to_configure():
+    with pytest.raises(RuntimeError, match=r"no GPU: set spark\.task\.resource\.gpu\.amount"):
+        kspark._pin_gpus(_FakeContext(None))
+
+
+def test_use_gpu_pins_the_assigned_gpus_before_tensorflow_loads():
+    # A fresh Python worker: nothing has loaded TensorFlow yet.
+    code = ("import os, sys, keras_ring.spark as k\n"
+            "R = type('R', (), {'addresses': ['1', '3']})\n"
+            "C = type('C', (), {'resources': lambda self: {'gpu': R}})\n"
+            "k._pin_gpus(C())\n"
+            "print(os.environ['CUDA_VISIBLE_DEVICES'], 'tensorflow' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=120)
+    assert out.stdout.split() == ["1,3", "False"], out.stderr
+
+
+def test_use_gpu_cannot_switch_gpus_once_tensorflow_is_loaded(monkeypatch):
+    import tensorflow  # noqa: F401 - a reused worker that has loaded TensorFlow already
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    kspark._pin_gpus(_FakeContext(["1", "3"]))  # the same GPUs: fine
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,3"
+    with pytest.raises(RuntimeError, match=r"spark\.python\.worker\.reuse=false"):
+        kspark._pin_gpus(_FakeContext(["2"]))  # too late to switch in this process
+
+
+def test_only_collectives_failed_by_a_peer_count_as_consequences():
+    from keras_ring import errors
+
+    assert kspark._is_consequence(errors.PeerFailureError(None, None, "rank 1 is gone"))
+    assert not kspark._is_consequence(ValueError("the root cause"))
