@@ -115,7 +115,9 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
   int RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence,
                            keras_ring::nccl::Comm comm) override;
   int RedOpDestroy(int op, keras_ring::nccl::Comm comm) override;
-  std::string NcclErrorString(int result) override { return "fake nccl error " + std::to_string(result); }
+  std::string NcclErrorString(int result) override {
+    return "fake nccl error " + std::to_string(result);
+  }
 
  private:
   int Enqueue(const FakeCall& call, keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream);

@@ -86,6 +86,12 @@ Request Allreduce(TensorRef t, ReduceOp op, double pre = 1.0, double post = 1.0)
   return r;
 }
 
+// An in-place float32 allreduce of x (shape [size]).
+Request InPlace(std::vector<float>& x, ReduceOp op = ReduceOp::kSum, double pre = 1.0) {
+  return Allreduce(Tensor(DataType::kFloat32, {static_cast<int64_t>(x.size())}, x.data(), x.data()),
+                   op, pre);
+}
+
 // Index of the first log entry at or after `from` that starts with `prefix`, or -1.
 int Find(const std::vector<std::string>& log, const std::string& prefix, int from = 0) {
   for (size_t i = static_cast<size_t>(std::max(from, 0)); i < log.size(); ++i) {
@@ -131,13 +137,16 @@ TEST(Nccl_OrderedThroughEventsNotHostSynchronisation) {
   const std::vector<std::string> log = w.fake->Log(0);
   const int ready = Find(log, "record ");
   CHECK(ready >= 0 && log[static_cast<size_t>(ready)].find("@caller") != std::string::npos);
-  const std::string ready_event = log[static_cast<size_t>(ready)].substr(7, log[static_cast<size_t>(ready)].find('@') - 7);
+  const std::string& ready_entry = log[static_cast<size_t>(ready)];
+  const std::string ready_event = ready_entry.substr(7, ready_entry.find('@') - 7);
   const int wait_ready = Find(log, "wait stream", ready);
-  CHECK(wait_ready > ready && log[static_cast<size_t>(wait_ready)].find(":" + ready_event) != std::string::npos);
+  CHECK(wait_ready > ready &&
+        log[static_cast<size_t>(wait_ready)].find(":" + ready_event) != std::string::npos);
   const int launch = Find(log, "allreduce@stream", wait_ready);
   CHECK(launch > wait_ready);
   const int record_done = Find(log, "record ", launch);
-  CHECK(record_done > launch && log[static_cast<size_t>(record_done)].find("@stream") != std::string::npos);
+  CHECK(record_done > launch &&
+        log[static_cast<size_t>(record_done)].find("@stream") != std::string::npos);
   const int wait_done = Find(log, "wait caller:", record_done);
   CHECK(wait_done > record_done) << "the caller's stream must wait for the NCCL work";
 }
@@ -191,10 +200,10 @@ TEST(Nccl_UnsupportedScaleFailsEveryRankAlikeAndStaysUsable) {
   w.Each([&](int r) {
     std::vector<float> x = {1.0f};
     const Status s =
-        w.Run(r, Allreduce(Tensor(DataType::kFloat32, {1}, x.data(), x.data()), ReduceOp::kMax, 2.0));
+        w.Run(r, InPlace(x, ReduceOp::kMax, 2.0));
     CHECK(s.code() == Code::kInvalidArgument) << s.message();
     CHECK_CONTAINS(s.message(), "allreduce 'grad' failed on rank " + std::to_string(r));
-    CHECK_OK(w.Run(r, Allreduce(Tensor(DataType::kFloat32, {1}, x.data(), x.data()), ReduceOp::kMax)));
+    CHECK_OK(w.Run(r, InPlace(x, ReduceOp::kMax)));
   });
   CHECK_EQ(w.fake->Count(0, "init"), 1) << "only the second collective needed a communicator";
 }
@@ -208,7 +217,8 @@ TEST(Nccl_AllgatherWithVaryingRowsBroadcastsEachBlockInOneGroup) {
     std::vector<int32_t> out;
     Request req;
     req.kind = Kind::kAllgather;
-    req.tensors.push_back(Tensor(DataType::kInt32, {rows[static_cast<size_t>(r)], 2}, in.data(), nullptr));
+    req.tensors.push_back(
+        Tensor(DataType::kInt32, {rows[static_cast<size_t>(r)], 2}, in.data(), nullptr));
     req.allocate_output = [&out](int64_t total, void** p) {
       out.resize(static_cast<size_t>(total * 2));
       *p = out.data();
@@ -259,12 +269,12 @@ TEST(Nccl_MissingNcclOnOneRankFailsEveryRankAlike) {
                               "(install keras-ring[cuda] or nvidia-nccl-cu12)");
   w.Each([&](int r) {
     std::vector<float> x = {1.0f, 2.0f};
-    Status s = w.Run(r, Allreduce(Tensor(DataType::kFloat32, {2}, x.data(), x.data()), ReduceOp::kSum));
+    Status s = w.Run(r, InPlace(x, ReduceOp::kSum));
     CHECK(s.code() == Code::kFailedPrecondition) << s.message();
     CHECK_CONTAINS(s.message(), "rank 1: GPU collective needs NCCL: libnccl.so.2 not found");
     CHECK_EQ(s.peer(), 1);
     // Nothing was half done: the runtime still works for host tensors.
-    CHECK_OK(w.Run(r, Allreduce(Tensor(DataType::kFloat32, {2}, x.data(), x.data()), ReduceOp::kSum), false));
+    CHECK_OK(w.Run(r, InPlace(x, ReduceOp::kSum), false));
     CHECK_EQ(x[1], 6.0f);
   });
   for (int r = 0; r < 3; ++r) CHECK_EQ(w.fake->Count(r, "init"), 0);
@@ -275,9 +285,10 @@ TEST(Nccl_PlacementMismatchFailsBeforeAnyData) {
   GpuWorld w(2);
   w.Each([&](int r) {
     std::vector<float> x = {1.0f};
-    Status s = w.Run(r, Allreduce(Tensor(DataType::kFloat32, {1}, x.data(), x.data()), ReduceOp::kSum), r == 0);
+    Status s = w.Run(r, InPlace(x, ReduceOp::kSum), r == 0);
     CHECK(s.code() == Code::kFailedPrecondition) << s.message();
-    CHECK_CONTAINS(s.message(), "placement mismatch: rank 0 has a tensor in GPU memory, rank 1 has a tensor in host memory");
+    CHECK_CONTAINS(s.message(), "placement mismatch: rank 0 has a tensor in GPU memory, "
+                                "rank 1 has a tensor in host memory");
   });
   CHECK_EQ(w.fake->Count(0, "init"), 0);
 }
@@ -286,7 +297,8 @@ TEST(Nccl_EmptyTensorsNeedNoCommunicator) {
   GpuWorld w(2);
   w.Each([&](int r) {
     std::vector<float> x;
-    CHECK_OK(w.Run(r, Allreduce(Tensor(DataType::kFloat32, {0, 4}, x.data(), x.data()), ReduceOp::kSum)));
+    CHECK_OK(w.Run(r, Allreduce(Tensor(DataType::kFloat32, {0, 4}, x.data(), x.data()),
+                                ReduceOp::kSum)));
   });
   CHECK_EQ(w.fake->Count(0, "init"), 0);
 }
@@ -297,12 +309,12 @@ TEST(Nccl_StalledCollectiveTimesOutAbortsAndBreaksTheRuntime) {
   w.Each([&](int r) {
     std::vector<float> x = {1.0f};
     const auto start = keras_ring::Clock::now();
-    Status s = w.Run(r, Allreduce(Tensor(DataType::kFloat32, {1}, x.data(), x.data()), ReduceOp::kSum));
+    Status s = w.Run(r, InPlace(x, ReduceOp::kSum));
     CHECK(s.code() == Code::kDeadlineExceeded) << s.message();
     CHECK_CONTAINS(s.message(), "NCCL allreduce did not complete within 0.5 s");
     CHECK_CONTAINS(s.message(), "its NCCL communicator was aborted");
     CHECK(SecondsSince(start) < 5.0);
-    s = w.Run(r, Allreduce(Tensor(DataType::kFloat32, {1}, x.data(), x.data()), ReduceOp::kSum));
+    s = w.Run(r, InPlace(x, ReduceOp::kSum));
     CHECK_CONTAINS(s.message(), "because an earlier collective failed");
   });
   for (int r = 0; r < 2; ++r) CHECK_EQ(w.fake->Count(r, "abort"), 1);
@@ -317,7 +329,7 @@ TEST(Nccl_AsyncErrorAbortsTheCommunicator) {
   w.fake->async_error_rank = 0;
   w.Each([&](int r) {
     std::vector<float> x = {1.0f};
-    Status s = w.Run(r, Allreduce(Tensor(DataType::kFloat32, {1}, x.data(), x.data()), ReduceOp::kSum));
+    Status s = w.Run(r, InPlace(x, ReduceOp::kSum));
     if (r == 0) {
       CHECK(s.code() == Code::kUnavailable) << s.message();
       CHECK_CONTAINS(s.message(), "NCCL allreduce failed: fake nccl error 6");
@@ -333,7 +345,7 @@ TEST(Nccl_FailedCommunicatorInitIsFatal) {
   w.fake->SetInitResult(1, kn::kNcclInvalidUsage);
   w.Each([&](int r) {
     std::vector<float> x = {1.0f};
-    Status s = w.Run(r, Allreduce(Tensor(DataType::kFloat32, {1}, x.data(), x.data()), ReduceOp::kSum));
+    Status s = w.Run(r, InPlace(x, ReduceOp::kSum));
     CHECK(s.fatal()) << s.message();
     if (r == 1) {
       CHECK_CONTAINS(s.message(), "ncclCommInitRank failed: fake nccl error 5");
@@ -346,7 +358,7 @@ TEST(Nccl_HangingCommunicatorInitIsBounded) {
   w.fake->block_init = true;
   w.Each([&](int r) {
     std::vector<float> x = {1.0f};
-    Status s = w.Run(r, Allreduce(Tensor(DataType::kFloat32, {1}, x.data(), x.data()), ReduceOp::kSum));
+    Status s = w.Run(r, InPlace(x, ReduceOp::kSum));
     CHECK(s.code() == Code::kDeadlineExceeded) << s.message();
     CHECK_CONTAINS(s.message(), "ncclCommInitRank did not complete");
   });
@@ -364,7 +376,7 @@ TEST(Nccl_ShutdownDestroysCommunicatorsStreamsAndEvents) {
   w.Each([&](int r) {
     for (int i = 0; i < 3; ++i) {
       std::vector<float> x(64, 1.0f);
-      CHECK_OK(w.Run(r, Allreduce(Tensor(DataType::kFloat32, {64}, x.data(), x.data()), ReduceOp::kSum)));
+      CHECK_OK(w.Run(r, InPlace(x, ReduceOp::kSum)));
     }
   });
   CHECK(w.fake->LiveObjects(0) > 0);

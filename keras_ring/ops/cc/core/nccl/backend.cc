@@ -133,7 +133,8 @@ NcclBackend::DeviceState& NcclBackend::State(int device) {
 }
 
 Status NcclBackend::Cuda(int error, const char* call) {
-  return error == kCudaSuccess ? Status::OK() : CudaError(error, call, api_->CudaErrorString(error));
+  return error == kCudaSuccess ? Status::OK()
+                               : CudaError(error, call, api_->CudaErrorString(error));
 }
 
 Status NcclBackend::Nccl(int result, const char* call) {
@@ -195,6 +196,11 @@ Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs,
     if (c.kind != Kind::kAllgather) return Status::OK();
     return c.allocate_output(TotalRows(sigs), &c.tensors[0].output);
   }
+  KR_RETURN_IF_ERROR(Ready(control, ticket));
+  return Execute(sigs, c, plans, ticket, State(ticket.device));
+}
+
+Status NcclBackend::Ready(Transport& control, DeviceTicket& ticket) {
   Status local = ticket.status;
   if (local.ok()) local = api_->LoadNccl();
   if (local.ok()) local = Cuda(api_->SetDevice(ticket.device), "cudaSetDevice");
@@ -203,34 +209,35 @@ Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs,
     if (local.ok() && d.stream == nullptr) {
       local = Cuda(api_->StreamCreate(&d.stream), "cudaStreamCreateWithFlags");
     }
-    KR_RETURN_IF_ERROR(Connect(control, ticket.device, local));
-  } else if (!local.ok()) {
-    // The peers are about to run this collective with us: failing alone would leave them
-    // waiting, so break the communicator (they see the abort or time out).
-    d.comm->Abort();
-    return Status(Code::kAborted, local.message());
+    return Connect(control, ticket.device, local);
   }
+  if (local.ok()) return Status::OK();
+  // The peers are about to run this collective with us: failing alone would leave them
+  // waiting, so break the communicator (they see the abort or time out).
+  d.comm->Abort();
+  return Status(Code::kAborted, local.message());
+}
+
+Status NcclBackend::Execute(const std::vector<Signature>& sigs, DeviceCollective& c,
+                            const std::vector<ReducePlan>& plans, DeviceTicket& ticket,
+                            DeviceState& d) {
   Communicator& comm = *d.comm;
   Event ready = ticket.ready;
   Event allocated = nullptr;
+  Event done = nullptr;
+  Status s;
   if (c.kind == Kind::kAllgather) {
-    Status a = c.allocate_output(TotalRows(sigs), &c.tensors[0].output);
-    if (!a.ok()) {
-      comm.Abort();
-      return Status(Code::kAborted, "could not allocate the allgather output: " + a.message());
+    s = c.allocate_output(TotalRows(sigs), &c.tensors[0].output);
+    if (!s.ok()) {
+      s = Status(Code::kAborted, "could not allocate the allgather output: " + s.message());
     }
     // The new output may reuse memory that work queued on the caller's stream after the
     // submission still reads: start after everything queued there so far.
-    Status s = TakeEvent(ticket.device, &allocated);
+    if (s.ok()) s = TakeEvent(ticket.device, &allocated);
     if (s.ok()) s = Cuda(api_->EventRecord(allocated, ticket.caller_stream), "cudaEventRecord");
-    if (!s.ok()) {
-      comm.Abort();
-      return s;
-    }
     ready = allocated;
   }
-  Event done = nullptr;
-  Status s = Cuda(api_->StreamWaitEvent(d.stream, ready), "cudaStreamWaitEvent");
+  if (s.ok()) s = Cuda(api_->StreamWaitEvent(d.stream, ready), "cudaStreamWaitEvent");
   if (s.ok()) s = Launch(sigs, c, plans, comm, d.stream);
   if (s.ok()) s = TakeEvent(ticket.device, &done);
   if (s.ok()) s = Cuda(api_->EventRecord(done, d.stream), "cudaEventRecord");
@@ -238,7 +245,7 @@ Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs,
   if (s.ok()) {
     s = WaitFor(done, comm, KindName(c.kind));
   } else {
-    comm.Abort();
+    comm.Abort();  // the peers may be inside the collective already
   }
   if (done != nullptr) ReleaseEvent(ticket.device, done);
   if (allocated != nullptr) ReleaseEvent(ticket.device, allocated);
@@ -376,7 +383,8 @@ Status NcclBackend::LaunchReduce(DeviceCollective& c, const std::vector<ReducePl
   for (size_t i = 0; i < plans.size(); ++i) {
     int op = plans[i].op;
     if (plans[i].premul) {
-      KR_RETURN_IF_ERROR(comm.PreMulSumOp(plans[i].dtype, c.tensors[i].dtype, plans[i].scalar, &op));
+      KR_RETURN_IF_ERROR(
+          comm.PreMulSumOp(plans[i].dtype, c.tensors[i].dtype, plans[i].scalar, &op));
     }
     ops.push_back(op);
   }

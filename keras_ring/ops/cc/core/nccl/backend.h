@@ -104,6 +104,10 @@ class NcclBackend : public DeviceBackend {
   };
 
   DeviceState& State(int device);
+  // This rank can run NCCL on the ticket's device: communicator made (collectively) if new.
+  Status Ready(Transport& control, DeviceTicket& ticket);
+  Status Execute(const std::vector<Signature>& sigs, DeviceCollective& c,
+                 const std::vector<ReducePlan>& plans, DeviceTicket& ticket, DeviceState& d);
   Status TakeEvent(int device, Event* event);
   Status Connect(Transport& control, int device, const Status& local);
   Status InitCommunicator(int device, const UniqueId& id, Comm* comm);

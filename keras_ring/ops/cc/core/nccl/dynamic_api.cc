@@ -230,8 +230,15 @@ Status LoadNcclLocked(Libraries& l, const std::vector<std::string>& dirs) {
 }
 
 constexpr int kCudaErrorNotLoaded = 3;  // cudaErrorInitializationError
+constexpr int kNcclNotLoaded = kNcclInternalError;
 
-// Every call goes through the loaded pointers; the backend loads before it calls.
+// Calls `fn` if its library is loaded. The backend loads before it calls, but teardown may
+// run on a machine where loading failed, and must not jump through a null pointer.
+template <typename F, typename... Args>
+int Call(F fn, int unloaded, Args... args) {
+  return fn != nullptr ? fn(args...) : unloaded;
+}
+
 class DynamicApi : public DeviceApi {
  public:
   Status LoadCuda() override {
@@ -242,50 +249,60 @@ class DynamicApi : public DeviceApi {
     std::lock_guard<std::mutex> lock(Libs().mu);
     return LoadNcclLocked(Libs(), SplitDirs(Libs().search_path));
   }
-  int GetDevice(int* d) override { return cuda().get_device ? cuda().get_device(d) : kCudaErrorNotLoaded; }
-  int SetDevice(int d) override { return cuda().set_device ? cuda().set_device(d) : kCudaErrorNotLoaded; }
+  int GetDevice(int* d) override { return Call(cuda().get_device, kCudaErrorNotLoaded, d); }
+  int SetDevice(int d) override { return Call(cuda().set_device, kCudaErrorNotLoaded, d); }
   int StreamCreate(Stream* s) override {
-    return cuda().stream_create ? cuda().stream_create(s, kCudaStreamNonBlocking) : kCudaErrorNotLoaded;
+    return Call(cuda().stream_create, kCudaErrorNotLoaded, s, kCudaStreamNonBlocking);
   }
-  int StreamDestroy(Stream s) override { return cuda().stream_destroy(s); }
+  int StreamDestroy(Stream s) override {
+    return Call(cuda().stream_destroy, kCudaErrorNotLoaded, s);
+  }
   int EventCreate(Event* e) override {
-    return cuda().event_create ? cuda().event_create(e, kCudaEventDisableTiming) : kCudaErrorNotLoaded;
+    return Call(cuda().event_create, kCudaErrorNotLoaded, e, kCudaEventDisableTiming);
   }
-  int EventDestroy(Event e) override { return cuda().event_destroy(e); }
-  int EventRecord(Event e, Stream s) override { return cuda().event_record(e, s); }
-  int StreamWaitEvent(Stream s, Event e) override { return cuda().stream_wait_event(s, e, 0); }
-  int EventQuery(Event e) override { return cuda().event_query(e); }
+  int EventDestroy(Event e) override { return Call(cuda().event_destroy, kCudaErrorNotLoaded, e); }
+  int EventRecord(Event e, Stream s) override {
+    return Call(cuda().event_record, kCudaErrorNotLoaded, e, s);
+  }
+  int StreamWaitEvent(Stream s, Event e) override {
+    return Call(cuda().stream_wait_event, kCudaErrorNotLoaded, s, e, 0u);
+  }
+  int EventQuery(Event e) override { return Call(cuda().event_query, kCudaErrorNotLoaded, e); }
   std::string CudaErrorString(int error) override {
     const char* s = cuda().error_string ? cuda().error_string(error) : nullptr;
     return s != nullptr ? s : "CUDA error " + std::to_string(error);
   }
 
-  int NcclVersion(int* v) override { return nccl().version(v); }
-  int GetUniqueId(UniqueId* id) override { return nccl().unique_id(id); }
+  int NcclVersion(int* v) override { return Call(nccl().version, kNcclNotLoaded, v); }
+  int GetUniqueId(UniqueId* id) override { return Call(nccl().unique_id, kNcclNotLoaded, id); }
   int CommInitRank(Comm* comm, int nranks, const UniqueId& id, int rank) override {
-    return nccl().init_rank(comm, nranks, id, rank);
+    return Call(nccl().init_rank, kNcclNotLoaded, comm, nranks, id, rank);
   }
-  int CommGetAsyncError(Comm c, int* e) override { return nccl().async_error(c, e); }
-  int CommAbort(Comm c) override { return nccl().abort(c); }
-  int CommDestroy(Comm c) override { return nccl().destroy(c); }
-  int GroupStart() override { return nccl().group_start(); }
-  int GroupEnd() override { return nccl().group_end(); }
+  int CommGetAsyncError(Comm c, int* e) override {
+    return Call(nccl().async_error, kNcclNotLoaded, c, e);
+  }
+  int CommAbort(Comm c) override { return Call(nccl().abort, kNcclNotLoaded, c); }
+  int CommDestroy(Comm c) override { return Call(nccl().destroy, kNcclNotLoaded, c); }
+  int GroupStart() override { return Call(nccl().group_start, kNcclNotLoaded); }
+  int GroupEnd() override { return Call(nccl().group_end, kNcclNotLoaded); }
   int AllReduce(const void* send, void* recv, size_t count, int dtype, int op, Comm c,
                 Stream s) override {
-    return nccl().all_reduce(send, recv, count, dtype, op, c, s);
+    return Call(nccl().all_reduce, kNcclNotLoaded, send, recv, count, dtype, op, c, s);
   }
   int Broadcast(const void* send, void* recv, size_t count, int dtype, int root, Comm c,
                 Stream s) override {
-    return nccl().broadcast(send, recv, count, dtype, root, c, s);
+    return Call(nccl().broadcast, kNcclNotLoaded, send, recv, count, dtype, root, c, s);
   }
   int AllGather(const void* send, void* recv, size_t count, int dtype, Comm c,
                 Stream s) override {
-    return nccl().all_gather(send, recv, count, dtype, c, s);
+    return Call(nccl().all_gather, kNcclNotLoaded, send, recv, count, dtype, c, s);
   }
   int RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence, Comm c) override {
-    return nccl().pre_mul_sum(op, scalar, dtype, residence, c);
+    return Call(nccl().pre_mul_sum, kNcclNotLoaded, op, scalar, dtype, residence, c);
   }
-  int RedOpDestroy(int op, Comm c) override { return nccl().red_op_destroy(op, c); }
+  int RedOpDestroy(int op, Comm c) override {
+    return Call(nccl().red_op_destroy, kNcclNotLoaded, op, c);
+  }
   std::string NcclErrorString(int result) override {
     const char* s = nccl().error_string ? nccl().error_string(result) : nullptr;
     return s != nullptr ? s : "NCCL error " + std::to_string(result);
