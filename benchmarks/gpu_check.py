@@ -162,8 +162,8 @@ class Core:
 
         self.c = ctypes.CDLL(path)
         _declare_c_api(self.c)
-        vp, i64, i, d, cp_ = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
-        tail = [vp, cp_, cp_, ctypes.c_size_t]  # stream, name, err, err_len
+        vp, i64, i, d = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+        tail = [vp, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]  # stream, name, err, len
         self.c.keras_ring_device_allreduce.argtypes = [vp, vp, i64, i, i, d, d, i] + tail
         self.c.keras_ring_device_allgather.argtypes = [vp, vp, i64, i64, i64, i, i] + tail
         self.c.keras_ring_device_broadcast.argtypes = [vp, vp, i64, i, i, i] + tail
@@ -248,8 +248,8 @@ def find_nccl() -> tuple[str, int]:
         out = subprocess.run([sys.executable, "-c", probe, str(Path(d, "libnccl.so.2"))],
                              capture_output=True, text=True)
         code = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
-        print(f"gpu_check: {d}/libnccl.so.2: " + (nccl_version_string(code) if code else out.stderr.strip()[-200:]),
-              file=sys.stderr)
+        found = nccl_version_string(code) if code else out.stderr.strip()[-200:]
+        print(f"gpu_check: {d}/libnccl.so.2: {found}", file=sys.stderr)
         if code > best[1]:
             best = (d, code)
     return best
@@ -273,7 +273,7 @@ def rendezvous(listener: socket.socket) -> tuple[int, int, list[int], int, str]:
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise SystemExit(f"gpu_check: without --spawn the ranks meet through mpi4py, which does not import: {e}")
+        raise SystemExit(f"gpu_check: without --spawn the ranks meet through mpi4py: {e}")
     comm = MPI.COMM_WORLD
     shared = comm.bcast(tempfile.mkdtemp(prefix="kr_gpu_check_") if comm.rank == 0 else None)
     token = comm.bcast(secrets.randbits(63) if comm.rank == 0 else None)
@@ -315,14 +315,17 @@ def check_allreduce(core: Core, cp, checks: Checks, rank: int, n: int, device: i
                 y = cp.empty_like(x)
                 what = f"allreduce {op} {name} x{count}"
                 if run_collective(checks, what, lambda: core.allreduce(x, y, name, op, device)):
-                    checks.expect(what, close(name, cp.asnumpy(y), reference_allreduce(name, op, inputs)))
+                    want = reference_allreduce(name, op, inputs)
+                    checks.expect(what, close(name, cp.asnumpy(y), want))
     for name, op, pre, post in (("float32", "Sum", 0.5, 3.0), ("float16", "Average", 0.25, 4.0),
                                 ("float64", "Average", 2.0, 1.5)):
         inputs = [rank_input(name, op, 4096, r) for r in range(n)]
         x = cp.asarray(inputs[rank])  # in place: output == input
         what = f"allreduce {op} {name} prescale={pre} postscale={post} in place"
-        if run_collective(checks, what, lambda: core.allreduce(x, x, name, op, device, pre=pre, post=post)):
-            checks.expect(what, close(name, cp.asnumpy(x), reference_allreduce(name, op, inputs, pre, post)))
+        run = lambda: core.allreduce(x, x, name, op, device, pre=pre, post=post)  # noqa: E731
+        if run_collective(checks, what, run):
+            want = reference_allreduce(name, op, inputs, pre, post)
+            checks.expect(what, close(name, cp.asnumpy(x), want))
     # Refused on every rank alike, and the runtime stays usable.
     x = cp.ones(8, cp.float32)
     try:
@@ -359,7 +362,8 @@ def check_allgather_broadcast(core: Core, cp, checks: Checks, rank: int, n: int,
             out = cp.empty((sum(rows), 4), storage_dtype(name))
             what = f"allgather {name} rows {rows}"
             x = cp.asarray(inputs[rank])
-            if run_collective(checks, what, lambda: core.allgather(x, out, name, rows[rank], 4, device)):
+            run = lambda: core.allgather(x, out, name, rows[rank], 4, device)  # noqa: E731
+            if run_collective(checks, what, run):
                 checks.expect(what, close(name, cp.asnumpy(out), np.concatenate(inputs)))
     for name in ("float32", "int32", "bool", "float64"):
         for count in (1, 1000, 1 << 20):
@@ -384,7 +388,8 @@ def timed(fn, iters: int, core: Core, sync) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def benchmark(core: Core, cp, rank: int, n: int, device: int, shared: str, max_bytes: int) -> tuple[list, str]:
+def benchmark(core: Core, cp, rank: int, n: int, device: int, shared: str,
+              max_bytes: int) -> tuple[list, str | None]:
     rows = []
     buffers = {}
     for nbytes in bench_sizes(max_bytes):
@@ -401,13 +406,16 @@ def benchmark(core: Core, cp, rank: int, n: int, device: int, shared: str, max_b
         import torch.distributed as dist
 
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=f"file://{shared}/torch_store", rank=rank, world_size=n)
+        dist.init_process_group("nccl", init_method=f"file://{shared}/torch_store", rank=rank,
+                                world_size=n)
         v = torch.cuda.nccl.version()
-        label = f"torch {torch.__version__.split('+')[0]} nccl {'.'.join(map(str, v)) if isinstance(v, tuple) else v}"
+        v = ".".join(map(str, v)) if isinstance(v, tuple) else v
+        label = f"torch {torch.__version__.split('+')[0]} nccl {v}"
         for row in rows:
             x, _ = buffers[row["bytes"]]
             t = torch.as_tensor(x, device=f"cuda:{device}")  # the same memory, no copy
-            sec = timed(lambda: dist.all_reduce(t), iterations(row["bytes"]), core, torch.cuda.synchronize)
+            sec = timed(lambda: dist.all_reduce(t), iterations(row["bytes"]), core,
+                        torch.cuda.synchronize)
             row["torch_us"] = sec * 1e6
             row["torch_algbw"], row["torch_busbw"] = bandwidths(row["bytes"], sec, n)
         dist.destroy_process_group()
@@ -441,13 +449,15 @@ def run_rank(args) -> int:
     core.init(rank, n, listener, ports, token)
     from keras_ring.gpu import library_search_path
 
-    search = ":".join(p for p in (os.environ.get("KERAS_RING_GPU_CHECK_NCCL_DIR", ""), library_search_path()) if p)
+    preferred = os.environ.get("KERAS_RING_GPU_CHECK_NCCL_DIR", "")  # gpu_check.sh's newest find
+    search = ":".join(p for p in (preferred, library_search_path()) if p and p != "-")
     checks = Checks(rank)
     try:
         version = core.nccl_version(search)
         if rank == 0:
-            print(f"# {n} ranks on {gpus} GPU(s) ({cp.cuda.runtime.getDeviceProperties(device)['name'].decode()}), "
-                  f"NCCL {nccl_version_string(version)}, CuPy {cp.__version__}", flush=True)
+            gpu_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
+            print(f"# {n} ranks on {gpus} GPU(s) ({gpu_name}), NCCL {nccl_version_string(version)}, "
+                  f"CuPy {cp.__version__}", flush=True)
         started = time.perf_counter()
         check_allreduce(core, cp, checks, rank, n, device)
         check_ordering(core, cp, checks, rank, n, device)
@@ -464,9 +474,10 @@ def run_rank(args) -> int:
     if rank == 0:
         print(table(rows, n, label), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"ranks": n, "gpus": gpus, "nccl": nccl_version_string(version),
-                                                   "failed": checks.failed, "passed": checks.passed,
-                                                   "torch": label, "rows": rows}, indent=1))
+            results = {"ranks": n, "gpus": gpus, "nccl": nccl_version_string(version),
+                       "failed": checks.failed, "passed": checks.passed, "torch": label,
+                       "rows": rows}
+            Path(args.json).write_text(json.dumps(results, indent=1))
     return 1 if checks.failed else 0
 
 

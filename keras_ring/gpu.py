@@ -50,12 +50,12 @@ def nccl_version(library=None) -> str:
         library = load()
     version = ctypes.c_int(0)
     err = ctypes.create_string_buffer(4096)
-    rc = library.c.keras_ring_nccl_probe(library_search_path().encode(), ctypes.byref(version), err, len(err))
+    rc = library.c.keras_ring_nccl_probe(
+        library_search_path().encode(), ctypes.byref(version), err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
-    code = version.value
-    major, minor = (code // 10000, code % 10000 // 100) if code >= 10000 else (code // 1000, code % 1000 // 100)
-    return f"{major}.{minor}.{code % 100}"
+    code = version.value  # major*10000 + minor*100 + patch since NCCL 2.9
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
 
 
 def pin_to_local_gpu(local_rank: int, local_size: int, size: int) -> str | None:

@@ -90,6 +90,7 @@ def test_nccl_from_the_search_path_is_version_checked(tmp_path):
 def test_the_gpu_free_build_is_one_library():
     # The CPU and GPU kernels and the NCCL backend come from the same sources and library.
     names = {p.relative_to(build.CC_DIR).as_posix() for p in build.sources()}
-    assert {"tf/kernels.cc", "tf/gpu_kernels.cc", "core/nccl/backend.cc", "core/nccl/dynamic_api.cc"} <= names
+    assert {"tf/kernels.cc", "tf/gpu_kernels.cc", "core/nccl/backend.cc",
+            "core/nccl/dynamic_api.cc"} <= names
     text = build.library_path().read_bytes()
     assert b"keras_ring_nccl_probe" in text and b"libnccl.so.2" in text
