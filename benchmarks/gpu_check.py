@@ -38,7 +38,9 @@ DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4, "u
 OPS = {"Sum": 0, "Average": 1, "Min": 2, "Max": 3, "Product": 4}
 CODES = {1: "CANCELLED", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 8: "RESOURCE_EXHAUSTED",
          9: "FAILED_PRECONDITION", 10: "ABORTED", 13: "INTERNAL", 14: "UNAVAILABLE"}
-FATAL = {4, 10, 13, 14}  # the runtime is broken afterwards: stop checking
+# Stop checking: the runtime is broken afterwards (4, 10, 13, 14), or this machine cannot run
+# NCCL at all (9: library, driver or device missing), so every later check would fail alike.
+FATAL = {4, 9, 10, 13, 14}
 RTOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}
 
 
@@ -233,9 +235,10 @@ def nccl_candidates() -> list[str]:
                  for line in ldconfig.splitlines() if "libnccl.so.2" in line]
     except OSError:
         pass
+    dirs += os.environ.get("LD_LIBRARY_PATH", "").split(":")
     cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     dirs += [f"{cuda}/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/local/nccl/lib", "/usr/lib64"]
-    return list(dict.fromkeys(d for d in dirs if Path(d, "libnccl.so.2").exists()))
+    return list(dict.fromkeys(d for d in dirs if d and Path(d, "libnccl.so.2").exists()))
 
 
 def find_nccl() -> tuple[str, int]:

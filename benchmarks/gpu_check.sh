@@ -92,7 +92,7 @@ if [ -n "$MPIRUN" ] && "$PY" -c "import mpi4py" 2>/dev/null; then
         [ "$(id -u)" = 0 ] && extra+=(--allow-run-as-root)
     fi
     say "running $NP ranks with $MPIRUN"
-    timeout -k 10 300 "$MPIRUN" -np "$NP" ${extra[@]+"${extra[@]}"} "$PY" benchmarks/gpu_check.py --ranks "$NP" "${ARGS[@]}"
+    timeout -k 10 180 "$MPIRUN" -np "$NP" ${extra[@]+"${extra[@]}"} "$PY" benchmarks/gpu_check.py --ranks "$NP" "${ARGS[@]}"
     rc=$?
     if [ ! -f "$DEST/gpu_check.json" ] && [ "$rc" != 0 ] && [ "$rc" != 1 ]; then
         say "mpirun did not complete a run (exit $rc); starting the ranks without MPI"
@@ -101,7 +101,7 @@ if [ -n "$MPIRUN" ] && "$PY" -c "import mpi4py" 2>/dev/null; then
 fi
 if [ "$rc" = 3 ]; then
     say "running $NP ranks started by the driver"
-    timeout -k 10 300 "$PY" benchmarks/gpu_check.py --spawn "$NP" --timeout 280 "${ARGS[@]}"
+    timeout -k 10 240 "$PY" benchmarks/gpu_check.py --spawn "$NP" --timeout 225 "${ARGS[@]}"
     rc=$?
 fi
 say "exit status $rc"
