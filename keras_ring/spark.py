@@ -34,7 +34,10 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from keras_ring.bootstrap import PeerTable
 
 # How long a rank whose collective failed because of another rank waits before it reports,
 # so that the rank with the root cause is the one whose traceback Spark shows.
@@ -196,7 +199,7 @@ def _task(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool, _partition) ->
     return [(rank, result)]
 
 
-def _exchange(context, rank: int, size: int):
+def _exchange(context, rank: int, size: int) -> PeerTable:
     """The peer table, from two allGathers: host identities, then listener addresses."""
     from keras_ring import bootstrap, rendezvous
     from keras_ring.config import Config
@@ -221,7 +224,7 @@ def _exchange(context, rank: int, size: int):
         raise
 
 
-def _stop(table) -> None:
+def _stop(table: PeerTable | None) -> None:
     runtime = sys.modules.get("keras_ring.runtime")
     if runtime is not None:
         runtime.RUNTIME.shutdown()
