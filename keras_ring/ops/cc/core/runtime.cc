@@ -313,6 +313,8 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
     // peer sees this rank gone at once instead of waiting for its own timeout.
     broken_ = failed;
     transport_->Abort();
+    std::lock_guard<std::mutex> lock(backend_mu_);
+    if (backend_) backend_->PeerFailed();
   }
   return failed;
 }

@@ -57,7 +57,10 @@ struct Request {
 class DeviceBackend {
  public:
   virtual ~DeviceBackend() = default;
-  virtual void Abort() = 0;  // thread-safe
+  virtual void Abort() = 0;  // shutdown began: end any wait now (thread-safe)
+  // The host data plane failed (a peer may be gone): release device resources without
+  // waiting for peers. Called on the worker.
+  virtual void PeerFailed() {}
 };
 
 struct RuntimeOptions {

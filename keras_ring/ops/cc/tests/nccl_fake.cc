@@ -230,7 +230,8 @@ int FakeDeviceApi::CommAbort(kn::Comm comm) {
 }
 
 int FakeDeviceApi::CommDestroy(kn::Comm) {
-  std::lock_guard<std::mutex> wlock(world_->mu_);
+  std::unique_lock<std::mutex> wlock(world_->mu_);
+  while (world_->block_destroy.load()) world_->cv_.wait_for(wlock, std::chrono::milliseconds(5));
   world_->Note(rank_, "destroy comm");
   return 0;
 }

@@ -39,6 +39,7 @@ class FakeNcclWorld {
   std::atomic<int> async_error{0};         // reported by ncclCommGetAsyncError of...
   std::atomic<int> async_error_rank{-1};   // ...this rank (-1: none)
   std::atomic<bool> block_init{false};     // ncclCommInitRank waits until this is cleared
+  std::atomic<bool> block_destroy{false};  // ncclCommDestroy waits until this is cleared
   void SetLoadNcclError(int rank, const std::string& message);
   void SetInitResult(int rank, int result);
 

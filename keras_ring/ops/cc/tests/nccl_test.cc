@@ -388,6 +388,44 @@ TEST(Nccl_ShutdownDestroysCommunicatorsStreamsAndEvents) {
   }
 }
 
+TEST(Nccl_TeardownAfterAHostFailureAbortsInsteadOfDestroying) {
+  GpuWorld w(2, 0.5);
+  w.Each([&](int r) {
+    std::vector<float> x = {1.0f};
+    CHECK_OK(w.Run(r, InPlace(x)));
+  });
+  // Rank 1 never submits the second collective: rank 0's signature exchange times out,
+  // which breaks its runtime without any NCCL error.
+  std::vector<float> x = {1.0f};
+  const Status s = w.Run(0, InPlace(x));
+  CHECK(s.code() == Code::kDeadlineExceeded) << s.message();
+  w.Shutdown();
+  CHECK_EQ(w.fake->Count(0, "abort"), 1) << "the peer may be gone: no cooperative teardown";
+  CHECK_EQ(w.fake->Count(0, "destroy comm"), 0);
+  CHECK_EQ(w.fake->Count(1, "destroy comm"), 1);
+  CHECK_EQ(w.fake->Count(1, "abort"), 0);
+}
+
+TEST(Nccl_StuckTeardownDoesNotHangShutdown) {
+  GpuWorld w(2, 0.3);
+  w.Each([&](int r) {
+    std::vector<float> x = {1.0f};
+    CHECK_OK(w.Run(r, InPlace(x)));
+  });
+  w.fake->block_destroy = true;
+  const auto start = keras_ring::Clock::now();
+  w.Shutdown();
+  CHECK(SecondsSince(start) < 5.0);
+  CHECK_EQ(w.fake->Count(0, "destroy comm"), 0);
+  // The abandoned teardown finishes once the library returns.
+  w.fake->block_destroy = false;
+  for (int i = 0; i < 200 && w.fake->Count(0, "destroy comm") + w.fake->Count(1, "destroy comm") < 2;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK_EQ(w.fake->Count(0, "destroy comm") + w.fake->Count(1, "destroy comm"), 2);
+}
+
 TEST(Nccl_ShutdownEndsACollectiveInFlight) {
   GpuWorld w(2, 60.0);
   w.fake->hang = true;

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -108,14 +109,52 @@ NcclBackend::NcclBackend(std::shared_ptr<DeviceApi> api, int rank, int size,
     : api_(std::move(api)), rank_(rank), size_(size), timeout_seconds_(timeout_seconds) {}
 
 NcclBackend::~NcclBackend() {
+  ReleaseCommunicators();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& entry : devices_) {
     DeviceState& d = entry.second;
     api_->SetDevice(entry.first);
-    d.comm.reset();  // destroyed if healthy; an aborted one is already gone
     for (Event e : d.free_events) api_->EventDestroy(e);
     if (d.stream != nullptr) api_->StreamDestroy(d.stream);
   }
+}
+
+void NcclBackend::ReleaseCommunicators() {
+  // Every collective completed or was aborted, but ncclCommDestroy still flushes traffic a
+  // peer may be receiving, and may wait for the peers' own teardown; after a host-side
+  // failure a peer may be gone, so abort instead. Either runs on a helper thread that is
+  // given up on (with a warning) at the deadline, so shutdown never hangs.
+  std::vector<std::pair<int, std::unique_ptr<Communicator>>> comms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& entry : devices_) {
+      if (entry.second.comm) comms.emplace_back(entry.first, std::move(entry.second.comm));
+    }
+  }
+  if (comms.empty()) return;
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread helper([api = api_, comms = std::move(comms), done,
+                      abort = peer_failed_.load()]() mutable {
+    for (auto& entry : comms) {
+      api->SetDevice(entry.first);
+      if (abort) entry.second->Abort();
+      entry.second.reset();
+    }
+    done->store(true);
+  });
+  const Deadline deadline = Deadline::After(std::min(timeout_seconds_, 60.0));
+  while (!done->load() && !deadline.expired()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (done->load()) {
+    helper.join();
+    return;
+  }
+  helper.detach();
+  std::fprintf(stderr,
+               "keras_ring: WARNING: NCCL communicator teardown did not finish within %s s (a "
+               "peer may have exited without keras_ring.shutdown()); continuing without it\n",
+               Seconds(std::min(timeout_seconds_, 60.0)).c_str());
 }
 
 void NcclBackend::Abort() { aborted_.store(true); }

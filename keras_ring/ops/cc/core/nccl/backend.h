@@ -83,8 +83,11 @@ class Communicator {
 class NcclBackend : public DeviceBackend {
  public:
   NcclBackend(std::shared_ptr<DeviceApi> api, int rank, int size, double timeout_seconds);
-  ~NcclBackend() override;  // after the worker stopped: tears down communicators and streams
+  // After the worker stopped: destroys the communicators (aborts them after a failure), then
+  // the streams and events. Bounded: a teardown stuck on a vanished peer is left behind.
+  ~NcclBackend() override;
   void Abort() override;
+  void PeerFailed() override { peer_failed_.store(true); }
 
   // On the submitting thread: records where `caller_stream`'s inputs are ready.
   std::shared_ptr<DeviceTicket> Prepare(int device, Stream caller_stream);
@@ -120,6 +123,7 @@ class NcclBackend : public DeviceBackend {
   Status WaitFor(Event done, Communicator& comm, const char* what);
   // Why a wait must end now (shutdown, a signal, the deadline), or OK.
   Status StopReason(const Deadline& deadline, const std::string& what);
+  void ReleaseCommunicators();
   Status Cuda(int error, const char* call);
   Status Nccl(int result, const char* call);
 
@@ -128,6 +132,7 @@ class NcclBackend : public DeviceBackend {
   const int size_;
   const double timeout_seconds_;
   std::atomic<bool> aborted_{false};
+  std::atomic<bool> peer_failed_{false};
   std::mutex mu_;
   std::map<int, DeviceState> devices_;  // node-based: references stay valid
 };
