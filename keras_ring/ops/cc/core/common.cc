@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <string>
 
 namespace keras_ring {
 
@@ -58,6 +59,21 @@ int Deadline::remaining_ms(int cap_ms) const {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t_ - Clock::now()).count();
   if (left <= 0) return 0;
   return left > cap_ms ? cap_ms : static_cast<int>(left);
+}
+
+Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string& cause_message) {
+  if (cause_code == Code::kCancelled) {
+    return Status(Code::kUnavailable,
+                  "rank " + std::to_string(reporter) +
+                      " has shut down while this rank still needs it: the ranks ran different "
+                      "numbers of collectives (uneven data shards? see keras_ring's README)",
+                  reporter);
+  }
+  // Keep the original reason; drop what an earlier relay appended.
+  std::string reason = cause_message.substr(0, cause_message.find(" (reported by rank"));
+  return Status(cause_code,
+                reason + " (reported by rank " + std::to_string(reporter) + ", which gave up)",
+                culprit >= 0 ? culprit : reporter);
 }
 
 namespace {

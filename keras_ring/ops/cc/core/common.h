@@ -100,6 +100,10 @@ class Deadline {
   Clock::time_point t_;
 };
 
+// The error a rank reports when peer `reporter` gave up because of `cause` (its code and
+// peer, i.e. the rank to blame, are kept; kCancelled means `reporter` shut down cleanly).
+Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string& cause_message);
+
 // Set from a signal handler (SIGINT/SIGTERM) so blocked waits end promptly; transports
 // check it in every wait slice. Async-signal-safe: a lock-free atomic store.
 void RequestInterrupt(int signal_number);

@@ -58,7 +58,7 @@ Status LocalTransport::SendRecv(int to, const void* send_data, size_t send_bytes
   return Recv(from, recv_data, recv_bytes, deadline);
 }
 
-void LocalTransport::Abort() {
+void LocalTransport::AbortWith(const Status&) {
   {
     std::lock_guard<std::mutex> lock(fabric_->mu_);
     fabric_->aborted_ = true;

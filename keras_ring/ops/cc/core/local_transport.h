@@ -45,7 +45,7 @@ class LocalTransport : public Transport {
   Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
   Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
                   size_t recv_bytes, Deadline deadline) override;
-  void Abort() override;
+  void AbortWith(const Status& cause) override;
 
  private:
   std::shared_ptr<LocalFabric> fabric_;

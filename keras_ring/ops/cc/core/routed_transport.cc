@@ -66,7 +66,7 @@ Status RoutedTransport::WithConcurrentSend(const std::function<Status()>& send,
   }
   cv_.notify_all();
   Status r = recv();
-  if (!r.ok()) Abort();  // unblocks the send half too; the error is fatal anyway
+  if (!r.ok()) AbortWith(r);  // unblocks the send half too; the error is fatal anyway
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return !has_pending_; });
   return r.ok() ? pending_result_ : r;
@@ -116,9 +116,11 @@ Status RoutedTransport::SendRecvReduce(int to, const void* send_data, size_t sen
                             receive);
 }
 
-void RoutedTransport::Abort() {
-  tcp_->Abort();
-  if (shm_ != nullptr) shm_->Abort();
+void RoutedTransport::AbortWith(const Status& cause) {
+  // shm first: its segment records the cause before the TCP sockets (its liveness
+  // signal) close.
+  if (shm_ != nullptr) shm_->AbortWith(cause);
+  tcp_->AbortWith(cause);
 }
 
 }  // namespace keras_ring

@@ -45,7 +45,7 @@ class RoutedTransport : public Transport {
   Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from, void* dst,
                         const void* local, size_t recv_bytes, size_t element_bytes,
                         const ReduceFn& reduce, Deadline deadline) override;
-  void Abort() override;
+  void AbortWith(const Status& cause) override;
 
  private:
   Transport& Route(int peer) {

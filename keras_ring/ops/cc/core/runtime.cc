@@ -57,8 +57,8 @@ Runtime::~Runtime() {
   }
   cv_.notify_all();
   // A collective still in flight at shutdown cannot complete without us; end it now
-  // rather than after the timeout.
-  transport_->Abort();
+  // rather than after the timeout. Peers learn it was a shutdown, not a failure.
+  transport_->AbortWith(ShutdownCause());
   {
     std::lock_guard<std::mutex> lock(backend_mu_);
     if (backend_) backend_->Abort();
@@ -140,7 +140,7 @@ void Runtime::WorkerLoop() {
     if (options_.timeline) RecordTimeline(request, seq, started, s);
     request.done(s);
   }
-  if (transport_) transport_->Abort();
+  if (transport_) transport_->AbortWith(ShutdownCause());
 }
 
 void Runtime::RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
@@ -254,6 +254,25 @@ Signature Runtime::MakeSignature(const Request& r, uint64_t seq) const {
   return s;
 }
 
+Status Runtime::ShutdownCause() const {
+  return Status(Code::kCancelled, "rank " + std::to_string(options_.rank) + " shut down",
+                options_.rank);
+}
+
+// The ring exchange stalls at the first rank that has not submitted the collective: after
+// k completed steps this rank has heard from ranks r-1 .. r-k, so it waits for rank r-k-1
+// (possibly through live ranks that have nothing to forward yet). Blaming that rank, not
+// the neighbour, makes every waiting rank name the same stalled one.
+Status Runtime::BlameForExchangeTimeout(const Request& request, uint64_t seq, int steps) const {
+  const int n = options_.size;
+  const int blamed = ((options_.rank - std::max(steps, 0) - 1) % n + n) % n;
+  return Status(Code::kDeadlineExceeded,
+                "timed out waiting for rank " + std::to_string(blamed) + " to submit " +
+                    MakeSignature(request, seq).Label() +
+                    " (it has not reached it, is stalled, or runs a different program)",
+                blamed);
+}
+
 Status Runtime::Fail(const Request& request, uint64_t seq, const Status& cause) {
   Signature sig = MakeSignature(request, seq);
   std::string msg = "keras_ring: " + sig.Label() + " failed on rank " +
@@ -276,7 +295,10 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
   mine.sig = MakeSignature(request, seq);
   mine.sig.inlined = PackInline(request, &mine) ? 1 : 0;
   Status s = ExchangeSlots(*transport_, options_.timeout_seconds, &slots_, &exchange_steps_);
-  exchange_steps_.store(-1);
+  const int steps = exchange_steps_.exchange(-1);
+  if (s.code() == Code::kDeadlineExceeded && s.message().rfind("timed out waiting", 0) == 0) {
+    s = BlameForExchangeTimeout(request, seq, steps);  // our own wait, not a relayed notice
+  }
   exchanged_at_ = Clock::now();
   if (s.ok()) {
     std::vector<Signature> sigs;
@@ -312,7 +334,7 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
     // The byte streams may be out of step now: stop trusting them, and close them so every
     // peer sees this rank gone at once instead of waiting for its own timeout.
     broken_ = failed;
-    transport_->Abort();
+    transport_->AbortWith(s);  // the bare cause, naming the rank to blame
     std::lock_guard<std::mutex> lock(backend_mu_);
     if (backend_) backend_->PeerFailed();
   }

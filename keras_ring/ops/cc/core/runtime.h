@@ -118,6 +118,8 @@ class Runtime {
   Status ExecuteBroadcast(Request& request);
   Signature MakeSignature(const Request& request, uint64_t seq) const;
   Status Fail(const Request& request, uint64_t seq, const Status& cause);
+  Status ShutdownCause() const;
+  Status BlameForExchangeTimeout(const Request& request, uint64_t seq, int steps) const;
 
   RuntimeOptions options_;
   std::unique_ptr<Transport> transport_;

@@ -82,7 +82,10 @@ struct ShmTransport::Segment {
   int32_t size;
   uint64_t channel_bytes;
   uint64_t header_bytes;
-  alignas(64) std::atomic<uint32_t> aborted;
+  alignas(64) std::atomic<uint32_t> aborted;  // set (release) after the cause below
+  int32_t cause_code;    // why: kCancelled for a clean shutdown
+  int32_t cause_peer;    // the rank to blame
+  char cause_message[400];
   alignas(64) std::atomic<uint32_t> doorbell;  // bumped by anyone who made progress for us
   alignas(64) std::atomic<uint32_t> sleepers;  // >0 while the owner sleeps on the doorbell
 
@@ -291,18 +294,21 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
   return Status::OK();
 }
 
-Status ShmTransport::CheckPeers(int to, int from, bool sending, bool receiving) const {
+Status ShmTransport::CheckPeers(const Job& job, bool starting) const {
   if (aborted_.load()) return Status(Code::kAborted, "keras_ring runtime was aborted");
   KR_RETURN_IF_ERROR(InterruptStatus());
-  const int waited_for[2] = {receiving ? from : -1, sending ? to : -1};
+  const int waited_for[2] = {job.receiving() ? job.from : -1, job.sending() ? job.to : -1};
   for (int peer : waited_for) {
     if (peer < 0) continue;
     const Peer& p = peers_[static_cast<size_t>(peer)];
-    if (p.segment->aborted.load() != 0) {
-      return Status(Code::kUnavailable,
-                    "rank " + std::to_string(peer) + " aborted after an error of its own", peer);
+    if (p.segment->aborted.load(std::memory_order_acquire) != 0) {
+      const Code code = static_cast<Code>(p.segment->cause_code);
+      // A peer that shut down cleanly left its last data in our rings: only a wait that
+      // cannot progress is an error. A peer that failed must stop us even mid-collective.
+      if (starting && code == Code::kCancelled) continue;
+      return PeerGaveUp(peer, code, p.segment->cause_peer, p.segment->cause_message);
     }
-    if (PeerSocketClosed(p.liveness_fd)) {
+    if (!starting && PeerSocketClosed(p.liveness_fd)) {
       return Status(Code::kUnavailable,
                     "lost rank " + std::to_string(peer) +
                         ": its process exited, crashed or was killed",
@@ -314,7 +320,7 @@ Status ShmTransport::CheckPeers(int to, int from, bool sending, bool receiving) 
 
 Status ShmTransport::Transfer(Job& job, Deadline deadline) {
   // A peer that already gave up must not let this rank complete a collective it failed.
-  KR_RETURN_IF_ERROR(CheckPeers(job.to, job.from, job.sending(), job.receiving()));
+  KR_RETURN_IF_ERROR(CheckPeers(job, /*starting=*/true));
   job.cap = options_.channel_bytes;
   // Both sides start each message on a cache line (AlignUp), so element boundaries never
   // straddle the ring's wrap-around.
@@ -354,7 +360,7 @@ Status ShmTransport::Sleep(const Job& job, Deadline deadline) {
   }
   own_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
   if (job.CanProgress()) return Status::OK();
-  KR_RETURN_IF_ERROR(CheckPeers(job.to, job.from, job.sending(), job.receiving()));
+  KR_RETURN_IF_ERROR(CheckPeers(job, /*starting=*/false));
   if (deadline.expired()) {
     const int waited = job.receiving() ? job.from : job.to;
     return Status(Code::kDeadlineExceeded,
@@ -402,10 +408,13 @@ Status ShmTransport::SendRecvReduce(int to, const void* send_data, size_t send_b
   return Transfer(job, deadline);
 }
 
-void ShmTransport::Abort() {
-  aborted_.store(true);
+void ShmTransport::AbortWith(const Status& cause) {
+  if (aborted_.exchange(true)) return;
   if (own_ == nullptr) return;
-  own_->aborted.store(1);
+  own_->cause_code = static_cast<int32_t>(cause.code());
+  own_->cause_peer = cause.peer() >= 0 ? cause.peer() : rank_;
+  std::snprintf(own_->cause_message, sizeof own_->cause_message, "%s", cause.message().c_str());
+  own_->aborted.store(1, std::memory_order_release);
   own_->Ring();  // wake our own worker if it sleeps
   for (Peer& p : peers_) {
     if (p.segment != nullptr) p.segment->Ring();  // let peers see the flag now

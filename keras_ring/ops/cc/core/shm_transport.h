@@ -43,7 +43,7 @@ class ShmTransport : public Transport {
   Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from, void* dst,
                         const void* local, size_t recv_bytes, size_t element_bytes,
                         const ReduceFn& reduce, Deadline deadline) override;
-  void Abort() override;
+  void AbortWith(const Status& cause) override;
 
   // Removes segments of earlier jobs whose creating process is gone (a crash during init).
   static void RemoveStaleSegments();
@@ -62,7 +62,8 @@ class ShmTransport : public Transport {
   // Setup steps; each returns an error message, empty on success.
   std::string CreateOwnSegment(size_t header_bytes);
   std::string MapPeer(int peer, int pid, int liveness_fd);
-  Status CheckPeers(int to, int from, bool sending, bool receiving) const;
+  // Errors for the peers `job` waits on: gone, failed, or (unless `starting`) shut down.
+  Status CheckPeers(const Job& job, bool starting) const;
 
   int rank_;
   int size_;

@@ -1,5 +1,6 @@
 #include "signature.h"
 
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <sstream>
@@ -62,7 +63,11 @@ namespace {
 
 std::string ShapeString(const Signature& s) {
   if (static_cast<Kind>(s.kind) == Kind::kGroupedAllreduce) {
-    return std::to_string(s.ndims) + " tensors, " + std::to_string(s.count) + " elements";
+    // Equal counts can hide a different order of shapes or dtypes; the layout hash tells.
+    char layout[32];
+    std::snprintf(layout, sizeof layout, "%016llx", static_cast<unsigned long long>(s.layout_hash));
+    return std::to_string(s.ndims) + " tensors, " + std::to_string(s.count) +
+           " elements (dtype/size layout " + layout + ")";
   }
   std::ostringstream out;
   out << "shape [";

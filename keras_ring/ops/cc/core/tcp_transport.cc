@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -23,7 +24,33 @@ struct Hello {
   uint64_t job_token;
   int32_t rank;
   int32_t size;
+  int32_t channel;  // kData or kControl
+  int32_t reserved;
 };
+constexpr int32_t kData = 0;
+constexpr int32_t kControl = 1;
+
+// Sent on the control socket by a rank that gives up, so peers learn why and whom to blame
+// instead of only seeing its sockets close.
+struct AbortNotice {
+  uint64_t magic;
+  int32_t code;
+  int32_t culprit;
+  char message[400];
+};
+constexpr uint64_t kNoticeMagic = 0x6b72696e67656e64ull;  // "kringend"
+
+bool SendAllBlocking(int fd, const void* data, size_t bytes) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    ssize_t n = send(fd, p, bytes, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+  return true;
+}
 
 void SetSocketOptions(int fd) {
   int one = 1;
@@ -44,15 +71,20 @@ Status TcpTransport::Create(int rank, int size, int listen_fd,
   }
   std::unique_ptr<TcpTransport> t(new TcpTransport(rank, size));
   // Lower ranks first: every rank connects downward and accepts upward, so no cycle waits.
+  // Each pair gets a data socket and a control socket (for abort notices).
   for (int peer = 0; peer < rank; ++peer) {
-    KR_RETURN_IF_ERROR(t->ConnectTo(peer, peers[static_cast<size_t>(peer)], job_token, deadline));
+    for (int32_t channel : {kData, kControl}) {
+      KR_RETURN_IF_ERROR(
+          t->ConnectTo(peer, peers[static_cast<size_t>(peer)], job_token, channel, deadline));
+    }
   }
   // Higher ranks connect in any order; each accept takes whichever comes.
-  for (int n = rank + 1; n < size; ++n) {
+  for (int n = 0; n < 2 * (size - rank - 1); ++n) {
     KR_RETURN_IF_ERROR(t->AcceptFrom(listen_fd, job_token, deadline));
   }
-  for (int fd : t->fds_) {
-    if (fd >= 0) SetSocketOptions(fd);
+  for (size_t i = 0; i < t->fds_.size(); ++i) {
+    if (t->fds_[i] >= 0) SetSocketOptions(t->fds_[i]);
+    if (t->control_fds_[i] >= 0) SetSocketOptions(t->control_fds_[i]);
   }
   *out = std::move(t);
   return Status::OK();
@@ -62,10 +94,13 @@ TcpTransport::~TcpTransport() {
   for (int fd : fds_) {
     if (fd >= 0) close(fd);
   }
+  for (int fd : control_fds_) {
+    if (fd >= 0) close(fd);
+  }
 }
 
 Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token,
-                               Deadline deadline) {
+                               int32_t channel, Deadline deadline) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -83,11 +118,10 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
       int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
       if (fd < 0) continue;
       if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
-        Hello hello{kHelloMagic, job_token, rank_, size_};
-        fds_[static_cast<size_t>(peer)] = fd;
-        Status s = Send(peer, &hello, sizeof hello, deadline);
+        Hello hello{kHelloMagic, job_token, rank_, size_, channel, 0};
+        (channel == kData ? fds_ : control_fds_)[static_cast<size_t>(peer)] = fd;
         freeaddrinfo(res);
-        if (!s.ok()) return s;
+        if (!SendAllBlocking(fd, &hello, sizeof hello)) return PeerGone(peer, "connecting", errno);
         return Status::OK();
       }
       last_error = Errno(errno);
@@ -126,20 +160,35 @@ Status TcpTransport::AcceptFrom(int listen_fd, uint64_t job_token, Deadline dead
     timeval tv{5, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     ssize_t got = recv(fd, &hello, sizeof hello, MSG_WAITALL);
+    std::vector<int>* slots = hello.channel == kControl ? &control_fds_ : &fds_;
     if (got != static_cast<ssize_t>(sizeof hello) || hello.magic != kHelloMagic ||
         hello.job_token != job_token || hello.size != size_ || hello.rank <= rank_ ||
-        hello.rank >= size_ || fds_[static_cast<size_t>(hello.rank)] >= 0) {
+        hello.rank >= size_ || (hello.channel != kData && hello.channel != kControl) ||
+        (*slots)[static_cast<size_t>(hello.rank)] >= 0) {
       close(fd);  // not one of ours
       continue;
     }
     timeval zero{0, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &zero, sizeof zero);
-    fds_[static_cast<size_t>(hello.rank)] = fd;
+    (*slots)[static_cast<size_t>(hello.rank)] = fd;
     return Status::OK();
   }
 }
 
 Status TcpTransport::PeerGone(int peer, const char* what, int err) const {
+  // A peer that gave up said why on its control socket just before closing; one that died
+  // said nothing (its control socket shows EOF at once).
+  const int control = control_fds_[static_cast<size_t>(peer)];
+  pollfd p{control, POLLIN, 0};
+  if (control >= 0 && poll(&p, 1, 100) > 0) {
+    AbortNotice notice{};
+    if (recv(control, &notice, sizeof notice, MSG_WAITALL | MSG_DONTWAIT) ==
+            static_cast<ssize_t>(sizeof notice) &&
+        notice.magic == kNoticeMagic) {
+      notice.message[sizeof notice.message - 1] = '\0';
+      return PeerGaveUp(peer, static_cast<Code>(notice.code), notice.culprit, notice.message);
+    }
+  }
   std::string msg = "lost connection to rank " + std::to_string(peer) + " while " + what;
   if (err == 0) {
     msg += ": the peer closed it (its process exited, crashed or was killed)";
@@ -216,11 +265,19 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
   return Status::OK();
 }
 
-void TcpTransport::Abort() {
-  aborted_.store(true);
+void TcpTransport::AbortWith(const Status& cause) {
+  if (aborted_.exchange(true)) return;
+  AbortNotice notice{kNoticeMagic, static_cast<int32_t>(cause.code()),
+                     cause.peer() >= 0 ? cause.peer() : rank_, {}};
+  std::snprintf(notice.message, sizeof notice.message, "%s", cause.message().c_str());
+  for (int fd : control_fds_) {
+    // Best effort: the control socket carries nothing else, so its buffer has room.
+    if (fd >= 0) send(fd, &notice, sizeof notice, MSG_DONTWAIT | MSG_NOSIGNAL);
+  }
   // Shutting the sockets down wakes any poll and shows peers an immediate EOF.
-  for (int fd : fds_) {
-    if (fd >= 0) shutdown(fd, SHUT_RDWR);
+  for (size_t i = 0; i < fds_.size(); ++i) {
+    if (fds_[i] >= 0) shutdown(fds_[i], SHUT_RDWR);
+    if (control_fds_[i] >= 0) shutdown(control_fds_[i], SHUT_WR);
   }
 }
 

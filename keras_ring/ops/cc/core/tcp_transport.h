@@ -35,20 +35,23 @@ class TcpTransport : public Transport {
   Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
   Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
                   size_t recv_bytes, Deadline deadline) override;
-  void Abort() override;
+  void AbortWith(const Status& cause) override;
 
   // The socket to `peer` (-1 for self); other transports watch it to notice a dead peer.
   int fd(int peer) const { return fds_[static_cast<size_t>(peer)]; }
 
  private:
-  TcpTransport(int rank, int size) : rank_(rank), size_(size), fds_(size, -1) {}
-  Status ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token, Deadline deadline);
+  TcpTransport(int rank, int size)
+      : rank_(rank), size_(size), fds_(size, -1), control_fds_(size, -1) {}
+  Status ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token, int32_t channel,
+                   Deadline deadline);
   Status AcceptFrom(int listen_fd, uint64_t job_token, Deadline deadline);
   Status PeerGone(int peer, const char* what, int err) const;
 
   int rank_;
   int size_;
-  std::vector<int> fds_;  // socket per peer, -1 for self
+  std::vector<int> fds_;          // data socket per peer, -1 for self
+  std::vector<int> control_fds_;  // abort notices only
   std::atomic<bool> aborted_{false};
 };
 

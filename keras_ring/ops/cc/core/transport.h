@@ -42,9 +42,12 @@ class Transport {
                                 size_t element_bytes, const ReduceFn& reduce,
                                 Deadline deadline);
 
-  // Unblocks every wait and makes peers notice (they see this rank gone). After Abort only
-  // the destructor may be called.
-  virtual void Abort() = 0;
+  // Unblocks every wait and makes peers notice. `cause` travels to the peers where the
+  // transport can carry it (its peer() is the rank to blame; code kCancelled means a clean
+  // shutdown), so a rank far from the failure can still name it. After an abort only the
+  // destructor may be called.
+  virtual void AbortWith(const Status& cause) = 0;
+  void Abort() { AbortWith(Status(Code::kAborted, "the keras_ring runtime was aborted")); }
 
  protected:
   std::vector<char> scratch_;
