@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 from keras_ring import bootstrap
 from keras_ring.bootstrap import PeerTable, Topology
-from keras_ring.config import Config, _float
+from keras_ring.config import Config, _float, _int
 from keras_ring.errors import InitError
 
 RANK_VARIABLE = "KERAS_RING_RANK"
@@ -97,25 +97,15 @@ def settings_from_env(config: Config | None = None) -> Settings:
             f"{' and '.join(given)} {verbs[len(given) > 1]}: the launch without MPI needs "
             f"all of {', '.join(_VARIABLES)} in every process"
         )
-    size = _integer(SIZE_VARIABLE, minimum=1)
-    rank = _integer(RANK_VARIABLE, minimum=0)
+    # All three variables are known to be set here, so the defaults never apply.
+    size = _int(SIZE_VARIABLE, 1, minimum=1)
+    rank = _int(RANK_VARIABLE, 0, minimum=0)
     if rank >= size:
         raise ValueError(f"{RANK_VARIABLE}={rank} is out of range: "
                          f"{SIZE_VARIABLE}={size} allows ranks 0 to {size - 1}")
     host, port = parse_address(os.environ[RENDEZVOUS_VARIABLE], RENDEZVOUS_VARIABLE)
     default = (config or Config.from_env()).timeout_seconds
     return Settings(rank, size, host, port, _float(START_TIMEOUT_VARIABLE, default))
-
-
-def _integer(name: str, minimum: int) -> int:
-    raw = os.environ[name].strip()
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {raw!r}")
-    return value
 
 
 def parse_address(text: str, name: str = "address") -> tuple[str, int]:
