@@ -359,7 +359,9 @@ Status ShmTransport::Sleep(const Job& job, Deadline deadline) {
     Futex(&own_->doorbell, FUTEX_WAIT, seq, &ts);
   }
   own_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
-  if (job.CanProgress()) return Status::OK();
+  // The deadline is checked even when progress looks possible: a ring whose state no longer
+  // allows progress (a corrupted or foreign peer) must end in an error, never spin forever.
+  if (job.CanProgress() && !deadline.expired()) return Status::OK();
   KR_RETURN_IF_ERROR(CheckPeers(job, /*starting=*/false));
   if (deadline.expired()) {
     const int waited = job.receiving() ? job.from : job.to;

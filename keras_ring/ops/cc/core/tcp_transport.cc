@@ -19,9 +19,21 @@ namespace {
 constexpr uint64_t kHelloMagic = 0x6b72696e67686921ull;  // "kringhi!"
 constexpr int kPollSliceMs = 200;  // wake up this often to notice Abort()
 
+#ifndef KERAS_RING_BUILD_INFO
+#define KERAS_RING_BUILD_INFO "unknown"
+#endif
+
+// Ranks must run the same build: slot layouts and protocols differ between builds, and a
+// rank that rebuilt the library while another kept the old one would misread its peers.
+constexpr uint64_t BuildHash(const char* s, uint64_t h = 1469598103934665603ull) {
+  return *s == '\0' ? h : BuildHash(s + 1, (h ^ static_cast<unsigned char>(*s)) * 1099511628211ull);
+}
+constexpr uint64_t kBuildHash = BuildHash(KERAS_RING_BUILD_INFO);
+
 struct Hello {
   uint64_t magic;
   uint64_t job_token;
+  uint64_t build_hash;
   int32_t rank;
   int32_t size;
   int32_t channel;  // kData or kControl
@@ -118,7 +130,7 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
       int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
       if (fd < 0) continue;
       if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
-        Hello hello{kHelloMagic, job_token, rank_, size_, channel, 0};
+        Hello hello{kHelloMagic, job_token, kBuildHash, rank_, size_, channel, 0};
         (channel == kData ? fds_ : control_fds_)[static_cast<size_t>(peer)] = fd;
         freeaddrinfo(res);
         if (!SendAllBlocking(fd, &hello, sizeof hello)) return PeerGone(peer, "connecting", errno);
@@ -160,6 +172,17 @@ Status TcpTransport::AcceptFrom(int listen_fd, uint64_t job_token, Deadline dead
     timeval tv{5, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     ssize_t got = recv(fd, &hello, sizeof hello, MSG_WAITALL);
+    if (got == static_cast<ssize_t>(sizeof hello) && hello.magic == kHelloMagic &&
+        hello.job_token == job_token && hello.build_hash != kBuildHash) {
+      close(fd);
+      return Status(Code::kFailedPrecondition,
+                    "rank " + std::to_string(hello.rank) +
+                        " runs a different keras_ring build than this rank (" +
+                        KERAS_RING_BUILD_INFO +
+                        "); install and build the same version on every host, with the same "
+                        "TensorFlow",
+                    hello.rank);
+    }
     std::vector<int>* slots = hello.channel == kControl ? &control_fds_ : &fds_;
     if (got != static_cast<ssize_t>(sizeof hello) || hello.magic != kHelloMagic ||
         hello.job_token != job_token || hello.size != size_ || hello.rank <= rank_ ||
