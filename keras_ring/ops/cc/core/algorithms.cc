@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "copy.h"
 #include "reduce.h"
 
 namespace keras_ring {
@@ -32,6 +33,38 @@ void FinishScaling(DataType dtype, ReduceOp op, void* data, size_t count, int si
   }
 }
 
+// Combines a received segment with the local one into the output. On the last
+// reduce-scatter step it also applies the final scaling while the segment is in cache, and
+// for large outputs it goes through a small L1 block so the output is written with streaming
+// stores.
+struct Combiner {
+  DataType dtype;
+  ReduceOp op;
+  size_t esize;
+  bool stream;
+  bool finish;
+  int size;
+  double postscale;
+
+  void Apply(void* dst, const void* local, const void* peer, size_t count) const {
+    Reduce(dtype, op, dst, local, peer, count);
+    if (finish) FinishScaling(dtype, op, dst, count, size, postscale);
+  }
+
+  void operator()(void* dst, const void* local, const void* peer, size_t bytes) const {
+    if (!stream) return Apply(dst, local, peer, bytes / esize);
+    constexpr size_t kBlock = 8192;  // a multiple of every element size
+    alignas(64) thread_local char block[kBlock];
+    for (size_t off = 0; off < bytes; off += kBlock) {
+      const size_t len = std::min(kBlock, bytes - off);
+      Apply(block, static_cast<const char*>(local) + off, static_cast<const char*>(peer) + off,
+            len / esize);
+      StreamCopyUnfenced(static_cast<char*>(dst) + off, block, len);
+    }
+    StreamFence();
+  }
+};
+
 }  // namespace
 
 Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
@@ -60,10 +93,11 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
   const int right = Mod(r + 1, n);
   const int left = Mod(r - 1, n);
   const size_t seg = std::max<size_t>(1, cfg.segment_bytes / esize);
-  const ReduceFn reduce = [dtype, op, esize](void* dst, const void* local, const void* peer,
-                                             size_t bytes) {
-    Reduce(dtype, op, dst, local, peer, bytes / esize);
-  };
+  const bool stream = count * esize >= cfg.stream_bytes;
+  const Combiner combine{dtype, op, esize, stream, /*finish=*/false, n, postscale};
+  const Combiner combine_last{dtype, op, esize, stream, /*finish=*/true, n, postscale};
+  const ReduceFn reduce = combine;
+  const ReduceFn reduce_last = combine_last;
 
   // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1. Step 0
   // sends straight from the input, and each received chunk is combined with the input's
@@ -78,23 +112,31 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
       const size_t recv_at = (v.offset + off) * esize;
       KR_RETURN_IF_ERROR(t.SendRecvReduce(right, send_base + (s.offset + off) * esize,
                                           sc * esize, left, out + recv_at, in + recv_at,
-                                          vc * esize, esize, reduce,
+                                          vc * esize, esize,
+                                          step == n - 2 ? reduce_last : reduce,
                                           Deadline::After(cfg.timeout_seconds)));
     }
   }
-  const Span own = Chunk(count, n, Mod(r + 1, n));
-  FinishScaling(dtype, op, out + own.offset * esize, own.count, n, postscale);
 
-  // Allgather of the finished chunks (chunk r, never reduced here, arrives first).
+  // Allgather of the finished chunks (chunk r, never reduced here, arrives first). Large
+  // outputs are delivered with streaming stores where the transport lets us read in place.
+  const bool deliver = stream && t.ReadsInPlace(left);
+  const ReduceFn stream_copy = [](void* dst, const void*, const void* peer, size_t bytes) {
+    StreamCopy(dst, peer, bytes);
+  };
   for (int step = 0; step < n - 1; ++step) {
     const Span s = Chunk(count, n, Mod(r + 1 - step, n));
     const Span v = Chunk(count, n, Mod(r - step, n));
     for (size_t off = 0; off < std::max(s.count, v.count); off += seg) {
       const size_t sc = off < s.count ? std::min(seg, s.count - off) : 0;
       const size_t vc = off < v.count ? std::min(seg, v.count - off) : 0;
-      KR_RETURN_IF_ERROR(t.SendRecv(right, out + (s.offset + off) * esize, sc * esize, left,
-                                    out + (v.offset + off) * esize, vc * esize,
-                                    Deadline::After(cfg.timeout_seconds)));
+      char* recv_at = out + (v.offset + off) * esize;
+      const Deadline deadline = Deadline::After(cfg.timeout_seconds);
+      KR_RETURN_IF_ERROR(
+          deliver ? t.SendRecvReduce(right, out + (s.offset + off) * esize, sc * esize, left,
+                                     recv_at, nullptr, vc * esize, 1, stream_copy, deadline)
+                  : t.SendRecv(right, out + (s.offset + off) * esize, sc * esize, left, recv_at,
+                               vc * esize, deadline));
     }
   }
   return Status::OK();

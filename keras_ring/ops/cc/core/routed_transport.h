@@ -45,6 +45,9 @@ class RoutedTransport : public Transport {
   Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from, void* dst,
                         const void* local, size_t recv_bytes, size_t element_bytes,
                         const ReduceFn& reduce, Deadline deadline) override;
+  bool ReadsInPlace(int peer) const override {
+    return shm_ != nullptr && peer >= 0 && shm_->Reaches(peer);
+  }
   void AbortWith(const Status& cause) override;
 
  private:

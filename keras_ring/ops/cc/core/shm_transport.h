@@ -43,6 +43,7 @@ class ShmTransport : public Transport {
   Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from, void* dst,
                         const void* local, size_t recv_bytes, size_t element_bytes,
                         const ReduceFn& reduce, Deadline deadline) override;
+  bool ReadsInPlace(int peer) const override { return Reaches(peer); }
   void AbortWith(const Status& cause) override;
 
   // Removes segments of earlier jobs whose creating process is gone (a crash during init).

@@ -42,6 +42,10 @@ class Transport {
                                 size_t element_bytes, const ReduceFn& reduce,
                                 Deadline deadline);
 
+  // Whether SendRecvReduce hands `reduce` the peer's data in place (no scratch copy), so a
+  // custom way of storing received bytes costs nothing extra.
+  virtual bool ReadsInPlace(int /*peer*/) const { return false; }
+
   // Unblocks every wait and makes peers notice. `cause` travels to the peers where the
   // transport can carry it (its peer() is the rank to blame; code kCancelled means a clean
   // shutdown), so a rank far from the failure can still name it. After an abort only the

@@ -283,6 +283,18 @@ TEST(RingAllreduce_OutOfPlace) {
   for (int n : {1, 2, 3, 8}) RunCases(n, AllCases({0, 1, 13, 517}), Config(64), true);
 }
 
+// Outputs written through the L1 block with streaming stores (every size streams here), with
+// the final scaling fused into the last reduce-scatter step: same results, in and out of
+// place, for counts that span several 8 KiB blocks and end mid-block.
+TEST(RingAllreduce_StreamingStores) {
+  AlgoConfig cfg = Config(4096);
+  cfg.stream_bytes = 0;
+  for (int n : {2, 3}) {
+    RunCases(n, AllCases({1, 13, 5000}), cfg);
+    RunCases(n, AllCases({1, 13, 5000}), cfg, true);
+  }
+}
+
 // Average of integers divides the exact (wrapped) sum, truncating toward zero.
 TEST(RingAllreduce_IntegerAverageTruncates) {
   const AlgoConfig cfg = Config(64);
