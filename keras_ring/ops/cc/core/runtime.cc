@@ -51,21 +51,24 @@ Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> trans
 }
 
 Runtime::~Runtime() {
+  Stop();
+  if (worker_.joinable()) worker_.join();
+  if (watchdog_.joinable()) watchdog_.join();
+  backend_.reset();  // no collective can use it any more
+}
+
+void Runtime::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
     stopping_ = true;
   }
   cv_.notify_all();
   // A collective still in flight at shutdown cannot complete without us; end it now
   // rather than after the timeout. Peers learn it was a shutdown, not a failure.
   transport_->AbortWith(ShutdownCause());
-  {
-    std::lock_guard<std::mutex> lock(backend_mu_);
-    if (backend_) backend_->Abort();
-  }
-  if (worker_.joinable()) worker_.join();
-  if (watchdog_.joinable()) watchdog_.join();
-  backend_.reset();  // no collective can use it any more
+  std::lock_guard<std::mutex> lock(backend_mu_);
+  if (backend_) backend_->Abort();
 }
 
 DeviceBackend* Runtime::device_backend(
@@ -89,6 +92,26 @@ void Runtime::Submit(Request request) {
                       "keras_ring: the runtime is shutting down; call keras_ring.init() again"));
 }
 
+void Runtime::SubmitOrRun(Request request) {
+  bool claimed = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopping_ && !executing_ && queue_.empty()) {
+      executing_ = true;  // the worker starts nothing until this thread is done
+      claimed = true;
+    }
+  }
+  if (!claimed) return Submit(std::move(request));  // the queue keeps the order
+  request.submitted = Clock::now();
+  const Status s = RunOne(request);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    executing_ = false;
+  }
+  cv_.notify_all();  // requests queued meanwhile are the worker's now
+  request.done(s);
+}
+
 Status Runtime::Run(Request request) {
   std::mutex mu;
   std::condition_variable cv;
@@ -100,19 +123,18 @@ Status Runtime::Run(Request request) {
     finished = true;
     cv.notify_all();
   };
-  Submit(std::move(request));
+  SubmitOrRun(std::move(request));
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return finished; });  // the worker bounds every wait, so this ends
   return result;
 }
 
 void Runtime::WorkerLoop() {
-  uint64_t seq = 0;
   while (true) {
     Request request;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      cv_.wait(lock, [this] { return !executing_ && (stopping_ || !queue_.empty()); });
       if (queue_.empty()) break;  // stopping and drained
       request = std::move(queue_.front());
       queue_.pop_front();
@@ -123,24 +145,34 @@ void Runtime::WorkerLoop() {
                                                   " '" + request.name + "' ran"));
         continue;
       }
+      executing_ = true;
     }
-    ++seq;
+    const Status s = RunOne(request);
     {
-      std::lock_guard<std::mutex> lock(label_mu_);
-      busy_label_ = MakeSignature(request, seq).Label();
+      std::lock_guard<std::mutex> lock(mu_);
+      executing_ = false;
     }
-    exchange_steps_.store(0);
-    const Clock::time_point started = Clock::now();
-    busy_since_ns_.store(started.time_since_epoch().count());
-    busy_seq_.store(seq);
-    exchanged_at_ = started;
-    inlined_ = false;
-    Status s = Execute(request, seq);
-    busy_seq_.store(0);
-    if (options_.timeline) RecordTimeline(request, seq, started, s);
     request.done(s);
   }
   if (transport_) transport_->AbortWith(ShutdownCause());
+}
+
+Status Runtime::RunOne(Request& request) {
+  const uint64_t seq = ++seq_;
+  {
+    std::lock_guard<std::mutex> lock(label_mu_);
+    busy_label_ = MakeSignature(request, seq).Label();
+  }
+  exchange_steps_.store(0);
+  const Clock::time_point started = Clock::now();
+  busy_since_ns_.store(started.time_since_epoch().count());
+  busy_seq_.store(seq);
+  exchanged_at_ = started;
+  inlined_ = false;
+  Status s = Execute(request, seq);
+  busy_seq_.store(0);
+  if (options_.timeline) RecordTimeline(request, seq, started, s);
+  return s;
 }
 
 void Runtime::RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,

@@ -1,6 +1,8 @@
 // The collective runtime: one object per process, made by init and destroyed by shutdown.
 // It owns the transport and one background worker that executes requests strictly in
-// submission order, so every rank runs the same collectives in the same order.
+// submission order, so every rank runs the same collectives in the same order. When nothing
+// is queued, a submitting thread may run its request itself (SubmitOrRun); one request runs
+// at a time either way.
 #pragma once
 
 #include <condition_variable>
@@ -86,6 +88,16 @@ class Runtime {
   // Queues the request; never blocks on the network.
   void Submit(Request request);
 
+  // Runs the request on the calling thread when nothing is queued or running (else queues
+  // it like Submit). A collective then costs no thread hand-offs: TensorFlow finishes an op
+  // whose done() runs inside ComputeAsync far faster than one completed from another thread.
+  // The caller blocks until the collective ends (bounded by the timeout).
+  void SubmitOrRun(Request request);
+
+  // Fails what is queued and aborts what runs, so a collective running on a caller's thread
+  // ends now too. Idempotent; the destructor calls it.
+  void Stop();
+
   // Submits and waits (for the C API: barrier and tests).
   Status Run(Request request);
 
@@ -102,6 +114,9 @@ class Runtime {
 
  private:
   void WorkerLoop();
+  // Executes one request (the caller holds executing_) and returns its result; done is not
+  // called here.
+  Status RunOne(Request& request);
   void WatchdogLoop();
   void RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
                       const Status& s);
@@ -129,6 +144,8 @@ class Runtime {
   std::condition_variable cv_;
   std::deque<Request> queue_;
   bool stopping_ = false;
+  bool executing_ = false;  // a request runs, on the worker or on a caller's thread
+  uint64_t seq_ = 0;        // of the last request run (only the executing thread touches it)
   Status broken_;  // first fatal error; every later request fails with it
   std::vector<char> fusion_;  // reusable buffer for grouped allreduce (worker only)
   std::vector<char> scratch_;  // prescaled peer data on the inline path (worker only)

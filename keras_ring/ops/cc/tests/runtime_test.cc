@@ -158,6 +158,57 @@ TEST(Runtime_SubmitManyRunsInOrder) {
   });
 }
 
+// An idle runtime runs SubmitOrRun's collective on the calling thread: done() has run there
+// before SubmitOrRun returns. Behind queued requests it takes its turn instead: every rank
+// then executes the same names in the same order (a reordering would fail the name check).
+TEST(Runtime_SubmitOrRunRunsOnTheCallerWhenIdle) {
+  const int n = 3, kQueued = 4;
+  RuntimeWorld world(n, 5.0);
+  world.Run([](int r, Runtime& rt) {
+    int64_t v = r + 1;
+    bool finished = false;
+    std::thread::id ran_on;
+    Request req = Allreduce("inline", Tensor(DataType::kInt64, {1}, &v, &v));
+    req.done = [&](const Status& s) {
+      CHECK_OK(s);
+      ran_on = std::this_thread::get_id();
+      finished = true;
+    };
+    rt.SubmitOrRun(std::move(req));
+    CHECK(finished) << "rank " << r << ": done() must run before SubmitOrRun returns";
+    CHECK(ran_on == std::this_thread::get_id()) << "rank " << r << " ran it elsewhere";
+    CHECK_EQ(v, 6);
+
+    std::vector<int64_t> bufs(kQueued + 1);
+    std::vector<Status> status(kQueued + 1, Status(Code::kInternal, "not run"));
+    std::mutex mu;
+    std::condition_variable cv;
+    int completed = 0;
+    for (int k = 0; k <= kQueued; ++k) {
+      At(bufs, k) = r + 10 * k;
+      Request q = Allreduce("q" + std::to_string(k),
+                            Tensor(DataType::kInt64, {1}, &At(bufs, k), &At(bufs, k)));
+      q.done = [&, k](const Status& s) {
+        std::lock_guard<std::mutex> lock(mu);
+        At(status, k) = s;
+        ++completed;
+        cv.notify_all();
+      };
+      if (k < kQueued) {
+        rt.Submit(std::move(q));
+      } else {
+        rt.SubmitOrRun(std::move(q));
+      }
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return completed == kQueued + 1; });
+    for (int k = 0; k <= kQueued; ++k) {
+      CHECK_OK(At(status, k)) << "rank " << r << " request " << k;
+      CHECK_EQ(At(bufs, k), 3 + 30 * k);
+    }
+  });
+}
+
 // Broadcast, allgather with different row counts, grouped allreduce with two dtypes, barrier.
 TEST(Runtime_OtherCollectives) {
   const int n = 3;

@@ -117,7 +117,9 @@ size_t keras_ring_timeline_read(char* buf, size_t cap) {
 
 int keras_ring_shutdown(void) {
   std::shared_ptr<Runtime> runtime = Runtime::Uninstall();
-  // Kernels still running hold their own references; the last one destroys the runtime.
+  // A collective running on another thread holds its own reference: stop it now, the last
+  // reference destroys the runtime.
+  if (runtime != nullptr) runtime->Stop();
   runtime.reset();
   return 0;
 }

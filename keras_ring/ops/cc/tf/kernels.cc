@@ -75,7 +75,11 @@ void CollectiveKernel::Submit(kr::Runtime& runtime, kr::Request request, OpKerne
     if (!s.ok()) ctx->SetStatus(ToTf(s));
     done();
   };
-  runtime.Submit(std::move(request));
+  if (on_gpu_) {
+    runtime.Submit(std::move(request));  // NCCL runs on the worker, ordered with the stream
+  } else {
+    runtime.SubmitOrRun(std::move(request));
+  }
 }
 
 ReduceKernel::ReduceKernel(OpKernelConstruction* c) : CollectiveKernel(c) {

@@ -1,6 +1,8 @@
 // The collective kernels, shared by the CPU registrations (kernels.cc) and the GPU ones
-// (gpu_kernels.cc). Each validates, enqueues on the runtime and returns; done() is called
-// from the runtime's worker, so TensorFlow's threads never block on the network. On a GPU the
+// (gpu_kernels.cc). Each validates and hands the request to the runtime. On the CPU, when
+// the runtime is idle, the collective runs on the calling thread and done() is called before
+// ComputeAsync returns (no thread hand-offs; TensorFlow then finishes the op inline); else it
+// is queued and done() comes from the runtime's worker. On a GPU the
 // request additionally becomes a device collective that NCCL runs on the runtime's stream.
 #pragma once
 
@@ -18,8 +20,8 @@ namespace keras_ring_tf {
 absl::Status AttachToGpuStream(::tensorflow::OpKernelContext* ctx, ::keras_ring::Runtime& runtime,
                                ::keras_ring::Request* request);
 
-// Base for every collective kernel: the common attributes, the runtime lookup, and
-// completion from the worker thread.
+// Base for every collective kernel: the common attributes, the runtime lookup and the
+// hand-over to the runtime.
 class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
  public:
   explicit CollectiveKernel(::tensorflow::OpKernelConstruction* c);
