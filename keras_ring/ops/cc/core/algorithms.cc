@@ -65,6 +65,55 @@ struct Combiner {
   }
 };
 
+// The parts seen as one vector of elements: cuts logical ranges at the parts' boundaries.
+class PartsLayout {
+ public:
+  PartsLayout(const std::vector<Part>& parts, size_t esize) : parts_(parts), esize_(esize) {
+    starts_.push_back(0);
+    for (const Part& p : parts) starts_.push_back(starts_.back() + p.count);
+  }
+
+  // The non-empty pieces of elements [first, first + count) of the inputs or outputs.
+  void SendPieces(size_t first, size_t count, bool from_input, std::vector<SendPiece>* out) const {
+    out->clear();
+    ForEach(first, count, [&](const Part& p, size_t at, size_t len) {
+      const void* base = from_input ? p.input : p.output;
+      out->push_back(SendPiece{static_cast<const char*>(base) + at * esize_, len * esize_});
+    });
+  }
+
+  // Pieces receiving into the outputs, combined with the inputs if `with_local`.
+  void RecvPieces(size_t first, size_t count, bool with_local, std::vector<RecvPiece>* out) const {
+    out->clear();
+    ForEach(first, count, [&](const Part& p, size_t at, size_t len) {
+      out->push_back(RecvPiece{static_cast<char*>(p.output) + at * esize_,
+                               with_local ? static_cast<const char*>(p.input) + at * esize_
+                                          : nullptr,
+                               len * esize_});
+    });
+  }
+
+ private:
+  template <typename F>
+  void ForEach(size_t first, size_t count, F&& f) const {
+    if (count == 0) return;
+    size_t lo = first;
+    const size_t hi = first + count;
+    size_t i = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), lo) -
+                                   starts_.begin()) - 1;
+    while (lo < hi) {
+      const size_t end = std::min(hi, starts_[i + 1]);
+      if (end > lo) f(parts_[i], lo - starts_[i], end - lo);
+      lo = std::max(lo, end);
+      ++i;
+    }
+  }
+
+  const std::vector<Part>& parts_;
+  size_t esize_;
+  std::vector<size_t> starts_;  // logical index of each part's first element, then the total
+};
+
 }  // namespace
 
 Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
@@ -75,29 +124,38 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
 Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
                      const void* input, void* output, size_t count, double prescale,
                      double postscale) {
+  return RingAllreduce(t, cfg, dtype, op, std::vector<Part>{Part{input, output, count}},
+                       prescale, postscale);
+}
+
+Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
+                     std::vector<Part> parts, double prescale, double postscale) {
   const int n = t.size();
   const int r = t.rank();
   const size_t esize = DataTypeSize(dtype);
-  char* out = static_cast<char*>(output);
+  size_t count = 0;
+  for (const Part& p : parts) count += p.count;
   if (prescale != 1.0 || n == 1 || count == 0) {
     // Scaling must not touch the caller's input: work in place on the output.
-    if (input != output && count > 0) std::memcpy(output, input, count * esize);
-    input = output;
-    Scale(dtype, output, count, prescale);
+    for (Part& p : parts) {
+      if (p.input != p.output && p.count > 0) std::memcpy(p.output, p.input, p.count * esize);
+      p.input = p.output;
+      Scale(dtype, p.output, p.count, prescale);
+    }
   }
-  const char* in = static_cast<const char*>(input);
   if (n == 1 || count == 0) {
-    FinishScaling(dtype, op, output, count, n, postscale);
+    for (Part& p : parts) FinishScaling(dtype, op, p.output, p.count, n, postscale);
     return Status::OK();
   }
+  const PartsLayout layout(parts, esize);
   const int right = Mod(r + 1, n);
   const int left = Mod(r - 1, n);
   const size_t seg = std::max<size_t>(1, cfg.segment_bytes / esize);
   const bool stream = count * esize >= cfg.stream_bytes;
-  const Combiner combine{dtype, op, esize, stream, /*finish=*/false, n, postscale};
-  const Combiner combine_last{dtype, op, esize, stream, /*finish=*/true, n, postscale};
-  const ReduceFn reduce = combine;
-  const ReduceFn reduce_last = combine_last;
+  const ReduceFn reduce = Combiner{dtype, op, esize, stream, /*finish=*/false, n, postscale};
+  const ReduceFn reduce_last = Combiner{dtype, op, esize, stream, /*finish=*/true, n, postscale};
+  std::vector<SendPiece> send;
+  std::vector<RecvPiece> recv;
 
   // Reduce-scatter: after n-1 steps rank r holds the full reduction of chunk r+1. Step 0
   // sends straight from the input, and each received chunk is combined with the input's
@@ -105,38 +163,33 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
   for (int step = 0; step < n - 1; ++step) {
     const Span s = Chunk(count, n, Mod(r - step, n));
     const Span v = Chunk(count, n, Mod(r - step - 1, n));
-    const char* send_base = step == 0 ? in : out;
     for (size_t off = 0; off < std::max(s.count, v.count); off += seg) {
       const size_t sc = off < s.count ? std::min(seg, s.count - off) : 0;
       const size_t vc = off < v.count ? std::min(seg, v.count - off) : 0;
-      const size_t recv_at = (v.offset + off) * esize;
-      KR_RETURN_IF_ERROR(t.SendRecvReduce(right, send_base + (s.offset + off) * esize,
-                                          sc * esize, left, out + recv_at, in + recv_at,
-                                          vc * esize, esize,
-                                          step == n - 2 ? reduce_last : reduce,
+      layout.SendPieces(s.offset + off, sc, /*from_input=*/step == 0, &send);
+      layout.RecvPieces(v.offset + off, vc, /*with_local=*/true, &recv);
+      KR_RETURN_IF_ERROR(t.SendRecvPieces(right, send, left, recv, esize,
+                                          step == n - 2 ? &reduce_last : &reduce,
                                           Deadline::After(cfg.timeout_seconds)));
     }
   }
 
   // Allgather of the finished chunks (chunk r, never reduced here, arrives first). Large
   // outputs are delivered with streaming stores where the transport lets us read in place.
-  const bool deliver = stream && t.ReadsInPlace(left);
   const ReduceFn stream_copy = [](void* dst, const void*, const void* peer, size_t bytes) {
     StreamCopy(dst, peer, bytes);
   };
+  const ReduceFn* deliver = stream && t.ReadsInPlace(left) ? &stream_copy : nullptr;
   for (int step = 0; step < n - 1; ++step) {
     const Span s = Chunk(count, n, Mod(r + 1 - step, n));
     const Span v = Chunk(count, n, Mod(r - step, n));
     for (size_t off = 0; off < std::max(s.count, v.count); off += seg) {
       const size_t sc = off < s.count ? std::min(seg, s.count - off) : 0;
       const size_t vc = off < v.count ? std::min(seg, v.count - off) : 0;
-      char* recv_at = out + (v.offset + off) * esize;
-      const Deadline deadline = Deadline::After(cfg.timeout_seconds);
-      KR_RETURN_IF_ERROR(
-          deliver ? t.SendRecvReduce(right, out + (s.offset + off) * esize, sc * esize, left,
-                                     recv_at, nullptr, vc * esize, 1, stream_copy, deadline)
-                  : t.SendRecv(right, out + (s.offset + off) * esize, sc * esize, left, recv_at,
-                               vc * esize, deadline));
+      layout.SendPieces(s.offset + off, sc, /*from_input=*/false, &send);
+      layout.RecvPieces(v.offset + off, vc, /*with_local=*/false, &recv);
+      KR_RETURN_IF_ERROR(t.SendRecvPieces(right, send, left, recv, esize, deliver,
+                                          Deadline::After(cfg.timeout_seconds)));
     }
   }
   return Status::OK();

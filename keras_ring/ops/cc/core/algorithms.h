@@ -30,6 +30,19 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
                      const void* input, void* output, size_t count, double prescale,
                      double postscale);
 
+// One tensor of a fused allreduce: `count` elements read from `input` and written to
+// `output` (which may equal input).
+struct Part {
+  const void* input;
+  void* output;
+  size_t count;
+};
+
+// Allreduce of several tensors of one dtype as one vector, without packing them: each ring
+// segment travels as pieces cut at the tensors' boundaries.
+Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
+                     std::vector<Part> parts, double prescale, double postscale);
+
 // Ring allgather of blocks of different sizes: block r (block_bytes[r] bytes) belongs to
 // rank r, blocks lie back to back in rank order in `out`, and this rank's block must
 // already be in place.

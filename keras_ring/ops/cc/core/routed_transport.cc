@@ -95,25 +95,27 @@ Status RoutedTransport::SendRecv(int to, const void* send_data, size_t send_byte
                             [&] { return in.Recv(from, recv_data, recv_bytes, deadline); });
 }
 
-Status RoutedTransport::SendRecvReduce(int to, const void* send_data, size_t send_bytes,
-                                       int from, void* dst, const void* local,
-                                       size_t recv_bytes, size_t element_bytes,
-                                       const ReduceFn& reduce, Deadline deadline) {
+Status RoutedTransport::SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
+                                       const std::vector<RecvPiece>& recv, size_t element_bytes,
+                                       const ReduceFn* reduce, Deadline deadline) {
   Transport& out = Route(to);
   Transport& in = Route(from);
   if (&out == &in) {
-    return out.SendRecvReduce(to, send_data, send_bytes, from, dst, local, recv_bytes,
-                              element_bytes, reduce, deadline);
+    return out.SendRecvPieces(to, send, from, recv, element_bytes, reduce, deadline);
   }
-  auto receive = [&] {
-    return recv_bytes > 0 ? in.SendRecvReduce(-1, nullptr, 0, from, dst, local, recv_bytes,
-                                              element_bytes, reduce, deadline)
-                          : Status::OK();
+  auto send_all = [&] {
+    for (const SendPiece& p : send) {
+      if (p.bytes > 0) KR_RETURN_IF_ERROR(out.Send(to, p.data, p.bytes, deadline));
+    }
+    return Status::OK();
   };
-  if (send_bytes == 0) return receive();
-  if (recv_bytes == 0) return out.Send(to, send_data, send_bytes, deadline);
-  return WithConcurrentSend([&] { return out.Send(to, send_data, send_bytes, deadline); },
-                            receive);
+  auto receive = [&] {
+    return recv.empty() ? Status::OK()
+                        : in.SendRecvPieces(-1, {}, from, recv, element_bytes, reduce, deadline);
+  };
+  if (send.empty()) return receive();
+  if (recv.empty()) return send_all();
+  return WithConcurrentSend(send_all, receive);
 }
 
 void RoutedTransport::AbortWith(const Status& cause) {

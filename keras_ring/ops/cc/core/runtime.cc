@@ -457,40 +457,21 @@ Status Runtime::ExecuteAllreduce(Request& r) {
 }
 
 Status Runtime::ExecuteGrouped(Request& r) {
-  // One fused ring pass per dtype, dtypes in order of first appearance.
+  // One ring pass per dtype, dtypes in order of first appearance, over the tensors where
+  // they lie (no fusion buffer: the ring cuts its segments at the tensors' boundaries).
   std::vector<DataType> order;
   for (const TensorRef& t : r.tensors) {
     if (std::find(order.begin(), order.end(), t.dtype) == order.end()) order.push_back(t.dtype);
   }
   for (DataType dtype : order) {
-    std::vector<TensorRef*> members;
-    size_t bytes = 0;
+    std::vector<Part> parts;
     for (TensorRef& t : r.tensors) {
       if (t.dtype == dtype) {
-        members.push_back(&t);
-        bytes += t.num_bytes();
+        parts.push_back(Part{t.input, t.output, static_cast<size_t>(t.num_elements())});
       }
     }
-    const size_t count = bytes / DataTypeSize(dtype);
-    if (members.size() == 1) {
-      TensorRef& t = *members[0];
-      KR_RETURN_IF_ERROR(RingAllreduce(*transport_, algo_, dtype, r.op, t.input, t.output,
-                                       count, r.prescale, r.postscale));
-      continue;
-    }
-    if (fusion_.size() < bytes) fusion_.resize(bytes);
-    size_t off = 0;
-    for (TensorRef* t : members) {
-      CopyIfDistinct(fusion_.data() + off, t->input, t->num_bytes());
-      off += t->num_bytes();
-    }
-    KR_RETURN_IF_ERROR(RingAllreduce(*transport_, algo_, dtype, r.op, fusion_.data(), count,
+    KR_RETURN_IF_ERROR(RingAllreduce(*transport_, algo_, dtype, r.op, std::move(parts),
                                      r.prescale, r.postscale));
-    off = 0;
-    for (TensorRef* t : members) {
-      CopyIfDistinct(t->output, fusion_.data() + off, t->num_bytes());
-      off += t->num_bytes();
-    }
   }
   return Status::OK();
 }

@@ -147,7 +147,6 @@ class Runtime {
   bool executing_ = false;  // a request runs, on the worker or on a caller's thread
   uint64_t seq_ = 0;        // of the last request run (only the executing thread touches it)
   Status broken_;  // first fatal error; every later request fails with it
-  std::vector<char> fusion_;  // reusable buffer for grouped allreduce (worker only)
   std::vector<char> scratch_;  // prescaled peer data on the inline path (worker only)
   std::vector<Slot> slots_;    // one per rank, reused by every exchange (worker only)
   std::thread worker_;

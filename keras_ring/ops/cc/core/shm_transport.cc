@@ -105,20 +105,23 @@ struct ShmTransport::Segment {
 };
 
 // The state of one call: both directions progress in one loop, so a ring step in which
-// every rank sends and receives at once cannot deadlock on full channels.
+// every rank sends and receives at once cannot deadlock on full channels. Each direction is
+// a list of pieces forming one message.
 struct ShmTransport::Job {
   int to = -1;
-  const char* send = nullptr;
+  const SendPiece* send = nullptr;
   size_t send_bytes = 0;
   size_t sent = 0;
+  size_t send_index = 0;   // current piece
+  size_t send_offset = 0;  // bytes of it already sent
   int from = -1;
-  char* recv = nullptr;  // plain receive target, or
-  void* dst = nullptr;   // reduce target (with local and reduce)
-  const char* local = nullptr;
-  const ReduceFn* reduce = nullptr;
-  size_t element_bytes = 1;
+  const RecvPiece* recv = nullptr;
   size_t recv_bytes = 0;
   size_t received = 0;
+  size_t recv_index = 0;
+  size_t recv_offset = 0;
+  const ReduceFn* reduce = nullptr;  // null: copy
+  size_t element_bytes = 1;
 
   // Channel state, set up by Transfer.
   uint64_t cap = 0;
@@ -145,12 +148,21 @@ bool ShmTransport::Job::TrySend() {
   if (!sending()) return false;
   const uint64_t consumed = out->consumed.value.load(std::memory_order_acquire);
   if (w - consumed >= cap) return false;  // full (w may run ahead by the alignment pad)
-  const uint64_t pos = w & (cap - 1);
-  const size_t k =
-      static_cast<size_t>(std::min<uint64_t>({cap - (w - consumed), send_bytes - sent, cap - pos}));
-  std::memcpy(out_data + pos, send + sent, k);
-  w += k;
-  sent += k;
+  // Fill what is free in one go, piece by piece, then publish once.
+  while (sending() && w - consumed < cap) {
+    const SendPiece& piece = send[send_index];
+    const uint64_t pos = w & (cap - 1);
+    const size_t k = static_cast<size_t>(
+        std::min<uint64_t>({cap - (w - consumed), piece.bytes - send_offset, cap - pos}));
+    std::memcpy(out_data + pos, static_cast<const char*>(piece.data) + send_offset, k);
+    w += k;
+    sent += k;
+    send_offset += k;
+    if (send_offset == piece.bytes) {
+      ++send_index;
+      send_offset = 0;
+    }
+  }
   out->written.value.store(w, std::memory_order_release);
   out_owner->Ring();
   return true;
@@ -159,20 +171,36 @@ bool ShmTransport::Job::TrySend() {
 bool ShmTransport::Job::TryRecv() {
   if (!receiving()) return false;
   const uint64_t written = in->written.value.load(std::memory_order_acquire);
-  if (written <= c) return false;  // nothing new (the sender may not have aligned yet)
-  const uint64_t pos = c & (cap - 1);
-  size_t k =
-      static_cast<size_t>(std::min<uint64_t>({written - c, recv_bytes - received, cap - pos}));
-  k -= k % element_bytes;  // reduce whole elements only
-  if (k == 0) return false;
-  if (reduce != nullptr) {
-    // Straight from the shared ring into the output: no staging copy.
-    (*reduce)(static_cast<char*>(dst) + received, local + received, in_data + pos, k);
-  } else {
-    std::memcpy(recv + received, in_data + pos, k);
+  bool progressed = false;
+  // Pieces hold whole elements, so only the available bytes can end mid-element.
+  while (receiving() && written >= c + element_bytes) {
+    const RecvPiece& piece = recv[recv_index];
+    if (recv_offset == piece.bytes) {  // an empty piece
+      ++recv_index;
+      continue;
+    }
+    const uint64_t pos = c & (cap - 1);
+    size_t k = static_cast<size_t>(
+        std::min<uint64_t>({written - c, piece.bytes - recv_offset, cap - pos}));
+    k -= k % element_bytes;  // reduce whole elements only
+    if (k == 0) break;
+    char* dst = static_cast<char*>(piece.dst) + recv_offset;
+    if (reduce != nullptr) {
+      // Straight from the shared ring into the output: no staging copy.
+      (*reduce)(dst, static_cast<const char*>(piece.local) + recv_offset, in_data + pos, k);
+    } else {
+      std::memcpy(dst, in_data + pos, k);
+    }
+    c += k;
+    received += k;
+    recv_offset += k;
+    if (recv_offset == piece.bytes) {
+      ++recv_index;
+      recv_offset = 0;
+    }
+    progressed = true;
   }
-  c += k;
-  received += k;
+  if (!progressed) return false;
   in->consumed.value.store(c, std::memory_order_release);
   in_owner->Ring();
   return true;
@@ -383,30 +411,30 @@ Status ShmTransport::Recv(int peer, void* data, size_t bytes, Deadline deadline)
 
 Status ShmTransport::SendRecv(int to, const void* send_data, size_t send_bytes, int from,
                               void* recv_data, size_t recv_bytes, Deadline deadline) {
+  const SendPiece send{send_data, send_bytes};
+  const RecvPiece recv{recv_data, nullptr, recv_bytes};
   Job job;
   job.to = to;
-  job.send = static_cast<const char*>(send_data);
+  job.send = &send;
   job.send_bytes = send_bytes;
   job.from = from;
-  job.recv = static_cast<char*>(recv_data);
+  job.recv = &recv;
   job.recv_bytes = recv_bytes;
   return Transfer(job, deadline);
 }
 
-Status ShmTransport::SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from,
-                                    void* dst, const void* local, size_t recv_bytes,
-                                    size_t element_bytes, const ReduceFn& reduce,
-                                    Deadline deadline) {
+Status ShmTransport::SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
+                                    const std::vector<RecvPiece>& recv, size_t element_bytes,
+                                    const ReduceFn* reduce, Deadline deadline) {
   Job job;
   job.to = to;
-  job.send = static_cast<const char*>(send_data);
-  job.send_bytes = send_bytes;
+  job.send = send.data();
+  for (const SendPiece& p : send) job.send_bytes += p.bytes;
   job.from = from;
-  job.dst = dst;
-  job.local = static_cast<const char*>(local);
-  job.reduce = &reduce;
+  job.recv = recv.data();
+  for (const RecvPiece& p : recv) job.recv_bytes += p.bytes;
+  job.reduce = reduce;
   job.element_bytes = element_bytes > 0 ? element_bytes : 1;
-  job.recv_bytes = recv_bytes;
   return Transfer(job, deadline);
 }
 

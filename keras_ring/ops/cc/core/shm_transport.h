@@ -40,9 +40,9 @@ class ShmTransport : public Transport {
   Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
   Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
                   size_t recv_bytes, Deadline deadline) override;
-  Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from, void* dst,
-                        const void* local, size_t recv_bytes, size_t element_bytes,
-                        const ReduceFn& reduce, Deadline deadline) override;
+  Status SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
+                        const std::vector<RecvPiece>& recv, size_t element_bytes,
+                        const ReduceFn* reduce, Deadline deadline) override;
   bool ReadsInPlace(int peer) const override { return Reaches(peer); }
   void AbortWith(const Status& cause) override;
 

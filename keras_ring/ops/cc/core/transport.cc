@@ -1,16 +1,68 @@
 #include "transport.h"
 
+#include <cstring>
+
 namespace keras_ring {
+namespace {
+
+size_t TotalBytes(const std::vector<SendPiece>& pieces) {
+  size_t n = 0;
+  for (const SendPiece& p : pieces) n += p.bytes;
+  return n;
+}
+
+size_t TotalBytes(const std::vector<RecvPiece>& pieces) {
+  size_t n = 0;
+  for (const RecvPiece& p : pieces) n += p.bytes;
+  return n;
+}
+
+}  // namespace
+
+Status Transport::SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
+                                 const std::vector<RecvPiece>& recv, size_t /*element_bytes*/,
+                                 const ReduceFn* reduce, Deadline deadline) {
+  const size_t send_bytes = TotalBytes(send);
+  const size_t recv_bytes = TotalBytes(recv);
+  const void* send_data = send.size() == 1 ? send[0].data : nullptr;
+  if (send.size() > 1) {
+    if (send_scratch_.size() < send_bytes) send_scratch_.resize(send_bytes);
+    size_t off = 0;
+    for (const SendPiece& p : send) {
+      if (p.bytes > 0) std::memcpy(send_scratch_.data() + off, p.data, p.bytes);
+      off += p.bytes;
+    }
+    send_data = send_scratch_.data();
+  }
+  if (reduce == nullptr && recv.size() <= 1) {
+    return SendRecv(to, send_data, send_bytes, from, recv.empty() ? nullptr : recv[0].dst,
+                    recv_bytes, deadline);
+  }
+  if (recv_scratch_.size() < recv_bytes) recv_scratch_.resize(recv_bytes);
+  KR_RETURN_IF_ERROR(
+      SendRecv(to, send_data, send_bytes, from, recv_scratch_.data(), recv_bytes, deadline));
+  size_t off = 0;
+  for (const RecvPiece& p : recv) {
+    if (p.bytes == 0) continue;
+    if (reduce != nullptr) {
+      (*reduce)(p.dst, p.local, recv_scratch_.data() + off, p.bytes);
+    } else {
+      std::memcpy(p.dst, recv_scratch_.data() + off, p.bytes);
+    }
+    off += p.bytes;
+  }
+  return Status::OK();
+}
 
 Status Transport::SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from,
                                  void* dst, const void* local, size_t recv_bytes,
-                                 size_t /*element_bytes*/, const ReduceFn& reduce,
+                                 size_t element_bytes, const ReduceFn& reduce,
                                  Deadline deadline) {
-  if (scratch_.size() < recv_bytes) scratch_.resize(recv_bytes);
-  KR_RETURN_IF_ERROR(
-      SendRecv(to, send_data, send_bytes, from, scratch_.data(), recv_bytes, deadline));
-  if (recv_bytes > 0) reduce(dst, local, scratch_.data(), recv_bytes);
-  return Status::OK();
+  std::vector<SendPiece> send;
+  if (send_bytes > 0) send.push_back(SendPiece{send_data, send_bytes});
+  std::vector<RecvPiece> recv;
+  if (recv_bytes > 0) recv.push_back(RecvPiece{dst, local, recv_bytes});
+  return SendRecvPieces(to, send, from, recv, element_bytes, &reduce, deadline);
 }
 
 }  // namespace keras_ring

@@ -15,6 +15,20 @@ namespace keras_ring {
 using ReduceFn =
     std::function<void(void* dst, const void* local, const void* peer, size_t bytes)>;
 
+// A run of bytes to send.
+struct SendPiece {
+  const void* data;
+  size_t bytes;
+};
+
+// Where a run of received bytes goes: combined with `local` into `dst` by a ReduceFn, or
+// copied to `dst` when there is none.
+struct RecvPiece {
+  void* dst;
+  const void* local;
+  size_t bytes;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -34,15 +48,22 @@ class Transport {
   virtual Status SendRecv(int to, const void* send_data, size_t send_bytes, int from,
                           void* recv_data, size_t recv_bytes, Deadline deadline) = 0;
 
-  // SendRecv whose received bytes are combined with `local` into `dst` instead of stored.
-  // The default goes through a scratch buffer; a transport that can read the peer's data in
-  // place (shm) overrides it to save a copy.
-  virtual Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from,
-                                void* dst, const void* local, size_t recv_bytes,
-                                size_t element_bytes, const ReduceFn& reduce,
-                                Deadline deadline);
+  // SendRecv over lists of pieces: the pieces of each side form one message, so the two
+  // ends of a link may cut it differently (a fused collective's tensors, without packing).
+  // Received bytes are combined with each piece's `local` by `reduce`, in whole elements of
+  // `element_bytes`, or copied when `reduce` is null. The default gathers and scatters
+  // through scratch memory; a transport that can read the peer's data in place (shm)
+  // overrides it to save those copies.
+  virtual Status SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
+                                const std::vector<RecvPiece>& recv, size_t element_bytes,
+                                const ReduceFn* reduce, Deadline deadline);
 
-  // Whether SendRecvReduce hands `reduce` the peer's data in place (no scratch copy), so a
+  // SendRecvPieces with one piece each way.
+  Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from, void* dst,
+                        const void* local, size_t recv_bytes, size_t element_bytes,
+                        const ReduceFn& reduce, Deadline deadline);
+
+  // Whether SendRecvPieces hands `reduce` the peer's data in place (no scratch copy), so a
   // custom way of storing received bytes costs nothing extra.
   virtual bool ReadsInPlace(int /*peer*/) const { return false; }
 
@@ -53,8 +74,9 @@ class Transport {
   virtual void AbortWith(const Status& cause) = 0;
   void Abort() { AbortWith(Status(Code::kAborted, "the keras_ring runtime was aborted")); }
 
- protected:
-  std::vector<char> scratch_;
+ private:
+  std::vector<char> send_scratch_;  // the default SendRecvPieces's gather and scatter buffers
+  std::vector<char> recv_scratch_;
 };
 
 }  // namespace keras_ring

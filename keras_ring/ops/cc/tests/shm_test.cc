@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../core/algorithms.h"
+#include "../core/reduce.h"
 #include "../core/shm_transport.h"
 #include "test_harness.h"
 #include "test_util.h"
@@ -114,6 +115,102 @@ TEST(Shm_OddSizedMessagesThenTypedReduction) {
       CHECK(x[0] == 4.5 && x[516] == 4.5) << x[0] << " " << x[516];
     }
   });
+}
+
+// Both ends of a link may cut one message into different pieces: rank 0 sends and rank 1
+// receives through cuts that never line up (empty pieces included), over the local
+// transport (gather/scatter default) and shm (in place, through a ring smaller than the
+// message). Plain copies, and int32 sums whose cuts fall on element boundaries.
+TEST(Shm_PiecesMayBeCutDifferentlyOnEachEnd) {
+  LocalWorld control(2);
+  auto shm = MakeShmWorld(control, 4096, Mix(2, 7));
+  const std::vector<size_t> cuts[2] = {{4, 4996, 0, 5000}, {3000, 0, 7000}};
+  const ReduceFn add = [](void* dst, const void* local, const void* peer, size_t bytes) {
+    keras_ring::Reduce(DataType::kInt32, ReduceOp::kSum, dst, local, peer, bytes / 4);
+  };
+  for (bool use_shm : {false, true}) {
+    for (bool reduce : {false, true}) {
+      control.Run([&](int rank, Transport& local_t) {
+        Transport& t = use_shm ? static_cast<Transport&>(*At(shm, rank)) : local_t;
+        const int peer = 1 - rank;
+        std::vector<int32_t> src(2500), local(2500), dst(2500, -1);
+        for (size_t i = 0; i < src.size(); ++i) {
+          src[i] = static_cast<int32_t>(1000 * rank + i);
+          local[i] = static_cast<int32_t>(i % 7);
+        }
+        // Rank r sends with cuts[r] and receives with cuts[1 - r].
+        std::vector<SendPiece> send;
+        std::vector<RecvPiece> recv;
+        size_t off = 0;
+        for (size_t len : cuts[rank]) {
+          send.push_back(SendPiece{reinterpret_cast<char*>(src.data()) + off, len});
+          off += len;
+        }
+        off = 0;
+        for (size_t len : cuts[peer]) {
+          recv.push_back(RecvPiece{reinterpret_cast<char*>(dst.data()) + off,
+                                   reinterpret_cast<char*>(local.data()) + off, len});
+          off += len;
+        }
+        Status s = t.SendRecvPieces(peer, send, peer, recv, 4, reduce ? &add : nullptr,
+                                    Deadline::After(5.0));
+        CHECK_OK(s);
+        for (size_t i = 0; i < dst.size(); ++i) {
+          const int32_t want = static_cast<int32_t>(1000 * peer + i) + (reduce ? local[i] : 0);
+          CHECK_EQ(dst[i], want) << t.name() << " reduce=" << reduce << " i=" << i;
+        }
+      });
+    }
+  }
+}
+
+// A fused allreduce over tensors where they lie gives bit for bit what one allreduce of the
+// concatenated tensors gives, whatever the parts' sizes (empty ones too), in place or not,
+// over local and shm transports.
+TEST(Shm_PartsAllreduceMatchesOneBuffer) {
+  const std::vector<size_t> sizes = {0, 3, 1, 0, 100, 17, 0, 1000, 5};
+  size_t total = 0;
+  for (size_t c : sizes) total += c;
+  for (int n : {2, 3, 4}) {
+    LocalWorld control(n);
+    auto shm = MakeShmWorld(control, 4096, Mix(n, 8));
+    for (DataType dtype : {DataType::kFloat32, DataType::kFloat16, DataType::kInt64}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage}) {
+        for (bool use_shm : {false, true}) {
+          control.Run([&](int rank, Transport& local_t) {
+            Transport& t = use_shm ? static_cast<Transport&>(*At(shm, rank)) : local_t;
+            const size_t es = DataTypeSize(dtype);
+            std::vector<char> whole(total * es);
+            for (size_t i = 0; i < total; ++i) {
+              SetFromDouble(dtype, whole.data(), i, static_cast<double>((rank * 31 + i) % 13));
+            }
+            AlgoConfig cfg;
+            cfg.timeout_seconds = 5;
+            cfg.segment_bytes = 96;  // segments span several parts and cut inside others
+            std::vector<char> in = whole, out(total * es, 0);
+            std::vector<keras_ring::Part> parts;
+            size_t at = 0;
+            for (size_t k = 0; k < sizes.size(); ++k) {
+              // Odd parts in place, even parts out of place.
+              char* o = (k % 2 == 1 ? in.data() : out.data()) + at * es;
+              parts.push_back(keras_ring::Part{in.data() + at * es, o, sizes[k]});
+              at += sizes[k];
+            }
+            CHECK_OK(RingAllreduce(t, cfg, dtype, op, parts, 0.5, 3.0));
+            CHECK_OK(RingAllreduce(t, cfg, dtype, op, whole.data(), total, 0.5, 3.0));
+            at = 0;
+            for (size_t k = 0; k < sizes.size(); ++k) {
+              const char* got = static_cast<const char*>(parts[k].output);
+              CHECK(std::memcmp(got, whole.data() + at * es, sizes[k] * es) == 0)
+                  << t.name() << " n=" << n << " " << keras_ring::DataTypeName(dtype)
+                  << " part " << k;
+              at += sizes[k];
+            }
+          });
+        }
+      }
+    }
+  }
 }
 
 TEST(Shm_TimeoutNamesThePeerAndAbortWakesIt) {
