@@ -226,6 +226,28 @@ Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
   return Status::OK();
 }
 
+Status DirectAllgather(Transport& t, const AlgoConfig& cfg, void* out, size_t block_bytes,
+                       std::atomic<int>* steps_done) {
+  const int n = t.size();
+  const int r = t.rank();
+  char* base = static_cast<char*>(out);
+  if (t.BufferedSendBytes() < block_bytes) {
+    return Status(Code::kInternal, "DirectAllgather needs links that buffer a whole block");
+  }
+  const char* mine = base + static_cast<size_t>(r) * block_bytes;
+  for (int k = 1; k < n; ++k) {
+    KR_RETURN_IF_ERROR(
+        t.Send(Mod(r + k, n), mine, block_bytes, Deadline::After(cfg.timeout_seconds)));
+  }
+  for (int k = 1; k < n; ++k) {
+    const int from = Mod(r - k, n);
+    KR_RETURN_IF_ERROR(t.Recv(from, base + static_cast<size_t>(from) * block_bytes, block_bytes,
+                              Deadline::After(cfg.timeout_seconds)));
+    if (steps_done != nullptr) steps_done->fetch_add(1);
+  }
+  return Status::OK();
+}
+
 Status ChainBroadcast(Transport& t, const AlgoConfig& cfg, void* buf, size_t bytes, int root) {
   const int n = t.size();
   if (n == 1 || bytes == 0) return Status::OK();

@@ -51,6 +51,14 @@ Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
                       const std::vector<size_t>& block_bytes,
                       std::atomic<int>* steps_done = nullptr);
 
+// Allgather of equal blocks in one round: every rank sends its block (block `rank` of
+// `out`) to every other rank, then receives theirs, from rank-1 downwards. The latency is one
+// hop instead of n-1 chained ring steps. Requires t.BufferedSendBytes() >= block_bytes, so
+// that no send waits for a peer that is itself still sending. `steps_done` counts blocks
+// received (block r-k has arrived after k).
+Status DirectAllgather(Transport& t, const AlgoConfig& cfg, void* out, size_t block_bytes,
+                       std::atomic<int>* steps_done = nullptr);
+
 // Pipelined chain broadcast: root -> root+1 -> ... in segments. `buf` holds the data on the
 // root and receives it elsewhere.
 Status ChainBroadcast(Transport& t, const AlgoConfig& cfg, void* buf, size_t bytes, int root);

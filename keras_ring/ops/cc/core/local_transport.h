@@ -45,6 +45,7 @@ class LocalTransport : public Transport {
   Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
   Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
                   size_t recv_bytes, Deadline deadline) override;
+  size_t BufferedSendBytes() const override { return SIZE_MAX; }  // queues never fill
   void AbortWith(const Status& cause) override;
 
  private:

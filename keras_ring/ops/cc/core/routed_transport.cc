@@ -118,6 +118,14 @@ Status RoutedTransport::SendRecvPieces(int to, const std::vector<SendPiece>& sen
   return WithConcurrentSend(send_all, receive);
 }
 
+size_t RoutedTransport::BufferedSendBytes() const {
+  if (shm_ == nullptr) return 0;
+  for (int peer = 0; peer < size(); ++peer) {
+    if (peer != rank() && !shm_->Reaches(peer)) return 0;
+  }
+  return shm_->BufferedSendBytes();
+}
+
 void RoutedTransport::AbortWith(const Status& cause) {
   // shm first: its segment records the cause before the TCP sockets (its liveness
   // signal) close.

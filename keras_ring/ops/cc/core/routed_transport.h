@@ -48,6 +48,8 @@ class RoutedTransport : public Transport {
   bool ReadsInPlace(int peer) const override {
     return shm_ != nullptr && peer >= 0 && shm_->Reaches(peer);
   }
+  // Only when every peer is reached through shm (sockets give no guarantee).
+  size_t BufferedSendBytes() const override;
   void AbortWith(const Status& cause) override;
 
  private:

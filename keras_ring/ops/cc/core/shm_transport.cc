@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -364,15 +365,39 @@ Status ShmTransport::Transfer(Job& job, Deadline deadline) {
     job.in_data = own_->data(job.from);
     job.c = AlignUp(job.in->consumed.value.load(std::memory_order_relaxed));
   }
+  // Waiting escalates: spin (only with a core to ourselves), then yield the core, then
+  // sleep on the doorbell. Yielding hands the core straight to a runnable peer without a
+  // futex wake-up (4 ranks on 2 cores: a 4 KiB allreduce ~175 us instead of ~330 us, and
+  // half the CPU time), but only pays while waits are short: when peers are busy elsewhere
+  // (TensorFlow's own work), a yielding rank steals the cycles they need. So it yields when
+  // the last wait was shorter than the yield budget, and on every 8th wait to find out
+  // whether waits have become short again.
+  const auto budget = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(options_.yield_seconds));
   int idle = 0;
+  Clock::time_point waiting_since{};
+  bool yielding = false;
   while (job.sending() || job.receiving()) {
     const bool sent = job.TrySend();
     if (job.TryRecv() || sent) {
+      if (waiting_since != Clock::time_point{}) {
+        last_wait_short_ = Clock::now() - waiting_since < budget;
+        waiting_since = Clock::time_point{};
+      }
       idle = 0;
     } else if (++idle < options_.spin_iterations) {
       KR_CPU_RELAX();
     } else {
-      KR_RETURN_IF_ERROR(Sleep(job, deadline));
+      const Clock::time_point now = Clock::now();
+      if (waiting_since == Clock::time_point{}) {
+        waiting_since = now;
+        yielding = last_wait_short_ || ++waits_ % 8 == 0;
+      }
+      if (yielding && now - waiting_since < budget) {
+        sched_yield();
+      } else {
+        KR_RETURN_IF_ERROR(Sleep(job, deadline));
+      }
     }
   }
   return Status::OK();

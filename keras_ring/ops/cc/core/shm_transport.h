@@ -18,7 +18,8 @@ namespace keras_ring {
 struct ShmOptions {
   uint64_t job_token = 0;
   size_t channel_bytes = 1 << 20;  // per sender; a power of two
-  int spin_iterations = 2000;      // before sleeping; 0 when ranks outnumber cores
+  int spin_iterations = 2000;      // before yielding; 0 when ranks outnumber cores
+  double yield_seconds = 0.0002;   // then yield the core up to this long before sleeping
 };
 
 class ShmTransport : public Transport {
@@ -44,6 +45,8 @@ class ShmTransport : public Transport {
                         const std::vector<RecvPiece>& recv, size_t element_bytes,
                         const ReduceFn* reduce, Deadline deadline) override;
   bool ReadsInPlace(int peer) const override { return Reaches(peer); }
+  // A message may start up to one cache line into the ring.
+  size_t BufferedSendBytes() const override { return options_.channel_bytes - 64; }
   void AbortWith(const Status& cause) override;
 
   // Removes segments of earlier jobs whose creating process is gone (a crash during init).
@@ -74,6 +77,9 @@ class ShmTransport : public Transport {
   std::string own_name_;
   std::vector<Peer> peers_;
   std::atomic<bool> aborted_{false};
+  // Whether to yield while waiting (see Transfer); touched only by the thread transferring.
+  bool last_wait_short_ = true;
+  uint32_t waits_ = 0;
 };
 
 }  // namespace keras_ring

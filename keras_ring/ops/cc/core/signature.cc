@@ -55,6 +55,11 @@ Status ExchangeSlots(Transport& t, double timeout_seconds, std::vector<Slot>* sl
   AlgoConfig cfg;
   cfg.timeout_seconds = timeout_seconds;
   cfg.segment_bytes = sizeof(Slot);
+  if (t.BufferedSendBytes() >= sizeof(Slot)) {
+    // One round instead of n-1 chained steps: what makes small collectives fast when ranks
+    // outnumber cores (every forwarding step waits for a rank to be scheduled).
+    return DirectAllgather(t, cfg, slots->data(), sizeof(Slot), steps_done);
+  }
   std::vector<size_t> sizes(static_cast<size_t>(t.size()), sizeof(Slot));
   return RingAllgatherv(t, cfg, slots->data(), sizes, steps_done);
 }

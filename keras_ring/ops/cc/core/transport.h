@@ -63,6 +63,11 @@ class Transport {
                         const void* local, size_t recv_bytes, size_t element_bytes,
                         const ReduceFn& reduce, Deadline deadline);
 
+  // The most bytes a Send to any peer completes with, before that peer receives them (the
+  // buffering of every link). An algorithm may post sends of this size to several peers
+  // before receiving without risking a rank blocked in a send waiting for another one.
+  virtual size_t BufferedSendBytes() const { return 0; }
+
   // Whether SendRecvPieces hands `reduce` the peer's data in place (no scratch copy), so a
   // custom way of storing received bytes costs nothing extra.
   virtual bool ReadsInPlace(int /*peer*/) const { return false; }

@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -209,6 +210,41 @@ TEST(Shm_PartsAllreduceMatchesOneBuffer) {
           });
         }
       }
+    }
+  }
+}
+
+// The one-round allgather (used for the signature exchange where links buffer a slot): every
+// rank gets every block, over local queues and over shm rings that hold a block but not two,
+// round after round; it refuses a block the links cannot buffer instead of risking a hang.
+TEST(Shm_DirectAllgatherDeliversEveryBlock) {
+  for (int n : {2, 3, 4}) {
+    LocalWorld control(n);
+    auto shm = MakeShmWorld(control, 4096, Mix(n, 9));
+    for (bool use_shm : {false, true}) {
+      control.Run([&](int rank, Transport& local_t) {
+        Transport& t = use_shm ? static_cast<Transport&>(*At(shm, rank)) : local_t;
+        AlgoConfig cfg;
+        cfg.timeout_seconds = 5;
+        const size_t block = 3000;
+        for (int round = 0; round < 20; ++round) {
+          std::vector<char> all(block * static_cast<size_t>(n), 0);
+          std::memset(all.data() + block * static_cast<size_t>(rank), 'a' + rank + round, block);
+          std::atomic<int> steps{0};
+          CHECK_OK(keras_ring::DirectAllgather(t, cfg, all.data(), block, &steps));
+          CHECK_EQ(steps.load(), n - 1);
+          for (int r = 0; r < n; ++r) {
+            CHECK(all[block * static_cast<size_t>(r)] == 'a' + r + round &&
+                  all[block * static_cast<size_t>(r + 1) - 1] == 'a' + r + round)
+                << t.name() << " n=" << n << " rank " << rank << " block " << r;
+          }
+        }
+        if (use_shm) {
+          std::vector<char> big(8192 * static_cast<size_t>(n));
+          Status s = keras_ring::DirectAllgather(t, cfg, big.data(), 8192);
+          CHECK(s.code() == Code::kInternal) << s.message();
+        }
+      });
     }
   }
 }
