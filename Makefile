@@ -62,7 +62,14 @@ demo: venv
 		echo "make demo: not yet (the Keras integration has not landed)"; \
 	fi
 
-bench: venv
+# The memory-bound floor of a 2-rank allreduce on this machine, the yardstick for the tables.
+build/allreduce_floor: benchmarks/allreduce_floor.cc $(CORE_SRC) $(CORE_HDR)
+	mkdir -p build
+	$(CXX) -std=c++17 -O3 -Wall -Wextra -Werror -Ikeras_ring/ops/cc -o $@ $< \
+		keras_ring/ops/cc/core/copy.cc keras_ring/ops/cc/core/reduce.cc keras_ring/ops/cc/core/common.cc
+
+bench: venv build/allreduce_floor
+	./build/allreduce_floor
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
 	$(GUARD) $(VPY) benchmarks/keras_scaling.py --ranks 2

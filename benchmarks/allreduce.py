@@ -1,9 +1,12 @@
-"""nccl-tests-style allreduce table: keras_ring (eager, and grouped in one tf.function) next to
-MPICH's MPI_Allreduce (through mpi4py) on the same buffers, in the same run.
+"""nccl-tests-style allreduce table: keras_ring (eager; one tensor in a tf.function; 64 tensors
+grouped in one tf.function) next to MPICH's MPI_Allreduce (through mpi4py) on the same buffers,
+in the same run.
 
 Run with: mpirun -np 2 python benchmarks/allreduce.py [--max-bytes 268435456]
 Columns: bytes per rank, then per implementation the median time of one allreduce, algbw
 (bytes / time) and busbw (algbw * 2(n-1)/n, the traffic each rank's link carries), in GB/s.
+"TF alone x64" is no collective at all: the same tf.function call returning 64 fresh tensors
+(tf.math.negative of each part), i.e. what TensorFlow itself costs the grouped column.
 """
 
 from __future__ import annotations
@@ -65,9 +68,19 @@ def implementations(nbytes: int, comm):
     def grouped():
         return kr.grouped_allreduce(parts, op=kr.Sum)
 
+    @tf.function(autograph=False)
+    def single():
+        return kr.allreduce(tensor, op=kr.Sum)
+
+    @tf.function(autograph=False)
+    def tf_alone():
+        return [tf.math.negative(p) for p in parts]
+
     return {
         "keras_ring": lambda: kr.allreduce(tensor, op=kr.Sum),
+        "tf.function x1": single,
         f"grouped x{GROUPED_TENSORS}": grouped,
+        f"TF alone x{GROUPED_TENSORS}": tf_alone,
         "MPI_Allreduce": lambda: comm.Allreduce(host, out, op=MPI.SUM),
     }
 
@@ -86,7 +99,7 @@ def main() -> None:
         print(f"# {n} ranks, {os.cpu_count()} cores; float32 Sum; times are medians, the slowest rank's")
         print(f"# single-core memcpy of 64 MiB: {copy_bw:.2f} GB/s")
         names = list(implementations(4096, comm))
-        head = "".join(f" | {name:^28}" for name in names)
+        head = "".join(f" | {name:^27}" for name in names)
         print(f"{'bytes':>11}{head}")
         print(f"{'':>11}" + " | {:>9} {:>8} {:>8}".format("time(us)", "algbw", "busbw") * len(names))
     nbytes = args.min_bytes

@@ -2,8 +2,10 @@
 single-rank processes running at the same time (the machine's own contention baseline), so
 the cost of communication is separated from the cost of sharing the cores.
 
-Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60]
-(it starts its own processes: one alone, N independent ones, then an N-rank mpirun job).
+Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60] [--repeat 3]
+(it starts its own processes: one alone, N independent ones, then an N-rank mpirun job; the
+three are measured --repeat times, interleaved, and each column shows the median, because one
+round on a small shared machine moves by several percent).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -95,6 +98,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=["single", "dist"])
     parser.add_argument("--model", choices=list(MODELS), default="mlp")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     if args.worker:
         worker(args.model, args.steps, args.worker == "dist", args.threads)
@@ -108,10 +112,13 @@ def main() -> None:
     print(f"{'model':<6} | {'1 rank':>8} | {f'{n} independent':>15} | {f'{n} ranks':>9} | {'vs baseline':>11}")
     for model in MODELS:
         common = ["--model", model, "--steps", str(args.steps)]
-        single = _run([[*me, "--worker", "single", *common]])[0]
-        baseline = _run([[*me, "--worker", "single", "--threads", str(share), *common] for _ in range(n)])
-        base = sum(baseline) / len(baseline)
-        dist = _run([[mpirun, "-np", str(n), *me, "--worker", "dist", *common]])[0]
+        singles, bases, dists = [], [], []
+        for _ in range(args.repeat):
+            singles += _run([[*me, "--worker", "single", *common]])
+            baseline = _run([[*me, "--worker", "single", "--threads", str(share), *common] for _ in range(n)])
+            bases.append(sum(baseline) / len(baseline))
+            dists += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", *common]])
+        single, base, dist = (statistics.median(v) for v in (singles, bases, dists))
         print(f"{model:<6} | {single:8.2f} | {base:15.2f} | {dist:9.2f} | {100 * (dist / base - 1):+10.1f}%",
               flush=True)
 
