@@ -1,0 +1,59 @@
+"""The benchmarks behind `make bench` keep working: each runs in a small configuration and
+prints complete tables. (No speed is asserted here: speed goals live in docs/performance.md.)"""
+
+import re
+import shutil
+import subprocess
+import sys
+
+from tests.unit.conftest import ROOT
+
+CORE = ROOT / "keras_ring" / "ops" / "cc"
+
+
+def _numbers(line: str) -> list[float]:
+    return [float(x) for x in re.findall(r"[-+]?\d+(?:\.\d+)?", line)]
+
+
+def test_allreduce_floor_computes_the_right_sum(tmp_path):
+    exe = tmp_path / "floor"
+    cxx = shutil.which("g++") or shutil.which("c++")
+    subprocess.run([cxx, "-std=c++17", "-O2", f"-I{CORE}", "-o", str(exe),
+                    str(ROOT / "benchmarks" / "allreduce_floor.cc"),
+                    *(str(CORE / "core" / f) for f in ("copy.cc", "reduce.cc", "common.cc"))],
+                   check=True, capture_output=True, text=True)
+    proc = subprocess.run([str(exe), "4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrong result" not in proc.stderr, proc.stderr  # the floor really did an allreduce
+    match = re.search(r"4 MiB float32: ([\d.]+) us, busbw ([\d.]+) GB/s", proc.stdout)
+    assert match and float(match.group(1)) > 0 and float(match.group(2)) > 0, proc.stdout
+
+
+def test_allreduce_table_has_every_implementation_and_size(mpirun, clean_env):
+    proc = subprocess.run(
+        [mpirun, "-np", "2", sys.executable, str(ROOT / "benchmarks" / "allreduce.py"),
+         "--min-bytes", "4096", "--max-bytes", "16384"],
+        env=clean_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.strip().startswith("bytes"))
+    for name in ("keras_ring", "tf.function x1", "grouped x64", "TF alone x64", "MPI_Allreduce"):
+        assert name in header, header
+    rows = [line for line in lines if re.match(r"\s+\d+ \|", line)]
+    assert [int(r.split("|")[0]) for r in rows] == [4096, 16384], proc.stdout
+    for row in rows:
+        values = _numbers(row)
+        assert len(values) == 1 + 5 * 3 and all(v > 0 for v in values[1::3]), row
+
+
+def test_keras_scaling_table_has_both_models(clean_env):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "keras_scaling.py"), "--ranks", "2",
+         "--steps", "12", "--repeat", "1"],
+        env=clean_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[0].strip(): _numbers(line.split("|", 1)[1])
+            for line in proc.stdout.splitlines() if line.startswith(("mlp", "cnn"))}
+    assert set(rows) == {"mlp", "cnn"}, proc.stdout
+    for model, (single, base, dist, _overhead) in rows.items():
+        assert min(single, base, dist) > 0, (model, proc.stdout)
