@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ring import errors
-from keras_ring.ops import wrappers
+from keras_ring.ops import loader, wrappers
 from keras_ring.runtime import RUNTIME
 
 
@@ -74,7 +74,12 @@ def _to_tensor(value: Any, what: str) -> tf.Tensor:
 
 def _run(fn, *args):
     """Calls an op; in eager mode its errors become keras_ring's error classes."""
+    eager = tf.executing_eagerly()
+    c_api = loader.library().c if eager else None
     try:
+        if eager:
+            # This thread waits for the peers itself: it may yield the core to them.
+            c_api.keras_ring_set_eager_call(1)
         return fn(*args)
     except tf.errors.OpError as e:
         translated = errors.translate(e)
@@ -89,6 +94,9 @@ def _run(fn, *args):
         if "REPLACED BY KeyboardInterrupt" in str(e):
             raise KeyboardInterrupt from None
         raise
+    finally:
+        if eager:
+            c_api.keras_ring_set_eager_call(0)
 
 
 def allreduce(

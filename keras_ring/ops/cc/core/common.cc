@@ -83,6 +83,13 @@ static_assert(std::atomic<int>::is_always_lock_free, "used from a signal handler
 
 void RequestInterrupt(int signal_number) { g_interrupt_signal.store(signal_number); }
 
+namespace {
+thread_local bool t_yield_while_waiting = false;
+}  // namespace
+
+void SetYieldWhileWaiting(bool yes) { t_yield_while_waiting = yes; }
+bool YieldWhileWaiting() { return t_yield_while_waiting; }
+
 int InterruptSignal() { return g_interrupt_signal.load(); }
 
 Status InterruptStatus() {

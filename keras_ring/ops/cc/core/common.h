@@ -107,6 +107,14 @@ Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string&
 // Set from a signal handler (SIGINT/SIGTERM) so blocked waits end promptly; transports
 // check it in every wait slice. Async-signal-safe: a lock-free atomic store.
 void RequestInterrupt(int signal_number);
+
+// Whether waits on this thread may yield the core to other runnable threads for a moment
+// before sleeping. The Python layer sets it around eager calls: there the waiting thread is
+// the user's own and yielding hands the core to the peers it waits for. Collectives inside
+// graphs run on TensorFlow's pool threads, which need the cores for TensorFlow's own work,
+// and sleep at once instead.
+void SetYieldWhileWaiting(bool yes);
+bool YieldWhileWaiting();
 // The signal that interrupted the process, or 0.
 int InterruptSignal();
 // A kAborted status describing the interrupt, or OK when there was none.

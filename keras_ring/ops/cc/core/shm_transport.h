@@ -19,7 +19,7 @@ struct ShmOptions {
   uint64_t job_token = 0;
   size_t channel_bytes = 1 << 20;  // per sender; a power of two
   int spin_iterations = 2000;      // before yielding; 0 when ranks outnumber cores
-  double yield_seconds = 0.0002;   // then yield the core up to this long before sleeping
+  double yield_seconds = 0.0002;   // then (eager calls) yield up to this long before sleeping
 };
 
 class ShmTransport : public Transport {
@@ -77,9 +77,6 @@ class ShmTransport : public Transport {
   std::string own_name_;
   std::vector<Peer> peers_;
   std::atomic<bool> aborted_{false};
-  // Whether to yield while waiting (see Transfer); touched only by the thread transferring.
-  bool last_wait_short_ = true;
-  uint32_t waits_ = 0;
 };
 
 }  // namespace keras_ring

@@ -139,6 +139,8 @@ int keras_ring_barrier(const char* name, char* err, size_t err_len) {
   return Report(runtime->Run(std::move(request)), err, err_len);
 }
 
+void keras_ring_set_eager_call(int yes) { keras_ring::SetYieldWhileWaiting(yes != 0); }
+
 const char* keras_ring_build_info(void) { return KERAS_RING_BUILD_INFO; }
 
 void keras_ring_install_signal_handlers(void) {

@@ -38,6 +38,9 @@ void keras_ring_install_signal_handlers(void);
 int keras_ring_shutdown(void);
 int keras_ring_is_initialized(void);
 int keras_ring_barrier(const char* name, char* err, size_t err_len);
+// Marks the calling thread as running an eager collective (1) or not (0): its waits may then
+// yield the core before sleeping (see keras_ring::SetYieldWhileWaiting).
+void keras_ring_set_eager_call(int yes);
 // The version string of this build, to detect a stale library.
 const char* keras_ring_build_info(void);
 
