@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,16 @@ def _check_name(name: str | None) -> str:
     if not isinstance(name, str):
         raise TypeError(f"name must be a string or None, got {type(name).__name__}")
     return name
+
+
+def _check_factor(value: Any, what: str) -> float:
+    # A string would pass float() ("2" -> 2.0) and a bool is an int: both are caller bugs.
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__}: {value!r}")
+    factor = float(value)
+    if not np.isfinite(factor):
+        raise ValueError(f"{what} must be finite, got {factor}")
+    return factor
 
 
 def _to_tensor(value: Any, what: str) -> tf.Tensor:
@@ -126,11 +136,13 @@ def allreduce(
     RUNTIME.topology("keras_ring.allreduce()")
     op = _check_op(op)
     tensor_name = _check_name(name)
+    pre = _check_factor(prescale_factor, "prescale_factor")
+    post = _check_factor(postscale_factor, "postscale_factor")
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_indexed_slices(tensor, op, tensor_name, prescale_factor, postscale_factor)
+        return _allreduce_indexed_slices(tensor, op, tensor_name, pre, post)
     tensor = _to_tensor(tensor, "allreduce")
     _check_dtype(tensor, REDUCE_DTYPES, "allreduce")
-    return _run(wrappers.allreduce, tensor, int(op), float(prescale_factor), float(postscale_factor), tensor_name)
+    return _run(wrappers.allreduce, tensor, int(op), pre, post, tensor_name)
 
 
 def _allreduce_indexed_slices(slices, op, name, prescale, postscale):
@@ -169,15 +181,21 @@ def grouped_allreduce(
     RUNTIME.topology("keras_ring.grouped_allreduce()")
     op = _check_op(op)
     tensor_name = _check_name(name)
+    pre = _check_factor(prescale_factor, "prescale_factor")
+    post = _check_factor(postscale_factor, "postscale_factor")
     if isinstance(tensors, (tf.Tensor, np.ndarray)):
         raise TypeError("grouped_allreduce takes a list of tensors; use allreduce for one tensor")
+    if isinstance(tensors, Mapping) or not isinstance(tensors, Iterable):
+        # Iterating a dict would reduce its keys.
+        raise TypeError("grouped_allreduce takes a list or tuple of tensors, got "
+                        f"{type(tensors).__name__}" + ("; pass list(d.values())" if isinstance(tensors, Mapping) else ""))
     tensors = [_to_tensor(t, "grouped_allreduce") for t in tensors]
     for t in tensors:
         _check_dtype(t, REDUCE_DTYPES, "grouped_allreduce")
     if not tensors:
         return []
     return list(
-        _run(wrappers.grouped_allreduce, tensors, int(op), float(prescale_factor), float(postscale_factor), tensor_name)
+        _run(wrappers.grouped_allreduce, tensors, int(op), pre, post, tensor_name)
     )
 
 

@@ -63,8 +63,9 @@ BAD = {
                            "needs a tensor, got NoneType"),
     "grouped-object": (lambda: kr.grouped_allreduce(object()), TypeError, None),
     "grouped-None": (lambda: kr.grouped_allreduce(None), TypeError, None),
-    # A dict is iterated by its keys (strings): still a TypeError.
-    "grouped-dict": (lambda: kr.grouped_allreduce({"a": tf.ones([1])}), TypeError, None),
+    # A dict would be iterated by its keys: refused, with the way out.
+    "grouped-dict": (lambda: kr.grouped_allreduce({"a": tf.ones([1])}), TypeError,
+                     "list or tuple of tensors, got dict"),
     # Other arguments.
     "op-None": (lambda: kr.allreduce(tf.ones([1]), op=None), ValueError, "op must be one of"),
     "op-string": (lambda: kr.allreduce(tf.ones([1]), op="Sum"), ValueError, "op must be one of"),
@@ -72,6 +73,13 @@ BAD = {
     "name-int": (lambda: kr.allreduce(tf.ones([1]), name=5), TypeError, "name must be a string"),
     "name-bytes": (lambda: kr.allgather(tf.ones([1]), name=b"x"), TypeError, "name must be a string"),
     "prescale-None": (lambda: kr.allreduce(tf.ones([1]), prescale_factor=None), TypeError, None),
+    # float("2") would pass, and a bool is an int: both are caller bugs.
+    "prescale-string": (lambda: kr.allreduce(tf.ones([1]), prescale_factor="2"), TypeError,
+                        "prescale_factor must be a number, got str"),
+    "postscale-bool": (lambda: kr.grouped_allreduce([tf.ones([1])], postscale_factor=True),
+                       TypeError, "postscale_factor must be a number, got bool"),
+    "postscale-nan": (lambda: kr.allreduce(tf.ones([1]), postscale_factor=float("nan")),
+                      ValueError, "postscale_factor must be finite"),
     # root_rank out of range, of the wrong type, or beyond the op attribute's int32.
     "root-negative": (lambda: kr.broadcast(tf.ones([2]), root_rank=-1), *_root_error(-1)),
     "root-2**31": (lambda: kr.broadcast(tf.ones([2]), root_rank=2**31),
