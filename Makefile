@@ -49,9 +49,11 @@ test-unit: venv
 	$(TEST_ENV) $(GUARD) $(VPY) -m pytest tests/unit -q
 
 # Each whole module set runs under one mpirun per world size: TensorFlow starts once per rank.
+# The last run forces TCP between ranks of one host: the path of multi-host jobs.
 test-parallel: venv
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 4 $(VPY) -m pytest tests/parallel -q
+	$(TEST_ENV) KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
 
 test: test-cpp test-unit test-parallel
 
