@@ -25,10 +25,11 @@ constexpr int kPollSliceMs = 200;  // wake up this often to notice Abort()
 
 // Ranks must run the same build: slot layouts and protocols differ between builds, and a
 // rank that rebuilt the library while another kept the old one would misread its peers.
-constexpr uint64_t BuildHash(const char* s, uint64_t h = 1469598103934665603ull) {
-  return *s == '\0' ? h : BuildHash(s + 1, (h ^ static_cast<unsigned char>(*s)) * 1099511628211ull);
+uint64_t BuildHash(const std::string& build) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : build) h = (h ^ c) * 1099511628211ull;
+  return h;
 }
-constexpr uint64_t kBuildHash = BuildHash(KERAS_RING_BUILD_INFO);
 
 struct Hello {
   uint64_t magic;
@@ -74,14 +75,25 @@ std::string Errno(int err) { return std::strerror(err); }
 
 }  // namespace
 
+const char* BuildInfo() { return KERAS_RING_BUILD_INFO; }
+
+TcpTransport::TcpTransport(int rank, int size, const std::string& build)
+    : rank_(rank),
+      size_(size),
+      build_(build),
+      build_hash_(BuildHash(build)),
+      fds_(static_cast<size_t>(size), -1),
+      control_fds_(static_cast<size_t>(size), -1) {}
+
 Status TcpTransport::Create(int rank, int size, int listen_fd,
                             const std::vector<PeerAddress>& peers, uint64_t job_token,
-                            Deadline deadline, std::unique_ptr<TcpTransport>* out) {
+                            Deadline deadline, std::unique_ptr<TcpTransport>* out,
+                            const std::string& build) {
   if (static_cast<int>(peers.size()) != size) {
     return Status(Code::kInvalidArgument, "peer table has " + std::to_string(peers.size()) +
                                               " entries for " + std::to_string(size) + " ranks");
   }
-  std::unique_ptr<TcpTransport> t(new TcpTransport(rank, size));
+  std::unique_ptr<TcpTransport> t(new TcpTransport(rank, size, build));
   // Lower ranks first: every rank connects downward and accepts upward, so no cycle waits.
   // Each pair gets a data socket and a control socket (for abort notices).
   for (int peer = 0; peer < rank; ++peer) {
@@ -130,7 +142,7 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
       int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
       if (fd < 0) continue;
       if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
-        Hello hello{kHelloMagic, job_token, kBuildHash, rank_, size_, channel, 0};
+        Hello hello{kHelloMagic, job_token, build_hash_, rank_, size_, channel, 0};
         (channel == kData ? fds_ : control_fds_)[static_cast<size_t>(peer)] = fd;
         freeaddrinfo(res);
         if (!SendAllBlocking(fd, &hello, sizeof hello)) return PeerGone(peer, "connecting", errno);
@@ -173,12 +185,11 @@ Status TcpTransport::AcceptFrom(int listen_fd, uint64_t job_token, Deadline dead
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     ssize_t got = recv(fd, &hello, sizeof hello, MSG_WAITALL);
     if (got == static_cast<ssize_t>(sizeof hello) && hello.magic == kHelloMagic &&
-        hello.job_token == job_token && hello.build_hash != kBuildHash) {
+        hello.job_token == job_token && hello.build_hash != build_hash_) {
       close(fd);
       return Status(Code::kFailedPrecondition,
                     "rank " + std::to_string(hello.rank) +
-                        " runs a different keras_ring build than this rank (" +
-                        KERAS_RING_BUILD_INFO +
+                        " runs a different keras_ring build than this rank (" + build_ +
                         "); install and build the same version on every host, with the same "
                         "TensorFlow",
                     hello.rank);

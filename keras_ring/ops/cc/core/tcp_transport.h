@@ -17,14 +17,19 @@ struct PeerAddress {
   int port = 0;
 };
 
+// The build this library was compiled as (KERAS_RING_BUILD_INFO: version, TensorFlow, flags).
+const char* BuildInfo();
+
 class TcpTransport : public Transport {
  public:
   // Builds the full mesh: this rank accepts connections from higher ranks on `listen_fd`
   // (already bound and listening; the transport takes a duplicate) and connects to lower
   // ranks. `job_token` must be the same on every rank; connections with another token are
-  // refused, so a stray process cannot join the job.
+  // refused, so a stray process cannot join the job. A peer greeting with another `build`
+  // fails the mesh with an error naming it: builds may differ in slot layout and protocol.
   static Status Create(int rank, int size, int listen_fd, const std::vector<PeerAddress>& peers,
-                       uint64_t job_token, Deadline deadline, std::unique_ptr<TcpTransport>* out);
+                       uint64_t job_token, Deadline deadline, std::unique_ptr<TcpTransport>* out,
+                       const std::string& build = BuildInfo());
   ~TcpTransport() override;
 
   int rank() const override { return rank_; }
@@ -41,8 +46,7 @@ class TcpTransport : public Transport {
   int fd(int peer) const { return fds_[static_cast<size_t>(peer)]; }
 
  private:
-  TcpTransport(int rank, int size)
-      : rank_(rank), size_(size), fds_(size, -1), control_fds_(size, -1) {}
+  TcpTransport(int rank, int size, const std::string& build);
   Status ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token, int32_t channel,
                    Deadline deadline);
   Status AcceptFrom(int listen_fd, uint64_t job_token, Deadline deadline);
@@ -50,6 +54,8 @@ class TcpTransport : public Transport {
 
   int rank_;
   int size_;
+  std::string build_;
+  uint64_t build_hash_;
   std::vector<int> fds_;          // data socket per peer, -1 for self
   std::vector<int> control_fds_;  // abort notices only
   std::atomic<bool> aborted_{false};

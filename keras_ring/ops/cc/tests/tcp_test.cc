@@ -1,0 +1,97 @@
+// The TCP mesh over loopback with ranks as threads: it forms and carries data, and a peer
+// greeting with another build is refused with an error naming it, in bounded time, instead
+// of being trusted to share this build's slot layout and protocol.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../core/tcp_transport.h"
+#include "test_harness.h"
+#include "test_util.h"
+
+namespace kr_test {
+namespace {
+
+using namespace keras_ring;  // NOLINT: test-local
+
+// A socket listening on an ephemeral loopback port; returns the fd and sets *port.
+int ListenOnLoopback(int* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  CHECK(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  CHECK(listen(fd, 16) == 0);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
+// Builds a 2-rank mesh where rank r claims builds[r]; returns each rank's Create status and,
+// for ranks whose mesh formed, the result of one exchange of a byte with the other rank.
+struct MeshResult {
+  Status create[2];
+  Status exchange[2];
+};
+
+MeshResult TwoRankMesh(const std::string builds[2]) {
+  MeshResult result;
+  int ports[2];
+  const int listen_fds[2] = {ListenOnLoopback(&ports[0]), ListenOnLoopback(&ports[1])};
+  const std::vector<PeerAddress> peers = {{"127.0.0.1", ports[0]}, {"127.0.0.1", ports[1]}};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<TcpTransport> t;
+      result.create[r] = TcpTransport::Create(r, 2, listen_fds[r], peers, /*job_token=*/42,
+                                              Deadline::After(5.0), &t, builds[r]);
+      if (!result.create[r].ok()) return;  // t is destroyed: its sockets close
+      char out = static_cast<char>('a' + r), in = 0;
+      result.exchange[r] = t->SendRecv(1 - r, &out, 1, 1 - r, &in, 1, Deadline::After(5.0));
+      if (result.exchange[r].ok() && in != 'a' + (1 - r)) {
+        result.exchange[r] = Status(Code::kInternal, "received the wrong byte");
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int fd : listen_fds) close(fd);
+  return result;
+}
+
+}  // namespace
+
+TEST(Tcp_SameBuildFormsTheMeshAndCarriesData) {
+  const std::string builds[2] = {"keras_ring 1 tf 2.21", "keras_ring 1 tf 2.21"};
+  MeshResult m = TwoRankMesh(builds);
+  for (int r = 0; r < 2; ++r) {
+    CHECK_OK(m.create[r]) << "rank " << r;
+    CHECK_OK(m.exchange[r]) << "rank " << r;
+  }
+}
+
+TEST(Tcp_PeerOfAnotherBuildIsRefusedByName) {
+  const std::string builds[2] = {"keras_ring 1 tf 2.21", "keras_ring 2 tf 2.22"};
+  const auto start = Clock::now();
+  MeshResult m = TwoRankMesh(builds);
+  // Rank 0 accepts rank 1's greeting and refuses it, naming the rank and its own build.
+  CHECK(m.create[0].code() == Code::kFailedPrecondition) << m.create[0].message();
+  CHECK(m.create[0].peer() == 1) << m.create[0].peer();
+  CHECK(m.create[0].message().find("rank 1 runs a different keras_ring build") !=
+        std::string::npos)
+      << m.create[0].message();
+  CHECK(m.create[0].message().find("keras_ring 1 tf 2.21") != std::string::npos)
+      << m.create[0].message();
+  // Rank 1 only connects; it must learn of the refusal at its first exchange, not hang.
+  CHECK(!m.create[1].ok() || !m.exchange[1].ok()) << "rank 1 went on as if nothing happened";
+  CHECK(SecondsSince(start) < 4.0) << SecondsSince(start) << " s";
+}
+
+}  // namespace kr_test
