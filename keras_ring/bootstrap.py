@@ -69,20 +69,35 @@ def launched_by_mpi() -> bool:
 
 
 def _listen(multi_host: bool, backlog: int) -> socket.socket:
-    # One host: loopback only, nothing is exposed. Several: every interface.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("0.0.0.0" if multi_host else "127.0.0.1", 0))
-    sock.listen(max(backlog, 8))
-    return sock
+    # One host: loopback only, nothing is exposed. Several: every interface, IPv6 as well as
+    # IPv4 where the system allows both (peers may advertise either).
+    backlog = max(backlog, 8)
+    if not multi_host:
+        return socket.create_server(("127.0.0.1", 0), backlog=backlog)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                    backlog=backlog)
+    return socket.create_server(("0.0.0.0", 0), backlog=backlog)
 
 
 def _advertised_address(config: Config) -> str:
     if config.advertise_address:
         return config.advertise_address
-    try:
-        return socket.gethostbyname(socket.getfqdn())
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+    # The host's own address, IPv4 preferred, IPv6 on hosts that have only that.
+    error: OSError | None = None
+    for name in (socket.getfqdn(), socket.gethostname()):
+        try:
+            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except OSError as e:
+            error = e
+            continue
+        for family in (socket.AF_INET, socket.AF_INET6):
+            for info in infos:
+                if info[0] == family:
+                    return info[4][0]
+    from keras_ring.errors import InitError  # here: errors imports TensorFlow
+
+    raise InitError(f"cannot find this host's address ({error}); set KERAS_RING_ADVERTISE_ADDRESS")
 
 
 def single_process() -> PeerTable:

@@ -165,9 +165,26 @@ def build_table(rank: int, peers: list[Peer], job_token: int,
             listener.close()
         return PeerTable(topology)
     # Peers on this host are reached over loopback whatever they advertise (as under MPI).
-    addresses = [("127.0.0.1", p.port) if p.host_id == host_ids[rank] else (p.address, p.port)
+    addresses = [("127.0.0.1", p.port) if p.host_id == host_ids[rank] else (_routable(p.address), p.port)
                  for p in peers]
     return PeerTable(topology, addresses, job_token, listener)
+
+
+def _routable(address: str) -> str:
+    """The form of a peer's address that its runtime listener accepts.
+
+    A loopback address (``::1`` too) means this machine, and every listener accepts
+    ``127.0.0.1``; an IPv4 client of a dual-stack server shows as ``::ffff:a.b.c.d``.
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # a host name
+    if ip.is_loopback:
+        return "127.0.0.1"
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return address
 
 
 def from_env(config: Config) -> PeerTable | None:
@@ -234,12 +251,28 @@ def exchange(rank: int, size: int, rendezvous: tuple[str, int], host_id: str, po
 
 # --- rank 0 ----------------------------------------------------------------------------------
 
+def _rendezvous_server(rendezvous: tuple[str, int], backlog: int) -> socket.socket:
+    # A loopback rendezvous listens on that loopback address only (an IPv6 one included);
+    # otherwise on every interface, IPv6 as well as IPv4 where the system allows both.
+    host, port = rendezvous
+    if is_loopback(host):
+        try:
+            bind = str(ipaddress.ip_address(host))
+        except ValueError:
+            bind = "127.0.0.1"  # localhost
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        return socket.create_server((bind, port), family=family, backlog=backlog)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True,
+                                    backlog=backlog)
+    return socket.create_server(("0.0.0.0", port), backlog=backlog)
+
+
 def _serve(size: int, rendezvous: tuple[str, int], me: Peer, deadline: float,
            timeout: float) -> tuple[list[Peer], int]:
     where = _describe(rendezvous)
-    bind = "127.0.0.1" if is_loopback(rendezvous[0]) else "0.0.0.0"
     try:
-        server = socket.create_server((bind, rendezvous[1]), backlog=size)
+        server = _rendezvous_server(rendezvous, size)
     except OSError as e:
         raise InitError(f"rank 0 could not listen on {where} ({RENDEZVOUS_VARIABLE}): {e}; "
                         "is another job's rank 0 using that port?") from None

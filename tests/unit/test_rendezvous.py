@@ -31,9 +31,9 @@ def free_port() -> int:
 
 
 def start_ranks(env: dict, size: int, mode: str, host_ids=None, overrides=None,
-                rank0_delay: float = 0.0) -> list[subprocess.Popen]:
+                rank0_delay: float = 0.0, host: str = "127.0.0.1") -> list[subprocess.Popen]:
     """``size`` rank processes; rank 0 last (after ``rank0_delay``) so the others retry."""
-    rendezvous = f"127.0.0.1:{free_port()}"
+    rendezvous = f"{host}:{free_port()}"
     procs = {}
     for rank in reversed(range(size)):
         if rank == 0 and rank0_delay:
@@ -93,6 +93,39 @@ def test_four_ranks_on_two_hosts_run_collectives(env):
         assert (r["rank"], r["size"]) == (rank, 4)
         assert (r["local_rank"], r["local_size"]) == (rank % 2, 2)
         assert (r["cross_rank"], r["cross_size"]) == (rank // 2, 2)
+
+
+def test_ipv6_rendezvous_with_two_hosts_runs_collectives(env):
+    # Rank 0 listens on [::1] and sees the others' addresses as ::1; their runtime listeners
+    # are reached at 127.0.0.1 (a loopback address means this machine, whatever its family).
+    results = outcomes(start_ranks(env, 2, "collectives", host_ids=["alpha", "beta"],
+                                   host="[::1]"))
+    for rank, (kind, r) in enumerate(results):
+        assert kind == "RESULT", r
+        assert (r["rank"], r["cross_rank"], r["cross_size"]) == (rank, rank, 2)
+
+
+def test_multi_host_listener_accepts_ipv4_and_ipv6():
+    from keras_ring.bootstrap import _listen
+
+    listener = _listen(multi_host=True, backlog=2)
+    port = listener.getsockname()[1]
+    try:
+        families = [socket.AF_INET, socket.AF_INET6] if socket.has_dualstack_ipv6() else [socket.AF_INET]
+        for family in families:
+            address = "127.0.0.1" if family == socket.AF_INET else "::1"
+            with socket.create_connection((address, port), timeout=5):
+                conn, _ = listener.accept()
+                conn.close()
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("address, routable", [
+    ("::1", "127.0.0.1"), ("127.0.0.5", "127.0.0.1"), ("::ffff:10.1.2.3", "10.1.2.3"),
+    ("10.1.2.3", "10.1.2.3"), ("fd00::7", "fd00::7"), ("node7", "node7")])
+def test_peer_addresses_become_routable(address, routable):
+    assert rv._routable(address) == routable
 
 
 def test_unreachable_rendezvous_fails_the_bootstrap_within_the_start_timeout(monkeypatch):
