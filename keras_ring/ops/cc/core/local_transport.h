@@ -1,5 +1,7 @@
 // Threads in one process exchanging messages through in-memory queues. For the C++ tests of
-// the algorithms only: it lets them run N "ranks" without processes or sockets.
+// the algorithms only: it lets them run N "ranks" without processes or sockets. It keeps
+// every message whole and refuses a receive of another size, so an algorithm that would
+// shift data on shm (which starts each message on a cache line) fails here too.
 #pragma once
 
 #include <condition_variable>
@@ -12,7 +14,7 @@
 
 namespace keras_ring {
 
-// The shared medium: one byte queue per ordered pair of ranks.
+// The shared medium: one message queue per ordered pair of ranks.
 class LocalFabric {
  public:
   explicit LocalFabric(int size);
@@ -21,7 +23,7 @@ class LocalFabric {
  private:
   friend class LocalTransport;
   struct Channel {
-    std::deque<char> bytes;
+    std::deque<std::vector<char>> messages;
   };
   Channel& channel(int from, int to) { return channels_[static_cast<size_t>(from * size_ + to)]; }
 

@@ -103,12 +103,9 @@ Status RoutedTransport::SendRecvPieces(int to, const std::vector<SendPiece>& sen
   if (&out == &in) {
     return out.SendRecvPieces(to, send, from, recv, element_bytes, reduce, deadline);
   }
-  auto send_all = [&] {
-    for (const SendPiece& p : send) {
-      if (p.bytes > 0) KR_RETURN_IF_ERROR(out.Send(to, p.data, p.bytes, deadline));
-    }
-    return Status::OK();
-  };
+  // The pieces leave as one message: the peer receives them in one call, and shm aligns
+  // the start of every message, so piece-by-piece sends would shift all but the first.
+  auto send_all = [&] { return out.SendRecvPieces(to, send, -1, {}, element_bytes, nullptr, deadline); };
   auto receive = [&] {
     return recv.empty() ? Status::OK()
                         : in.SendRecvPieces(-1, {}, from, recv, element_bytes, reduce, deadline);

@@ -1,5 +1,6 @@
-// The only thing the algorithms know about moving bytes. Implementations: tcp (any hosts),
-// local (threads in one process, for tests); shm and nccl slot in behind the same interface.
+// The only thing the algorithms know about moving bytes between host buffers.
+// Implementations: tcp (any hosts), shm (one host), routed (shm within a host, tcp between),
+// local (threads in one process, for tests). The NCCL backend does not use it.
 #pragma once
 
 #include <cstddef>
@@ -37,9 +38,14 @@ class Transport {
   virtual int size() const = 0;
   virtual const char* name() const = 0;
 
-  // Point-to-point transfers between this rank and `peer`. Messages between a pair arrive in
-  // the order sent; there is no framing, both sides know the sizes. Every call returns by the
-  // deadline: kDeadlineExceeded names the peer waited for, kUnavailable a peer that is gone.
+  // Point-to-point transfers between this rank and `peer`. Each call sends at most one
+  // message to a peer (all of its send pieces, however many) and receives at most one, and
+  // messages between a pair arrive in the order sent. A message must be received by exactly
+  // one call that expects exactly its bytes, though the pieces may be cut differently on the
+  // two ends: shm starts every message on a cache line, so two sends read as one receive
+  // (or the reverse) would shift the data. There is no header; both sides know the sizes.
+  // Every call returns by the deadline: kDeadlineExceeded names the peer waited for,
+  // kUnavailable a peer that is gone.
   virtual Status Send(int peer, const void* data, size_t bytes, Deadline deadline) = 0;
   virtual Status Recv(int peer, void* data, size_t bytes, Deadline deadline) = 0;
 

@@ -1,9 +1,6 @@
 // The TCP mesh over loopback with ranks as threads: it forms and carries data, and a peer
 // greeting with another build is refused with an error naming it, in bounded time, instead
 // of being trusted to share this build's slot layout and protocol.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <memory>
@@ -19,21 +16,6 @@ namespace kr_test {
 namespace {
 
 using namespace keras_ring;  // NOLINT: test-local
-
-// A socket listening on an ephemeral loopback port; returns the fd and sets *port.
-int ListenOnLoopback(int* port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  CHECK(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  CHECK(listen(fd, 16) == 0);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  *port = ntohs(addr.sin_port);
-  return fd;
-}
 
 // Builds a 2-rank mesh where rank r claims builds[r]; returns each rank's Create status and,
 // for ranks whose mesh formed, the result of one exchange of a byte with the other rank.

@@ -1,5 +1,9 @@
 #include "test_util.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <cstring>
 #include <thread>
 
@@ -15,6 +19,20 @@ using keras_ring::LocalTransport;
 using keras_ring::ReduceOp;
 using keras_ring::Status;
 using keras_ring::Transport;
+
+int ListenOnLoopback(int* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  CHECK(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  CHECK(listen(fd, 16) == 0);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
 
 LocalWorld::LocalWorld(int n) : fabric_(std::make_shared<LocalFabric>(n)) {
   for (int r = 0; r < n; ++r) transports_.push_back(std::make_unique<LocalTransport>(fabric_, r));

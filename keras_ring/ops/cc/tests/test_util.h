@@ -54,6 +54,9 @@ auto& At(V& v, int i) {
   return v[static_cast<size_t>(i)];
 }
 
+// A socket listening on an ephemeral loopback port; returns the fd and sets *port.
+int ListenOnLoopback(int* port);
+
 inline double SecondsSince(keras_ring::Clock::time_point start) {
   return std::chrono::duration<double>(keras_ring::Clock::now() - start).count();
 }
