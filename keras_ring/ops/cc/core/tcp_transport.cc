@@ -10,8 +10,11 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
+#include <string>
 #include <thread>
+#include <vector>
 
 namespace keras_ring {
 namespace {
@@ -123,40 +126,106 @@ TcpTransport::~TcpTransport() {
   }
 }
 
+namespace {
+
+// One non-blocking connect, bounded by `ms`. Returns the connected (blocking) socket, or -1
+// with *err set (ETIMEDOUT when the bound passed).
+int ConnectWithin(const addrinfo* ai, int ms, int* err) {
+  int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+  if (fd < 0) {
+    *err = errno;
+    return -1;
+  }
+  if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+    if (errno != EINPROGRESS) {
+      *err = errno;
+      close(fd);
+      return -1;
+    }
+    pollfd p{fd, POLLOUT, 0};
+    int rc;
+    do {
+      rc = poll(&p, 1, ms);
+    } while (rc < 0 && errno == EINTR);
+    socklen_t len = sizeof *err;
+    *err = rc == 0 ? ETIMEDOUT : 0;
+    if (rc > 0) getsockopt(fd, SOL_SOCKET, SO_ERROR, err, &len);
+    if (rc < 0) *err = errno;
+    if (*err != 0) {
+      close(fd);
+      return -1;
+    }
+  }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) & ~O_NONBLOCK);
+  return fd;
+}
+
+std::vector<std::string> SplitCandidates(const std::string& hosts) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= hosts.size()) {
+    const size_t comma = std::min(hosts.find(',', start), hosts.size());
+    if (comma > start) out.push_back(hosts.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
 Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token,
                                int32_t channel, Deadline deadline) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
+  const std::vector<std::string> candidates = SplitCandidates(addr.host);
   const std::string port = std::to_string(addr.port);
-  int rc = getaddrinfo(addr.host.c_str(), port.c_str(), &hints, &res);
-  if (rc != 0) {
-    return Status(Code::kUnavailable, "cannot resolve address '" + addr.host + "' of rank " +
-                                          std::to_string(peer) + ": " + gai_strerror(rc), peer);
-  }
-  std::string last_error = "no address";
-  // The peer listens before addresses are exchanged, so failures here are transient at most.
-  while (true) {
-    for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
-      int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-      if (fd < 0) continue;
-      if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
-        Hello hello{kHelloMagic, job_token, build_hash_, rank_, size_, channel, 0};
-        (channel == kData ? fds_ : control_fds_)[static_cast<size_t>(peer)] = fd;
-        freeaddrinfo(res);
-        if (!SendAllBlocking(fd, &hello, sizeof hello)) return PeerGone(peer, "connecting", errno);
-        return Status::OK();
+  // The peer listens before addresses are exchanged, so a refusal is no start-up race: the
+  // address reaches a machine (or network namespace) where this peer does not listen. A
+  // few passes absorb a transient one; a candidate that does not answer gets a bounded try
+  // so the next one is reached in time.
+  constexpr int kAttemptMs = 3000;
+  constexpr int kRefusedPasses = 5;
+  std::vector<std::string> errors(candidates.size());
+  for (int pass = 0;; ++pass) {
+    bool all_refused = !candidates.empty();
+    for (size_t c = 0; c < candidates.size(); ++c) {
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* res = nullptr;
+      const int rc = getaddrinfo(candidates[c].c_str(), port.c_str(), &hints, &res);
+      if (rc != 0) {
+        errors[c] = std::string("cannot resolve: ") + gai_strerror(rc);
+        all_refused = false;
+        continue;
       }
-      last_error = Errno(errno);
-      close(fd);
+      for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+        int err = 0;
+        const int fd = ConnectWithin(ai, deadline.remaining_ms(kAttemptMs), &err);
+        if (fd >= 0) {
+          freeaddrinfo(res);
+          (channel == kData ? fds_ : control_fds_)[static_cast<size_t>(peer)] = fd;
+          Hello hello{kHelloMagic, job_token, build_hash_, rank_, size_, channel, 0};
+          if (!SendAllBlocking(fd, &hello, sizeof hello)) return PeerGone(peer, "connecting", errno);
+          return Status::OK();
+        }
+        errors[c] = Errno(err);
+        if (err != ECONNREFUSED) all_refused = false;
+      }
+      freeaddrinfo(res);
     }
-    if (deadline.expired()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // retry back-off, not a race fix
+    if (deadline.expired() || (all_refused && pass + 1 >= kRefusedPasses)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(pass, 4)));  // back-off
   }
-  freeaddrinfo(res);
-  return Status(Code::kDeadlineExceeded, "could not connect to rank " + std::to_string(peer) +
-                                             " at " + addr.host + ":" + port + ": " + last_error,
+  std::string tried;
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    tried += (c ? "; " : "") + candidates[c] + ":" + port + " (" + errors[c] + ")";
+  }
+  return Status(Code::kUnavailable,
+                "could not connect to rank " + std::to_string(peer) + " at any address it "
+                    "offered: " + (tried.empty() ? "none" : tried) + ". A refused connection "
+                    "means nothing of this job listens there: the address belongs to another "
+                    "machine or network namespace (ranks with one KERAS_RING_HOST_ID are "
+                    "reached over loopback), or set KERAS_RING_SOCKET_IFNAME to the "
+                    "interface that connects the hosts",
                 peer);
 }
 

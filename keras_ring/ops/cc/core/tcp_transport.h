@@ -13,7 +13,7 @@
 namespace keras_ring {
 
 struct PeerAddress {
-  std::string host;  // numeric address or resolvable name
+  std::string host;  // numeric addresses or names, comma-separated, tried in order
   int port = 0;
 };
 

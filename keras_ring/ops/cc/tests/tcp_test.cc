@@ -77,3 +77,56 @@ TEST(Tcp_PeerOfAnotherBuildIsRefusedByName) {
 }
 
 }  // namespace kr_test
+
+namespace kr_test {
+namespace {
+
+// A loopback port where nothing listens (bound for a moment, then closed): connects there
+// are refused.
+int ClosedPort() {
+  int port = 0;
+  close(ListenOnLoopback(&port));
+  return port;
+}
+
+// Rank 1 connects to rank 0 at `rank0_hosts` (comma-separated candidates, each at `port`, or
+// at rank 0's real port where `port` is 0; then rank 0 runs too). Returns rank 1's status.
+Status ConnectThroughCandidates(const std::string& rank0_hosts, int port, double deadline_s) {
+  int ports[2];
+  const int listen_fds[2] = {ListenOnLoopback(&ports[0]), ListenOnLoopback(&ports[1])};
+  const std::vector<PeerAddress> peers = {{rank0_hosts, port ? port : ports[0]},
+                                          {"127.0.0.1", ports[1]}};
+  Status create[2];
+  std::vector<std::thread> threads;
+  for (int r = port ? 1 : 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<TcpTransport> t;
+      create[r] = TcpTransport::Create(r, 2, listen_fds[r], peers, 7, Deadline::After(deadline_s),
+                                       &t);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int fd : listen_fds) close(fd);
+  return create[1];
+}
+
+}  // namespace
+
+TEST(Tcp_CandidateAddressesAreTriedInOrder) {
+  // The first candidate does not resolve, the second is the real one.
+  CHECK_OK(ConnectThroughCandidates("no-such-host.invalid,127.0.0.1", 0, 10.0));
+}
+
+TEST(Tcp_AnAddressWhereNothingListensFailsFastNamingIt) {
+  const int port = ClosedPort();
+  const auto start = Clock::now();
+  const Status s = ConnectThroughCandidates("127.0.0.1", port, 60.0);
+  // Refusals end the wait long before the 60 s deadline.
+  CHECK(s.code() == Code::kUnavailable) << static_cast<int>(s.code()) << " " << s.message();
+  CHECK_EQ(s.peer(), 0);
+  CHECK_CONTAINS(s.message(), "127.0.0.1:" + std::to_string(port) + " (Connection refused)");
+  CHECK_CONTAINS(s.message(), "KERAS_RING_SOCKET_IFNAME");
+  CHECK(SecondsSince(start) < 30.0) << SecondsSince(start) << " s";
+}
+
+}  // namespace kr_test
