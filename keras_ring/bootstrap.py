@@ -13,6 +13,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from keras_ring import interfaces
 from keras_ring.config import Config
 
 # Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, Slurm's PMI) set in ranks.
@@ -80,24 +81,60 @@ def _listen(multi_host: bool, backlog: int) -> socket.socket:
     return socket.create_server(("0.0.0.0", 0), backlog=backlog)
 
 
-def _advertised_address(config: Config) -> str:
-    if config.advertise_address:
-        return config.advertise_address
-    # The host's own address, IPv4 preferred, IPv6 on hosts that have only that.
-    error: OSError | None = None
-    for name in (socket.getfqdn(), socket.gethostname()):
-        try:
-            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-        except OSError as e:
-            error = e
+def check_hosts(host_ids: list[str], stack_ids: list[str]) -> str | None:
+    """What is wrong with the ranks' host claims, or None.
+
+    Ranks with one host identity talk over loopback and shared memory, so they must share a
+    network stack (one machine, one network namespace): two machines with the same host name
+    would otherwise fail only at the timeout, with "connection refused".
+    """
+    first: dict[str, int] = {}
+    for rank, (host, stack) in enumerate(zip(host_ids, stack_ids)):
+        other = first.setdefault(host, rank)
+        if stack_ids[other] != stack:
+            return (f"ranks {other} and {rank} both claim host '{host}' but run on different "
+                    "machines or network namespaces (they cannot reach each other over "
+                    "loopback): give each host its own KERAS_RING_HOST_ID (the default, the "
+                    "host name, is the same on these hosts)")
+    return None
+
+
+def reachable_addresses(rank: int, host_ids: list[str], stacks: list[str],
+                        offered: list[str], ports: list[int]) -> list[tuple[str, int]]:
+    """How this rank reaches every rank: (comma-separated candidates, port) per rank.
+
+    Ranks on this host, or in this network stack (a host map faked on one machine), are
+    reached over loopback whatever they offer. A loopback candidate of a rank in another
+    known stack is dropped: there it would reach some other process on this machine.
+    """
+    out = []
+    for r, (host, stack, addresses, port) in enumerate(zip(host_ids, stacks, offered, ports)):
+        if host == host_ids[rank] or (stack and stack == stacks[rank]):
+            out.append(("127.0.0.1", port))
             continue
-        for family in (socket.AF_INET, socket.AF_INET6):
-            for info in infos:
-                if info[0] == family:
-                    return info[4][0]
+        candidates = [interfaces.routable(a.strip()) for a in addresses.split(",") if a.strip()]
+        if stack and stacks[rank]:
+            candidates = [a for a in candidates if not interfaces.is_loopback(a)]
+        if not candidates:
+            raise _init_error(f"rank {r} (host '{host}') offered no address that rank {rank} "
+                              f"can reach (it offered {addresses!r})")
+        out.append((",".join(dict.fromkeys(candidates)), port))
+    return out
+
+
+def offered_addresses(config: Config) -> tuple[str, str | None]:
+    """This rank's candidate addresses, comma-separated, or ("", why there are none)."""
+    try:
+        return ",".join(interfaces.candidate_addresses(config.advertise_address,
+                                                      config.socket_ifname)), None
+    except interfaces.AddressError as e:
+        return "", str(e)
+
+
+def _init_error(message: str) -> Exception:
     from keras_ring.errors import InitError  # here: errors imports TensorFlow
 
-    raise InitError(f"cannot find this host's address ({error}); set KERAS_RING_ADVERTISE_ADDRESS")
+    return InitError(message)
 
 
 def single_process() -> PeerTable:
@@ -123,24 +160,30 @@ def mpi_bootstrap(config: Config) -> PeerTable:
 
 
 def _exchange(comm, config: Config) -> PeerTable:
-
     rank, size = comm.Get_rank(), comm.Get_size()
     host_id = config.host_id or socket.gethostname()
-    host_ids = comm.allgather(host_id)
+    claims = comm.allgather((host_id, interfaces.network_stack_id()))
+    host_ids = [h for h, _ in claims]
+    problem = check_hosts(host_ids, [s for _, s in claims])
+    if problem:  # every rank sees the same claims, so every rank raises this
+        raise _init_error(problem)
     topology = Topology.from_host_ids(rank, host_ids)
     if size == 1:
         return PeerTable(topology)
     multi_host = len(set(host_ids)) > 1
     listener = _listen(multi_host, size)
-    port = listener.getsockname()[1]
-    address = _advertised_address(config) if multi_host else "127.0.0.1"
-    addresses = comm.allgather((address, port))
-    # Peers on this host are reached over loopback whatever they advertise.
-    addresses = [
-        ("127.0.0.1", p) if host_ids[r] == host_id else (a, p)
-        for r, (a, p) in enumerate(addresses)
-    ]
-    token = comm.bcast(secrets.randbits(63) if rank == 0 else None, root=0)
+    try:
+        offered, why = offered_addresses(config) if multi_host else ("127.0.0.1", None)
+        entries = comm.allgather((offered, why, listener.getsockname()[1]))
+        for r, (_, error, _) in enumerate(entries):
+            if error:
+                raise _init_error(f"rank {r} (host '{host_ids[r]}'): {error}")
+        addresses = reachable_addresses(rank, host_ids, [s for _, s in claims],
+                                        [a for a, _, _ in entries], [p for _, _, p in entries])
+        token = comm.bcast(secrets.randbits(63) if rank == 0 else None, root=0)
+    except BaseException:
+        listener.close()
+        raise
     return PeerTable(topology, addresses, token, listener)
 
 

@@ -62,6 +62,7 @@ class Config:
     segment_bytes: int
     host_id: str | None
     advertise_address: str | None
+    socket_ifname: str | None
     use_shm: bool
     shm_channel_bytes: int
     timeline_path: str | None
@@ -74,7 +75,8 @@ class Config:
             stall_warning_seconds=_float("KERAS_RING_STALL_WARNING_SECONDS", 60.0),
             segment_bytes=_int("KERAS_RING_SEGMENT_BYTES", 1 << 20, minimum=64),
             host_id=os.environ.get("KERAS_RING_HOST_ID") or None,
-            advertise_address=os.environ.get("KERAS_RING_ADVERTISE_ADDRESS") or None,
+            advertise_address=os.environ.get("KERAS_RING_ADVERTISE_ADDRESS", "").strip() or None,
+            socket_ifname=os.environ.get("KERAS_RING_SOCKET_IFNAME", "").strip() or None,
             use_shm=_bool("KERAS_RING_SHM", True),
             shm_channel_bytes=_power_of_two("KERAS_RING_SHM_CHANNEL_BYTES", 1 << 20),
             timeline_path=os.environ.get("KERAS_RING_TIMELINE") or None,

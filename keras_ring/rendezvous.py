@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from keras_ring import bootstrap
 from keras_ring.bootstrap import PeerTable, Topology
 from keras_ring.config import Config, _float, _int
+from keras_ring.interfaces import is_loopback, network_stack_id
 from keras_ring.errors import InitError
 
 RANK_VARIABLE = "KERAS_RING_RANK"
@@ -59,8 +60,21 @@ class Peer:
     """One rank's entry in the exchange: where its runtime listener is, and its host."""
 
     host_id: str
-    address: str
+    address: str  # candidate addresses, comma-separated, best first
     port: int
+    stack: str = ""  # interfaces.network_stack_id() of its process; "" if unknown
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a rank tells rank 0 about itself."""
+
+    host_id: str
+    port: int  # of its runtime listener
+    addresses: str = ""  # candidates, comma-separated, best first
+    explicit: bool = False  # set by hand (KERAS_RING_ADVERTISE_ADDRESS): used exactly
+    stack: str = ""  # interfaces.network_stack_id()
+    loopback_only: bool = False  # its listener accepts connections from this machine only
 
 
 @dataclass(frozen=True)
@@ -134,20 +148,6 @@ def parse_address(text: str, name: str = "address") -> tuple[str, int]:
     return host, port
 
 
-def is_loopback(host: str) -> bool:
-    """True when ``host`` is a loopback address or ``localhost``.
-
-    Other names count as not loopback even when they resolve to 127.x here: many systems map
-    their own host name to 127.0.1.1, yet other hosts reach that name over the network.
-    """
-    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def build_table(rank: int, peers: list[Peer], job_token: int,
                 listener: socket.socket | None) -> PeerTable:
     """The runtime's peer table from an exchange's result (``peers`` in rank order).
@@ -164,27 +164,10 @@ def build_table(rank: int, peers: list[Peer], job_token: int,
         if listener is not None:
             listener.close()
         return PeerTable(topology)
-    # Peers on this host are reached over loopback whatever they advertise (as under MPI).
-    addresses = [("127.0.0.1", p.port) if p.host_id == host_ids[rank] else (_routable(p.address), p.port)
-                 for p in peers]
+    addresses = bootstrap.reachable_addresses(rank, host_ids, [p.stack for p in peers],
+                                              [p.address for p in peers],
+                                              [p.port for p in peers])
     return PeerTable(topology, addresses, job_token, listener)
-
-
-def _routable(address: str) -> str:
-    """The form of a peer's address that its runtime listener accepts.
-
-    A loopback address (``::1`` too) means this machine, and every listener accepts
-    ``127.0.0.1``; an IPv4 client of a dual-stack server shows as ``::ffff:a.b.c.d``.
-    """
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address  # a host name
-    if ip.is_loopback:
-        return "127.0.0.1"
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return address
 
 
 def from_env(config: Config) -> PeerTable | None:
@@ -200,33 +183,35 @@ def from_env(config: Config) -> PeerTable | None:
     host_id = config.host_id or socket.gethostname()
     if s.size == 1:
         return PeerTable(Topology.from_host_ids(0, [host_id]))
-    listener = bootstrap._listen(multi_host=not is_loopback(s.host), backlog=s.size)
+    loopback_only = is_loopback(s.host)
+    listener = bootstrap._listen(multi_host=not loopback_only, backlog=s.size)
     try:
-        peers, token = exchange(s.rank, s.size, (s.host, s.port), host_id,
-                                listener.getsockname()[1], config.advertise_address,
-                                s.start_timeout)
+        # No usable interface is no error yet: the address rank 0 sees may be enough.
+        addresses, _ = bootstrap.offered_addresses(config)
+        offer = Offer(host_id, listener.getsockname()[1], addresses,
+                      explicit=config.advertise_address is not None, stack=network_stack_id(),
+                      loopback_only=loopback_only)
+        peers, token = exchange(s.rank, s.size, (s.host, s.port), offer, s.start_timeout)
         return build_table(s.rank, peers, token, listener)
     except BaseException:
         listener.close()
         raise
 
 
-def exchange(rank: int, size: int, rendezvous: tuple[str, int], host_id: str, port: int,
-             address: str | None = None, timeout: float = 300.0) -> tuple[list[Peer], int]:
+def exchange(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer,
+             timeout: float = 300.0) -> tuple[list[Peer], int]:
     """Swaps every rank's ``Peer`` through rank 0 over TCP.
 
     Rank 0 listens on ``rendezvous``'s port; every other rank connects to it, retrying until
-    ``timeout`` seconds have passed.
+    ``timeout`` seconds have passed. Unless a rank's addresses are explicit, the address its
+    rendezvous connection came from (as rank 0 saw it; for rank 0, the address each rank
+    reached it at) goes first among its candidates: that one is known to route.
 
     Args:
         rank: this process's rank in ``[0, size)``.
         size: the number of ranks; every rank must pass the same.
         rendezvous: ``(host, port)`` where rank 0 listens.
-        host_id: what identifies this rank's host (ranks with equal ids are local).
-        port: the port of this rank's runtime listener.
-        address: the address peers on other hosts use to reach this rank. None: the address
-            its rendezvous connection came from as rank 0 saw it (for rank 0: the address
-            each rank reached it at), i.e. one that is known to route.
+        offer: this rank's host identity, listener port and candidate addresses.
         timeout: seconds until the whole exchange must be done.
 
     Returns:
@@ -239,14 +224,21 @@ def exchange(rank: int, size: int, rendezvous: tuple[str, int], host_id: str, po
     Example:
 
     ```python
-    peers, token = exchange(rank, 4, ("node0", 29500), socket.gethostname(), port)
+    offer = Offer(socket.gethostname(), port, "10.0.0.7", stack=network_stack_id())
+    peers, token = exchange(rank, 4, ("node0", 29500), offer)
     table = build_table(rank, peers, token, listener)
     ```
     """
     deadline = time.monotonic() + timeout
     if rank == 0:
-        return _serve(size, rendezvous, Peer(host_id, address or "", port), deadline, timeout)
-    return _join(rank, size, rendezvous, host_id, port, address, deadline, timeout)
+        return _serve(size, rendezvous, offer, deadline, timeout)
+    return _join(rank, size, rendezvous, offer, deadline, timeout)
+
+
+def _first(address: str, candidates: str) -> str:
+    """``candidates`` with ``address`` (one known to route) in front, unless it is loopback."""
+    known = [] if is_loopback(address) else [address]
+    return ",".join(dict.fromkeys(known + [a for a in candidates.split(",") if a]))
 
 
 # --- rank 0 ----------------------------------------------------------------------------------
@@ -268,7 +260,7 @@ def _rendezvous_server(rendezvous: tuple[str, int], backlog: int) -> socket.sock
     return socket.create_server(("0.0.0.0", port), backlog=backlog)
 
 
-def _serve(size: int, rendezvous: tuple[str, int], me: Peer, deadline: float,
+def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
            timeout: float) -> tuple[list[Peer], int]:
     where = _describe(rendezvous)
     try:
@@ -276,32 +268,64 @@ def _serve(size: int, rendezvous: tuple[str, int], me: Peer, deadline: float,
     except OSError as e:
         raise InitError(f"rank 0 could not listen on {where} ({RENDEZVOUS_VARIABLE}): {e}; "
                         "is another job's rank 0 using that port?") from None
-    joined: dict[int, tuple[socket.socket, Peer]] = {}
+    joined: dict[int, tuple[socket.socket, Offer, str]] = {}  # conn, offer, address seen
     try:
         with server:
             while len(joined) < size - 1:
                 accepted = _accept_hello(server, deadline)
                 if accepted is None:
                     missing = [str(r) for r in range(1, size) if r not in joined]
-                    _fail([c for c, _ in joined.values()],
+                    _fail([c for c, _, _ in joined.values()],
                           f"rank 0 waited {timeout:g} s at {where} but rank(s) "
                           f"{', '.join(missing)} of {size} did not join "
                           f"({START_TIMEOUT_VARIABLE})")
                 conn, hello = accepted
                 problem = _check(hello, size, joined)
                 if problem:
-                    _fail([conn] + [c for c, _ in joined.values()], problem)
-                address = hello["address"] or conn.getpeername()[0]
-                joined[hello["rank"]] = (conn, Peer(hello["host_id"], address, hello["port"]))
+                    _fail([conn] + [c for c, _, _ in joined.values()], problem)
+                joined[hello["rank"]] = (conn, _offer_of(hello), conn.getpeername()[0])
+            offers = [me] + [joined[r][1] for r in range(1, size)]
+            problem = _check_world(offers, [""] + [joined[r][2] for r in range(1, size)])
+            if problem:
+                _fail([c for c, _, _ in joined.values()], problem)
             token = secrets.randbits(63)
-            peers = [me] + [joined[r][1] for r in range(1, size)]
-            reply = {"token": token, "peers": [asdict(p) for p in peers]}
-            for conn, _ in joined.values():
+            peers = [Peer(me.host_id, me.addresses, me.port, me.stack)] + [
+                Peer(o.host_id, o.addresses if o.explicit else _first(seen, o.addresses),
+                     o.port, o.stack)
+                for _, o, seen in (joined[r] for r in range(1, size))]
+            reply = {"token": token, "peers": [asdict(p) for p in peers],
+                     "rank0_explicit": me.explicit}
+            for conn, _, _ in joined.values():
                 _send_quietly(conn, reply)
             return peers, token
     finally:
-        for conn, _ in joined.values():
+        for conn, _, _ in joined.values():
             conn.close()
+
+
+def _offer_of(hello: dict) -> Offer:
+    return Offer(hello["host_id"], hello["port"], hello["addresses"], hello["explicit"],
+                 hello["stack"], hello["loopback_only"])
+
+
+def _check_world(offers: list[Offer], seen: list[str]) -> str | None:
+    """What is wrong with the claims of all ranks together; None if nothing."""
+    problem = bootstrap.check_hosts([o.host_id for o in offers], [o.stack for o in offers])
+    if problem:
+        return problem
+    for r, o in enumerate(offers):
+        away = [q for q, other in enumerate(offers) if other.stack != o.stack]
+        if o.loopback_only and away:
+            return (f"rank {r} on host {o.host_id} reached the rendezvous at a loopback "
+                    f"address ({RENDEZVOUS_VARIABLE}), so its runtime accepts connections "
+                    f"from its own machine only, but rank(s) {', '.join(map(str, away[:8]))} "
+                    f"run on other hosts: give every rank the same {RENDEZVOUS_VARIABLE}, an "
+                    "address that every host reaches")
+        if away and not o.addresses and is_loopback(seen[r] or "127.0.0.1"):
+            return (f"rank {r} on host {o.host_id} has no address that other hosts can "
+                    "reach: set KERAS_RING_SOCKET_IFNAME or KERAS_RING_ADVERTISE_ADDRESS "
+                    "on that host")
+    return None
 
 
 def _accept_hello(server: socket.socket, deadline: float) -> tuple[socket.socket, dict] | None:
@@ -325,9 +349,9 @@ def _accept_hello(server: socket.socket, deadline: float) -> tuple[socket.socket
 
 
 def _well_formed(hello: dict) -> bool:
-    types = {"rank": int, "size": int, "host_id": str, "port": int}
-    return (all(isinstance(hello.get(k), t) for k, t in types.items())
-            and isinstance(hello.get("address"), (str, type(None))))
+    types = {"rank": int, "size": int, "host_id": str, "port": int, "addresses": str,
+             "explicit": bool, "stack": str, "loopback_only": bool}
+    return all(isinstance(hello.get(k), t) for k, t in types.items())
 
 
 def _check(hello: dict, size: int, joined: dict) -> str | None:
@@ -355,12 +379,11 @@ def _fail(conns: list[socket.socket], message: str) -> None:
 
 # --- ranks 1.. -------------------------------------------------------------------------------
 
-def _join(rank: int, size: int, rendezvous: tuple[str, int], host_id: str, port: int,
-          address: str | None, deadline: float, timeout: float) -> tuple[list[Peer], int]:
+def _join(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer, deadline: float,
+          timeout: float) -> tuple[list[Peer], int]:
     where = _describe(rendezvous)
     with _connect(rendezvous, deadline, timeout) as conn:
-        hello = {"magic": _MAGIC, "rank": rank, "size": size, "host_id": host_id,
-                 "address": address, "port": port}
+        hello = dict(asdict(offer), magic=_MAGIC, rank=rank, size=size)
         try:
             _send(conn, hello)
             reply = _receive(conn, deadline)
@@ -373,10 +396,11 @@ def _join(rank: int, size: int, rendezvous: tuple[str, int], host_id: str, port:
         rank0_address = conn.getpeername()[0]
     if "error" in reply:
         raise InitError(f"rank {rank}: rendezvous failed: {reply['error']}")
-    peers = [Peer(p["host_id"], p["address"], int(p["port"])) for p in reply["peers"]]
-    # Rank 0 is known to be reachable where this rank just reached it.
-    if not peers[0].address:
-        peers[0] = Peer(peers[0].host_id, rank0_address, peers[0].port)
+    peers = [Peer(p["host_id"], p["address"], int(p["port"]), p["stack"])
+             for p in reply["peers"]]
+    if not reply["rank0_explicit"]:  # rank 0 is known to route where this rank reached it
+        zero = peers[0]
+        peers[0] = Peer(zero.host_id, _first(rank0_address, zero.address), zero.port, zero.stack)
     return peers, int(reply["token"])
 
 

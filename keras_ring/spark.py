@@ -201,23 +201,32 @@ def _task(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool, _partition) ->
 
 def _exchange(context, rank: int, size: int) -> PeerTable:
     """The peer table, from two allGathers: host identities, then listener addresses."""
-    from keras_ring import bootstrap, rendezvous
+    from keras_ring import bootstrap, interfaces, rendezvous
     from keras_ring.config import Config
+    from keras_ring.errors import InitError
 
     config = Config.from_env()
-    host_ids = context.allGather(config.host_id or socket.gethostname())
+    claims = [json.loads(m) for m in context.allGather(json.dumps(
+        [config.host_id or socket.gethostname(), interfaces.network_stack_id()]))]
+    host_ids = [h for h, _ in claims]
+    problem = bootstrap.check_hosts(host_ids, [st for _, st in claims])
+    if problem:  # the same claims on every task: every task raises this
+        raise InitError(problem)
     multi_host = len(set(host_ids)) > 1
     # Loopback only when every rank is on this host, as under MPI.
     listener = bootstrap._listen(multi_host, size)
     try:
-        # The executor's address as Spark's driver knows it routes; a host name may not
-        # (many systems map their own name to 127.0.1.1).
+        # The executor's address as Spark's driver knows it routes goes first; a host name
+        # may not (many systems map their own name to 127.0.1.1).
         executor_host = context.getTaskInfos()[rank].address.rpartition(":")[0]
-        address = config.advertise_address or executor_host or "127.0.0.1"
+        offered, _ = bootstrap.offered_addresses(config)
+        if config.advertise_address is None and executor_host:
+            offered = ",".join(dict.fromkeys([executor_host] + offered.split(","))).strip(",")
         token = secrets.randbits(63) if rank == 0 else 0
         entries = [json.loads(m) for m in context.allGather(
-            json.dumps([address, listener.getsockname()[1], token]))]
-        peers = [rendezvous.Peer(h, a, p) for h, (a, p, _) in zip(host_ids, entries)]
+            json.dumps([offered, listener.getsockname()[1], token]))]
+        peers = [rendezvous.Peer(h, a, p, st)
+                 for (h, st), (a, p, _) in zip(claims, entries)]
         return rendezvous.build_table(rank, peers, entries[0][2], listener)
     except BaseException:
         listener.close()

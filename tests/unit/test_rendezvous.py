@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import keras_ring as kr
+from keras_ring import interfaces
 from keras_ring import rendezvous as rv
 from keras_ring.bootstrap import bootstrap
 from keras_ring.config import Config
@@ -125,7 +126,7 @@ def test_multi_host_listener_accepts_ipv4_and_ipv6():
     ("::1", "127.0.0.1"), ("127.0.0.5", "127.0.0.1"), ("::ffff:10.1.2.3", "10.1.2.3"),
     ("10.1.2.3", "10.1.2.3"), ("fd00::7", "fd00::7"), ("node7", "node7")])
 def test_peer_addresses_become_routable(address, routable):
-    assert rv._routable(address) == routable
+    assert interfaces.routable(address) == routable
 
 
 def test_unreachable_rendezvous_fails_the_bootstrap_within_the_start_timeout(monkeypatch):
@@ -204,22 +205,28 @@ def test_world_of_one_needs_no_exchange(monkeypatch):
 
 
 def test_loopback_names():
-    assert rv.is_loopback("127.0.0.1") and rv.is_loopback("::1") and rv.is_loopback("localhost")
+    is_loopback = interfaces.is_loopback
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     # Host names count as routable even where /etc/hosts maps them to 127.0.1.1.
-    assert not rv.is_loopback(socket.gethostname()) and not rv.is_loopback("10.1.2.3")
+    assert not is_loopback(socket.gethostname()) and not is_loopback("10.1.2.3")
 
 
 # --- the exchange, in threads -------------------------------------------------------------------
 
-def exchange_all(claims: list[tuple[int, int]], timeout: float = 10.0) -> list:
-    """Runs exchange() for each (rank, size) claim in its own thread; results or exceptions."""
+def exchange_all(claims: list[tuple[int, int]], timeout: float = 10.0, offers=None) -> list:
+    """Runs exchange() for each (rank, size) claim in its own thread; results or exceptions.
+
+    Claim i offers host ``host{i % 2}`` in its own network stack, port 40000 + i and address
+    10.9.0.i, unless ``offers`` gives its Offer.
+    """
     rendezvous = ("127.0.0.1", free_port())
     results = [None] * len(claims)
 
     def one(i, rank, size):
+        offer = (offers or {}).get(i) or rv.Offer(f"host{i % 2}", 40000 + i, f"10.9.0.{i}",
+                                                  stack=f"stack{i % 2}")
         try:
-            results[i] = rv.exchange(rank, size, rendezvous, f"host{i % 2}", 40000 + i,
-                                     timeout=timeout)
+            results[i] = rv.exchange(rank, size, rendezvous, offer, timeout=timeout)
         except Exception as e:  # noqa: BLE001 - compared below
             results[i] = e
 
@@ -239,7 +246,9 @@ def test_exchange_gives_every_rank_the_same_table_and_token():
     assert tables[0] == tables[1]  # ranks 1 and 2 see rank 0 where they reached it
     assert [p.port for p in tables[0]] == [40002, 40001, 40000]
     assert [p.host_id for p in tables[0]] == ["host0", "host1", "host0"]
-    assert all(p.address == "127.0.0.1" for p in tables[0])
+    # Seen at a loopback address, which other hosts cannot use: the offered ones stay.
+    assert [p.address for p in tables[0]] == ["10.9.0.2", "10.9.0.1", "10.9.0.0"]
+    assert [p.stack for p in tables[0]] == ["stack0", "stack1", "stack0"]
 
 
 def test_size_disagreement_is_an_error_on_every_process():
@@ -277,7 +286,7 @@ def test_stray_connections_are_ignored():
     rendezvous = ("127.0.0.1", free_port())
     result = {}
     server = threading.Thread(target=lambda: result.update(
-        zero=rv.exchange(0, 2, rendezvous, "h", 1, timeout=10.0)))
+        zero=rv.exchange(0, 2, rendezvous, rv.Offer("h", 1), timeout=10.0)))
     server.start()
     deadline = time.monotonic() + 5
     while True:  # a probe that speaks another protocol, then hangs up
@@ -288,7 +297,7 @@ def test_stray_connections_are_ignored():
         except ConnectionRefusedError:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    peers, token = rv.exchange(1, 2, rendezvous, "h", 2, timeout=10.0)
+    peers, token = rv.exchange(1, 2, rendezvous, rv.Offer("h", 2), timeout=10.0)
     server.join(GUARD)
     assert result["zero"][1] == token and [p.port for p in peers] == [1, 2]
 
@@ -300,3 +309,59 @@ def test_build_table_reaches_same_host_peers_over_loopback():
     topo = table.topology
     assert (topo.rank, topo.local_rank, topo.local_size, topo.cross_rank) == (2, 1, 2, 0)
     assert table.job_token == 99
+
+
+def test_one_host_identity_in_two_network_stacks_fails_on_every_rank_naming_the_variable():
+    # Two machines that share a host name: they would reach each other over loopback.
+    offers = {i: rv.Offer("node", 40000 + i, f"10.9.0.{i}", stack=f"machine{i}")
+              for i in range(2)}
+    start = time.monotonic()
+    results = exchange_all([(0, 2), (1, 2)], offers=offers)
+    for r in results:
+        assert isinstance(r, kr.InitError), r
+        assert "ranks 0 and 1 both claim host 'node'" in str(r)
+        assert "KERAS_RING_HOST_ID" in str(r)
+    assert time.monotonic() - start < GUARD / 2  # at the rendezvous, not at a timeout
+
+
+def test_a_rank_behind_a_loopback_rendezvous_in_a_multi_host_job_is_named():
+    # Rank 1 spelled the rendezvous 127.0.0.1 (its listener is loopback-only) while rank 2
+    # runs on another host: rank 1 is at fault, not the rank that cannot reach it.
+    offers = {0: rv.Offer("a", 40000, "10.9.0.0", stack="A"),
+              1: rv.Offer("a", 40001, "10.9.0.0", stack="A", loopback_only=True),
+              2: rv.Offer("b", 40002, "10.9.0.2", stack="B")}
+    results = exchange_all([(0, 3), (1, 3), (2, 3)], offers=offers)
+    for r in results:
+        assert isinstance(r, kr.InitError), r
+        assert "rank 1 on host a reached the rendezvous at a loopback address" in str(r)
+        assert "rank(s) 2 run on other hosts" in str(r)
+
+
+def test_explicit_addresses_are_kept_as_given():
+    offers = {0: rv.Offer("a", 40000, "192.168.5.1", explicit=True, stack="A"),
+              1: rv.Offer("b", 40001, "192.168.5.2,10.0.0.2", explicit=True, stack="B")}
+    (peers0, _), (peers1, _) = exchange_all([(0, 2), (1, 2)], offers=offers)
+    assert peers0 == peers1
+    assert [p.address for p in peers0] == ["192.168.5.1", "192.168.5.2,10.0.0.2"]
+
+
+def test_check_hosts():
+    from keras_ring.bootstrap import check_hosts
+
+    assert check_hosts(["a", "a", "b"], ["s1", "s1", "s2"]) is None
+    # A host map faked on one machine: different identities in one stack are fine.
+    assert check_hosts(["a", "b"], ["s1", "s1"]) is None
+    assert "ranks 1 and 2 both claim host 'b'" in check_hosts(["a", "b", "b"], ["s", "s", "t"])
+
+
+def test_reachable_addresses():
+    from keras_ring.bootstrap import reachable_addresses
+
+    hosts, stacks = ["a", "b", "c", "a"], ["A", "B", "A", "A"]
+    offered = ["10.0.0.1", "127.0.1.1,10.0.0.2,::ffff:10.0.0.9", "10.0.0.3", "10.0.0.1"]
+    got = reachable_addresses(0, hosts, stacks, offered, [1, 2, 3, 4])
+    # Same host or same stack: loopback. Another stack: its loopback candidate is dropped.
+    assert got == [("127.0.0.1", 1), ("10.0.0.2,10.0.0.9", 2), ("127.0.0.1", 3),
+                   ("127.0.0.1", 4)]
+    with pytest.raises(kr.InitError, match=r"rank 1 \(host 'b'\) offered no address"):
+        reachable_addresses(0, hosts, stacks, ["", "127.0.0.1", "", ""], [1, 2, 3, 4])
