@@ -35,6 +35,21 @@ def check_collectives(rank: int, size: int) -> int:
     big = [np.arange(200_000, dtype=np.float32) % 97 * (r + 1) for r in range(size)]
     out = kr.allreduce(tf.constant(big[rank]), op=kr.Sum, name="big")
     np.testing.assert_array_equal(out.numpy(), np.sum(big, axis=0))
+    # Groups whose ring chunks span tensor boundaries, odd sizes, several dtypes: the
+    # shapes that once came back as garbage on shm+TCP rings.
+    groups = [[(tf.float32, (4,)), (tf.float32, (40000,))],
+              [(tf.int32, (4,)), (tf.int32, (262144,))],
+              [(tf.float64, (3, 7)), (tf.float64, (1001,)), (tf.float64, (5,))],
+              [(tf.bfloat16, (17,)), (tf.bfloat16, (3000,))],
+              [(tf.int8, (1,)), (tf.int8, (61,)), (tf.int8, (70001,))]]
+    for g, group in enumerate(groups):
+        inputs = [[rank_input(dt, shape, r, seed=100 + g * 10 + i, op="Sum")
+                   for i, (dt, shape) in enumerate(group)] for r in range(size)]
+        outs = kr.grouped_allreduce([tf.constant(t) for t in inputs[rank]], op=kr.Sum,
+                                    name=f"group{g}")
+        for i, (dt, _) in enumerate(group):
+            assert_same(outs[i].numpy(), reduce_reference([inp[i] for inp in inputs], "Sum", dt))
+        checked += 1
     # Rows differ by rank: allgatherv.
     rows = [np.full((r + 1, 3), r, dtype=np.int32) for r in range(size)]
     out = kr.allgather(tf.constant(rows[rank]), name="rows")
