@@ -21,7 +21,7 @@ CPP_TEST_SRC := $(wildcard keras_ring/ops/cc/tests/*.cc)
 OPS_SRC := $(CORE_SRC) $(CORE_HDR) $(wildcard keras_ring/ops/cc/tf/*)
 OPS_LIB := keras_ring/ops/_keras_ring_ops.so
 
-.PHONY: venv ops test test-cpp test-unit test-parallel demo bench clean
+.PHONY: venv ops test test-cpp test-unit test-parallel test-multihost demo bench clean
 
 venv: $(STAMP) $(OPS_LIB)
 
@@ -55,7 +55,12 @@ test-parallel: venv
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 4 $(VPY) -m pytest tests/parallel -q
 	$(TEST_ENV) KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
 
-test: test-cpp test-unit test-parallel
+# Hosts made of network namespaces (needs root, as in CI): the parallel suite on 2 hosts x 2
+# ranks under mpirun, keras-ring-run -H, uneven hosts, faults and misconfigurations.
+test-multihost: venv
+	$(GUARD) $(VPY) -m pytest tests/multihost -q
+
+test: test-cpp test-unit test-parallel test-multihost
 
 demo: venv
 	@if [ -f examples/keras_fit.py ]; then \
