@@ -21,7 +21,7 @@ CPP_TEST_SRC := $(wildcard keras_ring/ops/cc/tests/*.cc)
 OPS_SRC := $(CORE_SRC) $(CORE_HDR) $(wildcard keras_ring/ops/cc/tf/*)
 OPS_LIB := keras_ring/ops/_keras_ring_ops.so
 
-.PHONY: venv ops test test-cpp test-unit test-parallel test-multihost demo bench clean
+.PHONY: venv ops test test-cpp test-unit test-parallel test-multihost demo bench bench-multihost clean
 
 venv: $(STAMP) $(OPS_LIB)
 
@@ -80,6 +80,10 @@ bench: venv build/allreduce_floor
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
 	$(GUARD) $(VPY) benchmarks/keras_scaling.py --ranks 2
+
+# Across two network-namespace hosts (needs root): keras_ring and MPI_Allreduce on one link.
+bench-multihost: venv
+	$(GUARD) $(VPY) benchmarks/multihost.py
 
 clean:
 	rm -rf build $(OPS_LIB) keras_ring/ops/_keras_ring_ops.json
