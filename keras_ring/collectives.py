@@ -148,12 +148,49 @@ def allreduce(
 def _allreduce_indexed_slices(slices, op, name, prescale, postscale):
     if op not in (Sum, Average):
         raise ValueError(f"allreduce of IndexedSlices supports Sum and Average, got {op.name}")
-    values = allgather(slices.values, name=f"{name}.values" if name else None)
-    indices = allgather(slices.indices, name=f"{name}.indices" if name else None)
-    scale = prescale * postscale / (RUNTIME.topology().size if op == Average else 1)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+    _check_dtype(slices.values, REDUCE_DTYPES, "allreduce")
+    size = RUNTIME.topology().size
+    values, indices = slices.values, slices.indices
+    # Scaling integers truncates, so it must see each row's sum, as the dense allreduce does:
+    # rows are combined before and after the gather; single contributions are never scaled.
+    exact = values.dtype.is_integer and (
+        prescale != 1.0 or postscale != 1.0 or (op == Average and size > 1))
+    if exact:
+        values, indices = _combine_rows(values, indices)
+        values = _scale_integers(values, prescale)
+    values = allgather(values, name=f"{name}.values" if name else None)
+    indices = allgather(indices, name=f"{name}.indices" if name else None)
+    if exact:
+        values, indices = _combine_rows(values, indices)
+        if op == Average:
+            values = tf.truncatediv(values, tf.cast(size, values.dtype))
+        values = _scale_integers(values, postscale)
+    else:
+        scale = prescale * postscale / (size if op == Average else 1)
+        if scale != 1.0:
+            values = values * tf.constant(scale, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def _combine_rows(values: tf.Tensor, indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """One row per distinct index, the sum of that index's rows (integers wrap)."""
+    unique, position = tf.unique(indices)
+    return tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0]), unique
+
+
+def _scale_integers(values: tf.Tensor, factor: float) -> tf.Tensor:
+    """``values * factor`` as the C++ kernels scale integers: truncated toward zero,
+    saturated at the dtype's limits."""
+    if factor == 1.0:
+        return values
+    dtype = values.dtype
+    scaled = tf.cast(values, tf.float64) * factor
+    scaled = tf.where(scaled < 0, tf.math.ceil(scaled), tf.math.floor(scaled))
+    # float64 rounds int64's maximum up to 2**63, which no int64 holds: select, never cast it.
+    low, high = float(dtype.min), float(dtype.max)
+    inside = tf.cast(tf.clip_by_value(scaled, low, high), dtype)
+    return tf.where(scaled >= high, tf.constant(dtype.max, dtype),
+                    tf.where(scaled <= low, tf.constant(dtype.min, dtype), inside))
 
 
 def grouped_allreduce(

@@ -20,16 +20,28 @@ def _node_name(kind: str, tensor_name: str) -> str:
     return _NODE_NAME.sub("_", f"KerasRing{kind}_{tensor_name}" if tensor_name else f"KerasRing{kind}")
 
 
+def _factor_attr(factor: float) -> str:
+    # Scale factors travel as exact decimal strings: TensorFlow's float attrs are 32-bit.
+    return repr(float(factor))
+
+
+def _factor(op, attr: str) -> float:
+    value = op.get_attr(attr)
+    return float(value.decode() if isinstance(value, bytes) else value)
+
+
 def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str):
     return library().ops.keras_ring_allreduce(
-        tensor, reduce_op=reduce_op, prescale_factor=prescale, postscale_factor=postscale,
+        tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
+        postscale_factor=_factor_attr(postscale),
         tensor_name=tensor_name, name=_node_name("Allreduce", tensor_name),
     )
 
 
 def grouped_allreduce(tensors, reduce_op: int, prescale: float, postscale: float, tensor_name: str):
     return library().ops.keras_ring_grouped_allreduce(
-        tensors, reduce_op=reduce_op, prescale_factor=prescale, postscale_factor=postscale,
+        tensors, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
+        postscale_factor=_factor_attr(postscale),
         tensor_name=tensor_name, name=_node_name("GroupedAllreduce", tensor_name),
     )
 
@@ -56,8 +68,8 @@ def _grad_name(op) -> str:
 def _allreduce_grad(op, grad):
     """The allreduce of the upstream gradient, with the same op and scale factors."""
     return allreduce(
-        grad, op.get_attr("reduce_op"), op.get_attr("prescale_factor"),
-        op.get_attr("postscale_factor"), _grad_name(op),
+        grad, op.get_attr("reduce_op"), _factor(op, "prescale_factor"),
+        _factor(op, "postscale_factor"), _grad_name(op),
     )
 
 
@@ -65,8 +77,8 @@ def _allreduce_grad(op, grad):
 def _grouped_allreduce_grad(op, *grads):
     grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
     return grouped_allreduce(
-        grads, op.get_attr("reduce_op"), op.get_attr("prescale_factor"),
-        op.get_attr("postscale_factor"), _grad_name(op),
+        grads, op.get_attr("reduce_op"), _factor(op, "prescale_factor"),
+        _factor(op, "postscale_factor"), _grad_name(op),
     )
 
 

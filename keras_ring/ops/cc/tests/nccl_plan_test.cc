@@ -83,6 +83,11 @@ TEST(NcclPlan_ScalesNcclCannotApplyAreRefused) {
   CHECK(s.code() == Code::kInvalidArgument);
   CHECK_CONTAINS(s.message(), "int32");
   CHECK(!s.fatal());
+  // Factors whose product is 1 are not a plain sum for integers: trunc(1 * 0.5) * 2 is 0.
+  Plan(DataType::kInt64, ReduceOp::kSum, 0.5, 2, 4, &s);
+  CHECK(s.code() == Code::kInvalidArgument) << s.message();
+  Plan(DataType::kInt8, ReduceOp::kAverage, 2, 0.5, 4, &s);
+  CHECK(s.code() == Code::kInvalidArgument) << s.message();
 }
 
 TEST(NcclPlan_ScalarIsEncodedInTheDataType) {

@@ -1,6 +1,9 @@
 // The collective kernels (declared in kernels.h) and their CPU registrations.
 #include "kernels.h"
 
+#include <cmath>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "tensorflow/core/framework/tensor.h"
@@ -82,14 +85,31 @@ void CollectiveKernel::Submit(kr::Runtime& runtime, kr::Request request, OpKerne
   }
 }
 
+namespace {
+
+// A scale factor attr: a string holding a finite double (see ops.cc).
+absl::Status GetFactor(OpKernelConstruction* c, const char* attr, double* out) {
+  std::string text;
+  TF_RETURN_IF_ERROR(c->GetAttr(attr, &text));
+  char* end = nullptr;
+  *out = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(*out)) {
+    return absl::InvalidArgumentError(std::string(attr) + " must be a finite number, got '" +
+                                      text + "'");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 ReduceKernel::ReduceKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
   int op = 0;
   OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op));
   OP_REQUIRES(c, kr::IsValidReduceOp(op),
               absl::InvalidArgumentError("unknown reduce_op " + std::to_string(op)));
   op_ = static_cast<kr::ReduceOp>(op);
-  OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
-  OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+  OP_REQUIRES_OK(c, GetFactor(c, "prescale_factor", &prescale_));
+  OP_REQUIRES_OK(c, GetFactor(c, "postscale_factor", &postscale_));
 }
 
 kr::Request ReduceKernel::MakeRequest(kr::Kind kind) const {

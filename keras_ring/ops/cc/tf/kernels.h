@@ -45,8 +45,8 @@ class ReduceKernel : public CollectiveKernel {
 
  private:
   ::keras_ring::ReduceOp op_ = ::keras_ring::ReduceOp::kSum;
-  float prescale_ = 1.0f;
-  float postscale_ = 1.0f;
+  double prescale_ = 1.0;
+  double postscale_ = 1.0;
 };
 
 class AllreduceKernel : public ReduceKernel {

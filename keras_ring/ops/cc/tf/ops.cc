@@ -1,5 +1,7 @@
 // Op registrations and shape functions. Collectives are stateful so that TensorFlow keeps
-// them in program order inside tf.function (automatic control dependencies).
+// them in program order inside tf.function (automatic control dependencies). Scale factors
+// are strings holding a double: TensorFlow's float attrs are 32-bit, and a factor rounded to
+// float (0.7 -> 0.69999999) truncates integers wrongly and scales float64 imprecisely.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -14,8 +16,8 @@ REGISTER_OP("KerasRingAllreduce")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64}")
     .Attr("reduce_op: int")
-    .Attr("prescale_factor: float = 1.0")
-    .Attr("postscale_factor: float = 1.0")
+    .Attr("prescale_factor: string = '1.0'")  // a double, written exactly (repr)
+    .Attr("postscale_factor: string = '1.0'")
     .Attr("tensor_name: string = ''")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
@@ -26,8 +28,8 @@ REGISTER_OP("KerasRingGroupedAllreduce")
     .Output("outputs: T")
     .Attr("T: list({half, bfloat16, float, double, int8, uint8, int32, int64})")
     .Attr("reduce_op: int")
-    .Attr("prescale_factor: float = 1.0")
-    .Attr("postscale_factor: float = 1.0")
+    .Attr("prescale_factor: string = '1.0'")  // a double, written exactly (repr)
+    .Attr("postscale_factor: string = '1.0'")
     .Attr("tensor_name: string = ''")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {

@@ -53,7 +53,9 @@ Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale
     case ReduceOp::kProduct: plan->op = kNcclProd; break;
   }
   const bool linear = op == ReduceOp::kSum || op == ReduceOp::kAverage;
-  if (unscaled || (linear && factor == 1.0)) return Status::OK();
+  // Folding pre and post into one factor is exact for floats only: integers truncate after
+  // each scaling (0.5 then 2 turns 1 into 0), so only an unscaled integer plan runs on NCCL.
+  if (unscaled || (linear && factor == 1.0 && IsFloat(dtype))) return Status::OK();
   if (!linear || !IsFloat(dtype)) {
     return Status(Code::kInvalidArgument,
                   std::string("a GPU allreduce with op ") + ReduceOpName(op) + " on " +
