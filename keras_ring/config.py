@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
+# How long a process of a failed job may run on before keras_ring ends it (see README).
+DEFAULT_FAILURE_EXIT_SECONDS = 5.0
 
 
 def _float(name: str, default: float, minimum: float = 0.0) -> float:
@@ -18,6 +20,20 @@ def _float(name: str, default: float, minimum: float = 0.0) -> float:
         raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
     if not value > minimum:
         raise ValueError(f"{name} must be greater than {minimum:g}, got {raw!r}")
+    return value
+
+
+def _seconds_or_off(name: str, default: float) -> float:
+    """Seconds >= 0, where 0 switches the behaviour off."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds (0: off), got {raw!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name} must be 0 (off) or a positive number of seconds, got {raw!r}")
     return value
 
 
@@ -59,6 +75,7 @@ class Config:
 
     timeout_seconds: float
     stall_warning_seconds: float
+    failure_exit_seconds: float  # 0: a failed process is never ended by keras_ring
     segment_bytes: int
     host_id: str | None
     advertise_address: str | None
@@ -73,6 +90,8 @@ class Config:
         return cls(
             timeout_seconds=_float("KERAS_RING_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS),
             stall_warning_seconds=_float("KERAS_RING_STALL_WARNING_SECONDS", 60.0),
+            failure_exit_seconds=_seconds_or_off("KERAS_RING_FAILURE_EXIT_SECONDS",
+                                                 DEFAULT_FAILURE_EXIT_SECONDS),
             segment_bytes=_int("KERAS_RING_SEGMENT_BYTES", 1 << 20, minimum=64),
             host_id=os.environ.get("KERAS_RING_HOST_ID") or None,
             advertise_address=os.environ.get("KERAS_RING_ADVERTISE_ADDRESS", "").strip() or None,

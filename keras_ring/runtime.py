@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import sys
 import threading
 
 from keras_ring import bootstrap as _bootstrap
@@ -25,6 +26,7 @@ class Runtime:
         # socket stays open so a later init() reconnects to the same addresses.
         self._table: _bootstrap.PeerTable | None = None
         self._atexit_registered = False
+        self._leaving_with: str | None = None  # an uncaught exception is ending the program
 
     @property
     def initialized(self) -> bool:
@@ -45,12 +47,15 @@ class Runtime:
         assert self._config is not None
         return self._config
 
-    def init(self, table: _bootstrap.PeerTable | None = None) -> None:
+    def init(self, table: _bootstrap.PeerTable | None = None, failure_exit: bool = True) -> None:
         """Bootstraps (once per process) and starts the native runtime.
 
         Args:
             table: a peer table another launcher prepared (``keras_ring.spark``); used for
                 this start only, not kept, and its owner closes it.
+            failure_exit: end this process ``KERAS_RING_FAILURE_EXIT_SECONDS`` after the job
+                failed, if it is still running (off where the launcher ends failed jobs
+                itself, as Spark's barrier stages do).
         """
         with self._lock:
             if self._topology is not None:
@@ -63,15 +68,18 @@ class Runtime:
                 table = self._table
             threads.configure(table.topology.local_size, config.intra_op_threads)
             gpu.configure(lib, table.topology)  # before TensorFlow starts its GPUs
-            self._start_native(lib, table, config)
+            self._start_native(lib, table, config, failure_exit)
             self._topology = table.topology
             self._config = config
+            self._leaving_with = None
             if not self._atexit_registered:
-                atexit.register(self.shutdown)
+                atexit.register(self._at_exit)
+                _chain_excepthook(self)
                 self._atexit_registered = True
 
     @staticmethod
-    def _start_native(lib: Library, table: _bootstrap.PeerTable, config: Config) -> None:
+    def _start_native(lib: Library, table: _bootstrap.PeerTable, config: Config,
+                      failure_exit: bool) -> None:
         topo = table.topology
         n = topo.size
         host_names = list(dict.fromkeys(topo.host_ids))
@@ -89,6 +97,7 @@ class Runtime:
             use_shm=int(config.use_shm),
             shm_channel_bytes=config.shm_channel_bytes,
             timeline=int(config.timeline_path is not None),
+            failure_exit_seconds=config.failure_exit_seconds if failure_exit else 0.0,
         )
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))
@@ -96,14 +105,64 @@ class Runtime:
             raise InitError(f"rank {topo.rank}: {err.value.decode(errors='replace')}")
         lib.c.keras_ring_install_signal_handlers()
 
-    def shutdown(self) -> None:
+    def shutdown(self, error: str | None = None) -> None:
+        """Stops the native runtime.
+
+        Args:
+            error: the program is leaving with this error: peers learn it as this rank's
+                failure and end instead of waiting for it (see the README's "When a rank
+                fails"); None is a clean shutdown.
+        """
         with self._lock:
             if self._topology is None:
                 return
             if self._config is not None and self._config.timeline_path is not None:
                 timeline.write(self._config.timeline_path, self._topology, library())
-            library().c.keras_ring_shutdown()
+            if error is None:
+                library().c.keras_ring_shutdown()
+            else:
+                library().c.keras_ring_shutdown_with_error(error.encode(errors="replace")[:300])
             self._topology = None
+
+    def _at_exit(self) -> None:
+        leaving_with = self._leaving_with
+        self.shutdown(leaving_with)
+        if leaving_with is not None:
+            _abort_user_mpi()
+
+    def note_uncaught(self, exc_type: type, exc: BaseException) -> None:
+        """Records that the program is ending with an uncaught exception."""
+        if self._topology is not None and self._topology.size > 1:
+            self._leaving_with = f"{exc_type.__name__}: {_gist(exc)}"[:300]
+
+
+def _gist(exc: BaseException) -> str:
+    """One line of an exception's message: keras_ring's own line where TensorFlow wrapped it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    ours = [line for line in lines if line.startswith("keras_ring:")]
+    return (ours or lines or [""])[0]
+
+
+def _chain_excepthook(runtime: Runtime) -> None:
+    """Lets ``runtime`` see an uncaught exception (it runs before atexit) and passes it on."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        runtime.note_uncaught(exc_type, exc)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _abort_user_mpi() -> None:
+    """A program that brought up MPI itself would block at exit in MPI_Finalize (collective)
+    while its peers are gone or stuck: abort the MPI job instead, which ends every rank."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi.COMM_WORLD.Abort(1)
 
 
 # The one runtime object of this process.

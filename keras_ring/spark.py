@@ -183,12 +183,13 @@ def _task(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool, _partition) ->
         table = _exchange(context, rank, size)
         if RUNTIME.initialized:  # a reused Python worker whose last job did not end cleanly
             RUNTIME.shutdown()
-        RUNTIME.init(table=table)
+        # Spark ends a failed barrier stage itself: no process needs ending by keras_ring.
+        RUNTIME.init(table=table, failure_exit=False)
         result = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - reported with its traceback below
         text = traceback.format_exc().rstrip()
-        # Closing this rank's connections now makes every peer's collective fail at once.
-        _stop(table)
+        # Leaving with an error makes every peer's collective fail at once, naming this rank.
+        _stop(table, error=f"{type(e).__name__}: {e}"[:300])
         if _is_consequence(e):
             time.sleep(_CONSEQUENCE_GRACE_SECONDS)
         raise RuntimeError(f"keras_ring rank {rank} of {size} failed:\n{text}\n"
@@ -233,10 +234,10 @@ def _exchange(context, rank: int, size: int) -> PeerTable:
         raise
 
 
-def _stop(table: PeerTable | None) -> None:
+def _stop(table: PeerTable | None, error: str | None = None) -> None:
     runtime = sys.modules.get("keras_ring.runtime")
     if runtime is not None:
-        runtime.RUNTIME.shutdown()
+        runtime.RUNTIME.shutdown(error)
     if table is not None:
         table.close()
 

@@ -44,6 +44,7 @@ class NativeConfig(ctypes.Structure):
         ("use_shm", ctypes.c_int),
         ("shm_channel_bytes", ctypes.c_size_t),
         ("timeline", ctypes.c_int),
+        ("failure_exit_seconds", ctypes.c_double),
     ]
 
 
@@ -52,6 +53,8 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_init.restype = ctypes.c_int
     c.keras_ring_timeline_read.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     c.keras_ring_timeline_read.restype = ctypes.c_size_t
+    c.keras_ring_shutdown_with_error.argtypes = [ctypes.c_char_p]
+    c.keras_ring_shutdown_with_error.restype = ctypes.c_int
     c.keras_ring_shutdown.argtypes = []
     c.keras_ring_shutdown.restype = ctypes.c_int
     c.keras_ring_is_initialized.argtypes = []

@@ -50,6 +50,8 @@ class RoutedTransport : public Transport {
   }
   // Only when every peer is reached through shm (sockets give no guarantee).
   size_t BufferedSendBytes() const override;
+  // Every peer has a TCP connection (the liveness signal of shm peers too).
+  Status PollPeerFailure() override { return tcp_->PollPeerFailure(); }
   void AbortWith(const Status& cause) override;
 
  private:

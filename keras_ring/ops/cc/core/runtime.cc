@@ -1,5 +1,6 @@
 #include "runtime.h"
 
+#include "failure_exit.h"
 #include "reduce.h"
 
 #include <algorithm>
@@ -45,9 +46,7 @@ Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> trans
   algo_.timeout_seconds = options_.timeout_seconds;
   algo_.segment_bytes = options_.segment_bytes;
   worker_ = std::thread([this] { WorkerLoop(); });
-  if (options_.stall_warning_seconds > 0 && options_.size > 1) {
-    watchdog_ = std::thread([this] { WatchdogLoop(); });
-  }
+  if (options_.size > 1) watchdog_ = std::thread([this] { WatchdogLoop(); });
 }
 
 Runtime::~Runtime() {
@@ -57,16 +56,27 @@ Runtime::~Runtime() {
   backend_.reset();  // no collective can use it any more
 }
 
-void Runtime::Stop() {
+void Runtime::Stop() { StopWith(ShutdownCause()); }
+
+void Runtime::Abandon(const std::string& reason) {
+  const Status cause(Code::kAborted,
+                     "rank " + std::to_string(options_.rank) + " left with an error: " + reason,
+                     options_.rank);
+  StopWith(cause);
+  OnFatal(cause);  // its own exit must not hang either (MPI_Finalize, teardown)
+}
+
+void Runtime::StopWith(const Status& cause) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
     stopping_ = true;
+    stop_cause_ = cause;  // the worker, woken below, may abort the transport first
   }
   cv_.notify_all();
   // A collective still in flight at shutdown cannot complete without us; end it now
-  // rather than after the timeout. Peers learn it was a shutdown, not a failure.
-  transport_->AbortWith(ShutdownCause());
+  // rather than after the timeout. Peers learn why: a clean shutdown, or a failure.
+  transport_->AbortWith(cause);
   std::lock_guard<std::mutex> lock(backend_mu_);
   if (backend_) backend_->Abort();
 }
@@ -154,7 +164,12 @@ void Runtime::WorkerLoop() {
     }
     request.done(s);
   }
-  if (transport_) transport_->AbortWith(ShutdownCause());
+  Status cause;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cause = stop_cause_;
+  }
+  if (transport_) transport_->AbortWith(cause);
 }
 
 Status Runtime::RunOne(Request& request) {
@@ -195,8 +210,23 @@ void Runtime::WatchdogLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     cv_.wait_for(lock, std::chrono::milliseconds(250));
+    if (stopping_) break;
+    if (peer_failure_.ok()) {
+      // A dead or failed peer is noticed here even while this rank is busy elsewhere (in
+      // user code, or waiting on another peer), so the job ends instead of waiting.
+      lock.unlock();
+      const Status failure = transport_->PollPeerFailure();
+      lock.lock();
+      if (!failure.ok() && !stopping_) {
+        peer_failure_ = failure;
+        lock.unlock();
+        transport_->AbortWith(failure);  // a collective in flight ends now
+        OnFatal(failure);
+        lock.lock();
+      }
+    }
     const uint64_t seq = busy_seq_.load();
-    if (seq == 0 || seq == warned) continue;
+    if (options_.stall_warning_seconds <= 0 || seq == 0 || seq == warned) continue;
     const double waited =
         std::chrono::duration<double>(Clock::now().time_since_epoch() -
                                       Clock::duration(busy_since_ns_.load()))
@@ -207,6 +237,15 @@ void Runtime::WatchdogLoop() {
     std::fprintf(stderr, "%s\n", report.c_str());
     std::fflush(stderr);
   }
+}
+
+Status Runtime::PeerFailure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peer_failure_;
+}
+
+void Runtime::OnFatal(const Status& cause) {
+  ArmFailureExit(options_.failure_exit_seconds, options_.rank, cause.message());
 }
 
 std::string Runtime::StallReport(double waited_seconds) {
@@ -316,6 +355,10 @@ Status Runtime::Fail(const Request& request, uint64_t seq, const Status& cause) 
 }
 
 Status Runtime::Execute(Request& request, uint64_t seq) {
+  if (broken_.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = peer_failure_;
+  }
   if (!broken_.ok()) {
     return Status(broken_.code(), "keras_ring: cannot run " + MakeSignature(request, seq).Label() +
                                       " because an earlier collective failed: " +
@@ -367,6 +410,7 @@ Status Runtime::Execute(Request& request, uint64_t seq) {
     // peer sees this rank gone at once instead of waiting for its own timeout.
     broken_ = failed;
     transport_->AbortWith(s);  // the bare cause, naming the rank to blame
+    OnFatal(failed);
     std::lock_guard<std::mutex> lock(backend_mu_);
     if (backend_) backend_->PeerFailed();
   }

@@ -72,6 +72,9 @@ struct RuntimeOptions {
   double stall_warning_seconds = 60.0;  // <= 0 disables the warning
   size_t segment_bytes = 1 << 20;
   bool timeline = false;  // record phase times of every collective
+  // After a fatal failure (own or a peer's), end the process this long after unless it
+  // ended by itself (see failure_exit.h); <= 0: never.
+  double failure_exit_seconds = 0.0;
 };
 
 class Runtime {
@@ -95,11 +98,18 @@ class Runtime {
   void SubmitOrRun(Request request);
 
   // Fails what is queued and aborts what runs, so a collective running on a caller's thread
-  // ends now too. Idempotent; the destructor calls it.
+  // ends now too; peers learn that this rank shut down. Idempotent; the destructor calls it.
   void Stop();
+  // Stop() for a program that is leaving with an error: peers learn it as this rank's
+  // failure (they end instead of waiting for it), and this process's failure exit is armed.
+  void Abandon(const std::string& reason);
 
   // Submits and waits (for the C API: barrier and tests).
   Status Run(Request request);
+
+  // The failure of a peer that the watchdog noticed (also while this rank runs nothing),
+  // or OK. Every later collective fails with it.
+  Status PeerFailure();
 
   // The process-wide instance, shared so kernels keep it alive while they use it.
   static std::shared_ptr<Runtime> Get();
@@ -113,11 +123,15 @@ class Runtime {
   std::string DrainTimeline() { return timeline_.Drain(); }
 
  private:
+  void StopWith(const Status& cause);
   void WorkerLoop();
   // Executes one request (the caller holds executing_) and returns its result; done is not
   // called here.
   Status RunOne(Request& request);
+  // Warns about stalls and watches for peers that failed or died, also while idle.
   void WatchdogLoop();
+  // A fatal failure: arms the process's failure exit (and, from the watchdog, aborts).
+  void OnFatal(const Status& cause);
   void RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
                       const Status& s);
   std::string StallReport(double waited_seconds);
@@ -144,9 +158,11 @@ class Runtime {
   std::condition_variable cv_;
   std::deque<Request> queue_;
   bool stopping_ = false;
+  Status stop_cause_;  // what peers are told when stopping_: a shutdown or a failure
   bool executing_ = false;  // a request runs, on the worker or on a caller's thread
   uint64_t seq_ = 0;        // of the last request run (only the executing thread touches it)
-  Status broken_;  // first fatal error; every later request fails with it
+  Status broken_;  // first fatal error; every later request fails with it (executor only)
+  Status peer_failure_;  // a peer's failure seen by the watchdog (guarded by mu_)
   std::vector<char> scratch_;  // prescaled peer data on the inline path (worker only)
   std::vector<Slot> slots_;    // one per rank, reused by every exchange (worker only)
   std::thread worker_;

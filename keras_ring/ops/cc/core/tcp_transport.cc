@@ -368,6 +368,38 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
   return Status::OK();
 }
 
+Status TcpTransport::PollPeerFailure() {
+  if (aborted_.load()) return Status::OK();
+  std::vector<pollfd> fds;
+  std::vector<int> peers;
+  for (int peer = 0; peer < size_; ++peer) {
+    const int fd = control_fds_[static_cast<size_t>(peer)];
+    if (fd < 0) continue;
+    fds.push_back(pollfd{fd, POLLIN | POLLRDHUP, 0});
+    peers.push_back(peer);
+  }
+  if (fds.empty() || poll(fds.data(), fds.size(), 0) <= 0) return Status::OK();
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i].revents == 0) continue;
+    AbortNotice notice{};
+    // Peek only: the data path may still read the notice to explain a failed transfer.
+    const ssize_t got = recv(fds[i].fd, &notice, sizeof notice, MSG_PEEK | MSG_DONTWAIT);
+    const int peer = peers[i];
+    if (got == static_cast<ssize_t>(sizeof notice) && notice.magic == kNoticeMagic) {
+      if (static_cast<Code>(notice.code) == Code::kCancelled) continue;  // a clean shutdown
+      notice.message[sizeof notice.message - 1] = '\0';
+      return PeerGaveUp(peer, static_cast<Code>(notice.code), notice.culprit, notice.message);
+    }
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      return Status(Code::kUnavailable,
+                    "lost rank " + std::to_string(peer) +
+                        ": its process exited, crashed or was killed without shutting down",
+                    peer);
+    }
+  }
+  return Status::OK();
+}
+
 void TcpTransport::AbortWith(const Status& cause) {
   if (aborted_.exchange(true)) return;
   AbortNotice notice{kNoticeMagic, static_cast<int32_t>(cause.code()),

@@ -40,6 +40,9 @@ class TcpTransport : public Transport {
   Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
   Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
                   size_t recv_bytes, Deadline deadline) override;
+  // Watches the control sockets: an abort notice other than a clean shutdown, or an end of
+  // stream with no notice at all (the process died), is a failure.
+  Status PollPeerFailure() override;
   void AbortWith(const Status& cause) override;
 
   // The socket to `peer` (-1 for self); other transports watch it to notice a dead peer.

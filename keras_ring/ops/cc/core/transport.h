@@ -78,6 +78,12 @@ class Transport {
   // custom way of storing received bytes costs nothing extra.
   virtual bool ReadsInPlace(int /*peer*/) const { return false; }
 
+  // Whether a peer has failed or died, checked without blocking and without consuming any
+  // bytes, from a thread other than the one moving data (the runtime's watchdog): the error
+  // naming that peer, or OK. A peer that shut down cleanly is no failure. A transport that
+  // cannot tell returns OK.
+  virtual Status PollPeerFailure() { return Status::OK(); }
+
   // Unblocks every wait and makes peers notice. `cause` travels to the peers where the
   // transport can carry it (its peer() is the rank to blame; code kCancelled means a clean
   // shutdown), so a rank far from the failure can still name it. After an abort only the

@@ -20,40 +20,6 @@ namespace {
 
 using namespace keras_ring;  // NOLINT: test-local
 
-// One transport per rank, connected like a job whose rank r lives on host hosts[r].
-std::vector<std::unique_ptr<Transport>> ConnectMixedWorld(const std::vector<int>& hosts,
-                                                          uint64_t token) {
-  const int n = static_cast<int>(hosts.size());
-  std::vector<int> listen_fds(static_cast<size_t>(n));
-  std::vector<PeerAddress> peers(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    int port = 0;
-    At(listen_fds, r) = ListenOnLoopback(&port);
-    At(peers, r) = PeerAddress{"127.0.0.1", port};
-  }
-  std::vector<std::unique_ptr<Transport>> out(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      HostTransportConfig config;
-      config.rank = r;
-      config.size = n;
-      config.listen_fd = At(listen_fds, r);
-      config.peers = peers;
-      config.host_index = hosts;
-      config.job_token = token;
-      config.timeout_seconds = 30;
-      config.shm.channel_bytes = 4096;  // every large message wraps around many times
-      config.shm.spin_iterations = 0;
-      const Status s = ConnectHostTransport(config, &At(out, r));
-      CHECK_OK(s) << "rank " << r;
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int fd : listen_fds) close(fd);
-  return out;
-}
-
 // Runs fn(rank, transport) on one thread per rank.
 void RunAll(std::vector<std::unique_ptr<Transport>>& world,
             const std::function<void(int, Transport&)>& fn) {
@@ -84,7 +50,7 @@ std::string Describe(const std::vector<int>& v) {
 // received on the left cut at other places, so no piece boundary lines up with another.
 TEST(Routed_MultiPieceMessagesCrossShmAndTcpLinksIntact) {
   for (const std::vector<int>& hosts : Layouts()) {
-    auto world = ConnectMixedWorld(hosts, Mix(7, hosts.size()));
+    auto world = ConnectHostWorld(hosts, Mix(7, hosts.size()));
     const int n = static_cast<int>(hosts.size());
     const std::vector<size_t> send_cuts = {3, 61, 130, 1, 9000};   // 9195 bytes in all
     const std::vector<size_t> recv_cuts = {100, 94, 5000, 4001};   // the same 9195
@@ -132,7 +98,7 @@ TEST(Routed_GroupedAllreduceOverMixedRingsMatchesExpected) {
       {DataType::kFloat16, {7, 333, 1, 4095}},  {DataType::kInt8, {1, 2, 3, 5000, 61}},
       {DataType::kInt64, {9, 1}}};
   for (const std::vector<int>& hosts : Layouts()) {
-    auto world = ConnectMixedWorld(hosts, Mix(11, hosts.size()));
+    auto world = ConnectHostWorld(hosts, Mix(11, hosts.size()));
     const int n = static_cast<int>(hosts.size());
     for (const Group& g : groups) {
       const size_t esize = DataTypeSize(g.dtype);

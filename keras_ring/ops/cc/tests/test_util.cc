@@ -3,11 +3,13 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <thread>
 
 #include "../core/reduce.h"
+#include "../core/routed_transport.h"
 
 namespace kr_test {
 
@@ -32,6 +34,39 @@ int ListenOnLoopback(int* port) {
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   *port = ntohs(addr.sin_port);
   return fd;
+}
+
+std::vector<std::unique_ptr<Transport>> ConnectHostWorld(const std::vector<int>& hosts,
+                                                         uint64_t token) {
+  const int n = static_cast<int>(hosts.size());
+  std::vector<int> listen_fds(static_cast<size_t>(n));
+  std::vector<keras_ring::PeerAddress> peers(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    int port = 0;
+    At(listen_fds, r) = ListenOnLoopback(&port);
+    At(peers, r) = keras_ring::PeerAddress{"127.0.0.1", port};
+  }
+  std::vector<std::unique_ptr<Transport>> out(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      keras_ring::HostTransportConfig config;
+      config.rank = r;
+      config.size = n;
+      config.listen_fd = At(listen_fds, r);
+      config.peers = peers;
+      config.host_index = hosts;
+      config.job_token = token;
+      config.timeout_seconds = 30;
+      config.shm.channel_bytes = 4096;  // every large message wraps around many times
+      config.shm.spin_iterations = 0;
+      const Status s = keras_ring::ConnectHostTransport(config, &At(out, r));
+      CHECK_OK(s) << "rank " << r;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int fd : listen_fds) close(fd);
+  return out;
 }
 
 LocalWorld::LocalWorld(int n) : fabric_(std::make_shared<LocalFabric>(n)) {

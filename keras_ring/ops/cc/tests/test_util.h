@@ -57,6 +57,11 @@ auto& At(V& v, int i) {
 // A socket listening on an ephemeral loopback port; returns the fd and sets *port.
 int ListenOnLoopback(int* port);
 
+// One host transport per rank (TCP mesh over loopback, shared memory between ranks with the
+// same hosts[r], tiny shm rings), connected like a job whose rank r lives on host hosts[r].
+std::vector<std::unique_ptr<keras_ring::Transport>> ConnectHostWorld(const std::vector<int>& hosts,
+                                                                     uint64_t token);
+
 inline double SecondsSince(keras_ring::Clock::time_point start) {
   return std::chrono::duration<double>(keras_ring::Clock::now() - start).count();
 }

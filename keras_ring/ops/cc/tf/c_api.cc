@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/failure_exit.h"
 #include "../core/local_transport.h"
 #include "../core/runtime.h"
 #include "../core/routed_transport.h"
@@ -72,6 +73,8 @@ int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
   options.stall_warning_seconds = cfg->stall_warning_seconds;
   if (cfg->segment_bytes > 0) options.segment_bytes = cfg->segment_bytes;
   options.timeline = cfg->timeline != 0;
+  options.failure_exit_seconds = size > 1 ? cfg->failure_exit_seconds : 0.0;
+  keras_ring::DisarmFailureExit();  // a program that starts again has recovered
   std::unique_ptr<keras_ring::Transport> transport;
   if (size == 1) {
     // A world of one never communicates; the local transport keeps the runtime uniform.
@@ -120,6 +123,13 @@ int keras_ring_shutdown(void) {
   // A collective running on another thread holds its own reference: stop it now, the last
   // reference destroys the runtime.
   if (runtime != nullptr) runtime->Stop();
+  runtime.reset();
+  return 0;
+}
+
+int keras_ring_shutdown_with_error(const char* reason) {
+  std::shared_ptr<Runtime> runtime = Runtime::Uninstall();
+  if (runtime != nullptr) runtime->Abandon(reason != nullptr ? reason : "unknown");
   runtime.reset();
   return 0;
 }

@@ -24,6 +24,7 @@ typedef struct {
   int use_shm;                // must be equal on all ranks
   size_t shm_channel_bytes;   // 0 = default
   int timeline;               // record per-collective phase times
+  double failure_exit_seconds;  // end the process this long after a fatal failure; 0 never
 } keras_ring_config;
 
 // Starts the runtime (a no-op when it is running).
@@ -36,6 +37,9 @@ size_t keras_ring_timeline_read(char* buf, size_t cap);
 // previous handler runs (Python's raises KeyboardInterrupt). Idempotent.
 void keras_ring_install_signal_handlers(void);
 int keras_ring_shutdown(void);
+// Shutdown of a program that leaves with an error (`reason`): peers treat it as this rank's
+// failure and end too, and this process ends after the failure grace if its exit hangs.
+int keras_ring_shutdown_with_error(const char* reason);
 int keras_ring_is_initialized(void);
 int keras_ring_barrier(const char* name, char* err, size_t err_len);
 // Marks the calling thread as running an eager collective (1) or not (0): its waits may then

@@ -1,0 +1,96 @@
+// The runtime's watchdog over real TCP (and shm) transports: a peer that fails or dies is
+// noticed by a rank that runs no collective at all (it may be in user code), so that rank
+// can end too; a peer that shuts down cleanly is no failure.
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../core/runtime.h"
+#include "test_harness.h"
+#include "test_util.h"
+
+namespace kr_test {
+namespace {
+
+using namespace keras_ring;  // NOLINT: test-local
+
+struct World {
+  std::vector<std::unique_ptr<Runtime>> runtimes;
+};
+
+// Runtimes over host transports; rank `raw` (if >= 0) keeps its bare transport instead, so
+// the test can make it vanish without a goodbye.
+World MakeWorld(const std::vector<int>& hosts, std::unique_ptr<Transport>* raw_out, int raw) {
+  auto transports = ConnectHostWorld(hosts, Mix(3, hosts.size(), raw + 5));
+  World w;
+  for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
+    if (r == raw) {
+      *raw_out = std::move(At(transports, r));
+      w.runtimes.push_back(nullptr);
+      continue;
+    }
+    RuntimeOptions options;
+    options.rank = r;
+    options.size = static_cast<int>(hosts.size());
+    options.timeout_seconds = 60;
+    options.stall_warning_seconds = 0;
+    options.failure_exit_seconds = 0;  // never end this test process
+    w.runtimes.push_back(std::make_unique<Runtime>(options, std::move(At(transports, r))));
+  }
+  return w;
+}
+
+// The first non-OK PeerFailure() of `runtime` within `seconds`, or OK.
+Status WaitForPeerFailure(Runtime& runtime, double seconds) {
+  const auto start = Clock::now();
+  while (SecondsSince(start) < seconds) {
+    Status s = runtime.PeerFailure();
+    if (!s.ok()) return s;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling a result, no race
+  }
+  return Status::OK();
+}
+
+TEST(Supervision_IdleRanksLearnThatAPeerLeftWithAnError) {
+  std::unique_ptr<Transport> unused;
+  World w = MakeWorld({0, 0, 1}, &unused, -1);  // rank 2 across "hosts"; 0 and 1 share shm
+  w.runtimes[2]->Abandon("ValueError: boom");
+  for (int r : {0, 1}) {
+    const Status s = WaitForPeerFailure(*w.runtimes[static_cast<size_t>(r)], 20);
+    CHECK(!s.ok()) << "rank " << r << " never noticed";
+    CHECK_EQ(s.peer(), 2);
+    CHECK_CONTAINS(s.message(), "rank 2 left with an error: ValueError: boom");
+  }
+  // The next collective fails at once with that cause instead of waiting for the timeout.
+  Request barrier;
+  barrier.kind = Kind::kBarrier;
+  const auto start = Clock::now();
+  const Status s = w.runtimes[0]->Run(std::move(barrier));
+  CHECK(!s.ok() && s.peer() == 2) << s.message();
+  CHECK(SecondsSince(start) < 30) << SecondsSince(start);
+}
+
+TEST(Supervision_AVanishedPeerIsNoticedByIdleRanks) {
+  std::unique_ptr<Transport> doomed;
+  World w = MakeWorld({0, 1, 2}, &doomed, 1);
+  doomed.reset();  // its sockets close with no notice: a killed process
+  for (int r : {0, 2}) {
+    const Status s = WaitForPeerFailure(*w.runtimes[static_cast<size_t>(r)], 20);
+    CHECK(s.code() == Code::kUnavailable) << "rank " << r << ": " << s.message();
+    CHECK_EQ(s.peer(), 1);
+    CHECK_CONTAINS(s.message(), "lost rank 1");
+  }
+}
+
+TEST(Supervision_ACleanShutdownIsNoFailure) {
+  std::unique_ptr<Transport> unused;
+  World w = MakeWorld({0, 1}, &unused, -1);
+  w.runtimes[1]->Stop();
+  w.runtimes[1].reset();
+  // Several watchdog periods (250 ms) pass without a failure being recorded.
+  const Status s = WaitForPeerFailure(*w.runtimes[0], 1.5);
+  CHECK_OK(s);
+}
+}  // namespace
+}  // namespace kr_test
