@@ -47,6 +47,11 @@ _CANCEL_SECONDS = 30.0
 _FAILURE = re.compile(r"keras_ring rank (?P<rank>\d+) of (?P<size>\d+) failed:\n"
                       r"(?P<traceback>.*?)\n\[end of keras_ring rank (?P=rank) traceback\]", re.S)
 
+# A task that died without raising (its Python worker crashed or was killed): Spark names the
+# barrier task, whose partition is the rank.
+_LOST_TASK = re.compile(r"barrier task ResultTask\(\d+, (?P<rank>\d+)\) finished unsuccessfully"
+                        r"\.?\s*(?:\S*Exception: )?(?P<reason>[^\n]*)")
+
 
 class RankError(RuntimeError):
     """``fn`` (or keras_ring's start) raised in a Spark task.
@@ -65,7 +70,7 @@ class RankError(RuntimeError):
 
 def run(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
         num_proc: int | None = None, use_gpu: bool = False,
-        start_timeout: float = 600) -> list[Any]:
+        start_timeout: float = 600, env: dict[str, str] | None = None) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` as a keras_ring job of ``num_proc`` Spark tasks.
 
     ``fn`` runs with keras_ring already initialized (``keras_ring.init()`` in it is harmless);
@@ -81,6 +86,9 @@ def run(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
             amount``) through ``CUDA_VISIBLE_DEVICES``, before TensorFlow starts.
         start_timeout: seconds Spark may take to start all tasks; past it the job is cancelled
             and ``TimeoutError`` raised.
+        env: environment variables every task sets before keras_ring starts (e.g.
+            ``KERAS_RING_TIMEOUT_SECONDS``), restored when the task ends (Spark reuses its
+            Python workers), as Horovod's ``spark.run(env=...)``.
 
     Returns:
         ``fn``'s return values, in rank order.
@@ -107,16 +115,21 @@ def run(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
     num_proc = sc.defaultParallelism if num_proc is None else int(num_proc)
     if num_proc < 1:
         raise ValueError(f"num_proc must be at least 1, got {num_proc}")
-    task = functools.partial(_task, fn, tuple(args), dict(kwargs or {}), bool(use_gpu))
+    task = functools.partial(_task, fn, tuple(args), dict(kwargs or {}), bool(use_gpu),
+                             {str(k): str(v) for k, v in (env or {}).items()})
     rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
     try:
         ranked = _collect(sc, rdd, num_proc, start_timeout)
     except Exception as e:
         failure = _FAILURE.search(str(e))
-        if failure is None:
+        if failure is not None:
+            raise RankError(int(failure["rank"]), int(failure["size"]),
+                            failure["traceback"]) from e
+        lost = _LOST_TASK.search(str(e))
+        if lost is None:
             raise
-        raise RankError(int(failure["rank"]), int(failure["size"]),
-                        failure["traceback"]) from e
+        raise RankError(int(lost["rank"]), num_proc,
+                        f"its Spark task ended without a Python error: {lost['reason']}") from e
     return [value for _, value in sorted(ranked, key=lambda pair: pair[0])]
 
 
@@ -169,7 +182,21 @@ def _started_tasks(sc, group: str) -> int:
 
 # --- inside each Spark task ------------------------------------------------------------------
 
-def _task(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool, _partition) -> list:
+def _task(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool, env: dict[str, str],
+          _partition) -> list:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return _run_rank(fn, args, kwargs, use_gpu)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_rank(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool) -> list:
     from pyspark import BarrierTaskContext
 
     context = BarrierTaskContext.get()

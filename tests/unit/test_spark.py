@@ -189,3 +189,40 @@ def test_only_collectives_failed_by_a_peer_count_as_consequences():
 
     assert kspark._is_consequence(errors.PeerFailureError(None, None, "rank 1 is gone"))
     assert not kspark._is_consequence(ValueError("the root cause"))
+
+
+def fault_on_rank_one(fault, marker_dir):
+    import os
+    import time as _time
+
+    import tensorflow as tf
+
+    import keras_ring
+
+    keras_ring.allreduce(tf.ones([4]), name="warm_up")
+    if keras_ring.rank() == 1:
+        Path(marker_dir, "fault").write_text(repr(_time.monotonic()))
+        if fault == "stall":
+            _time.sleep(600)  # a hung data loader: this task never raises by itself
+        os._exit(3)  # crash: the Python worker is gone without a word
+    for _ in range(10_000):
+        keras_ring.allreduce(tf.ones([4]), name="never_completes")
+    return "unreachable"
+
+
+@pytest.mark.parametrize("fault", ["stall", "crash"])
+def test_a_stalled_or_crashed_rank_ends_the_spark_job(spark, tmp_path, fault):
+    timeout = 5.0
+    with pytest.raises(Exception) as info:
+        kspark.run(fault_on_rank_one, args=(fault, str(tmp_path)), num_proc=2,
+                   env={"KERAS_RING_TIMEOUT_SECONDS": str(timeout)})
+    took = time.monotonic() - float((tmp_path / "fault").read_text())
+    # Rank 0 fails at its timeout (stall) or at once (crash); Spark ends the stage. 30 s of
+    # slack for Spark's own task kill on a loaded machine; a hang would be 600 s.
+    assert took < timeout + 30, took
+    error = info.value
+    assert isinstance(error, kspark.RankError), error
+    if fault == "stall":  # rank 0 timed out waiting for rank 1
+        assert error.rank == 0 and "rank 1" in error.remote_traceback, error
+    else:  # rank 1's worker died: Spark reports its task, which is its rank
+        assert error.rank == 1 and "Python worker exited unexpectedly" in str(error), error

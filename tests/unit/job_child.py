@@ -1,0 +1,61 @@
+"""One rank of a small Keras job with a fault (test_job_failure.py starts it under each launcher).
+
+Environment: ``FAULT`` = ``stall`` (sleep 600 s in user code: a hung data loader), ``crash``
+(``os._exit(3)``: gone without a word) or ``raise`` (an exception in user code, uncaught);
+``FAULT_RANK`` (default 1) and ``FAULT_STEP`` (default 5) say where. ``JOB_DIR`` gets
+``fault`` (the CLOCK_MONOTONIC time of the fault) and ``error.R`` (rank R's error, as JSON:
+class, keras_ring attributes, message) when a rank's ``fit`` fails. The exception is
+re-raised, as an uncaught error, so the exit path is the one real programs take.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+import keras
+import keras_ring
+
+
+class Fault(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch != int(os.environ.get("FAULT_STEP", "5")):
+            return
+        if keras_ring.rank() != int(os.environ.get("FAULT_RANK", "1")):
+            return
+        fault = os.environ["FAULT"]
+        Path(os.environ["JOB_DIR"], "fault").write_text(repr(time.monotonic()))
+        if fault == "stall":
+            time.sleep(600)
+        elif fault == "crash":
+            os._exit(3)
+        elif fault == "raise":
+            raise ValueError("a bad record in the input")
+
+
+def main() -> None:
+    keras_ring.init()
+    rng = np.random.default_rng(keras_ring.rank())
+    x = rng.normal(size=(2048, 8)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int64")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        model.fit(x, y, batch_size=32, epochs=5, verbose=0,
+                  callbacks=[keras_ring.callbacks.BroadcastGlobalVariablesCallback(0), Fault()])
+    except Exception as e:
+        record = {"type": type(e).__name__, "message": str(e),
+                  "keras_ring": isinstance(e, keras_ring.KerasRingError),
+                  "rank": getattr(e, "rank", None), "collective": getattr(e, "collective", None)}
+        Path(os.environ["JOB_DIR"], f"error.{keras_ring.rank()}").write_text(json.dumps(record))
+        raise
+
+
+if __name__ == "__main__":
+    main()

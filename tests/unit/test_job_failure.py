@@ -1,0 +1,97 @@
+"""The job as a whole: one rank stalls in user code, crashes, or raises, under plain mpirun,
+keras-ring-run and the environment rendezvous (Spark: test_spark.py). Every process must
+end, in about the timeout plus the failure grace, and the surviving rank's error must name
+the rank at fault.
+
+Times: the faulting rank writes CLOCK_MONOTONIC at the fault; the test reads the same clock
+when the last process has ended. The bounds leave 30 s for start-up noise and teardown on a
+loaded 2-core machine; what they catch is a job that never ends (the stalled rank sleeps
+600 s), not a slow one. The guard kills a hung job.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CHILD = Path(__file__).with_name("job_child.py")
+VENV_BIN = Path(sys.executable).parent
+TIMEOUT = 10.0  # KERAS_RING_TIMEOUT_SECONDS in these jobs
+GRACE = 5.0  # KERAS_RING_FAILURE_EXIT_SECONDS
+MARGIN = 30.0
+GUARD = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(launcher: str, env: dict) -> list[subprocess.Popen]:
+    python = [sys.executable, str(CHILD)]
+    opts = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if launcher == "mpirun":
+        return [subprocess.Popen([str(VENV_BIN / "mpirun"), "-np", "2", *python], **opts)]
+    if launcher == "keras-ring-run":
+        return [subprocess.Popen([str(VENV_BIN / "keras-ring-run"), "-np", "2", *python], **opts)]
+    rendezvous = f"127.0.0.1:{free_port()}"
+    return [subprocess.Popen(python, **dict(opts, env=dict(
+        env, KERAS_RING_RANK=str(r), KERAS_RING_SIZE="2", KERAS_RING_RENDEZVOUS=rendezvous)))
+        for r in range(2)]
+
+
+def run_job(launcher: str, fault: str, env: dict, job_dir: Path) -> tuple[float, str]:
+    """Seconds from the fault until every process of the job ended, and their output."""
+    procs = launch(launcher, dict(env, FAULT=fault, JOB_DIR=str(job_dir),
+                                  KERAS_RING_TIMEOUT_SECONDS=str(TIMEOUT),
+                                  KERAS_RING_FAILURE_EXIT_SECONDS=str(GRACE),
+                                  KERAS_RING_STALL_WARNING_SECONDS="3"))
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=GUARD)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{launcher}: the job with a rank that did '{fault}' was still running "
+                        f"after {GUARD} s:\n" + "\n".join(p.communicate()[0][-3000:] for p in procs))
+    ended = time.monotonic()
+    text = "\n".join(outputs)
+    fault_file = job_dir / "fault"
+    assert fault_file.exists(), f"the fault never happened:\n{text[-5000:]}"
+    return ended - float(fault_file.read_text()), text
+
+
+@pytest.fixture
+def job_env(clean_env):
+    return {k: v for k, v in clean_env.items() if not k.startswith("KERAS_RING_")}
+
+
+@pytest.mark.parametrize("fault", ["stall", "crash", "raise"])
+@pytest.mark.parametrize("launcher", ["mpirun", "keras-ring-run", "rendezvous"])
+def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
+    took, output = run_job(launcher, fault, job_env, tmp_path)
+    # A stalled rank is found by rank 0's timeout; a crash or an error at once.
+    bound = (TIMEOUT if fault == "stall" else 0.0) + GRACE + MARGIN
+    assert took < bound, f"the job ended {took:.1f} s after the fault:\n{output[-5000:]}"
+    error_file = tmp_path / "error.0"
+    if fault == "crash" and not error_file.exists():
+        # The launcher may stop rank 0 first (MPICH's and ours end a job whose rank failed).
+        assert launcher != "rendezvous", output[-5000:]
+        return
+    assert error_file.exists(), f"rank 0's fit did not fail:\n{output[-5000:]}"
+    error = json.loads(error_file.read_text())
+    assert "rank 1" in error["message"], error
+    if fault == "raise":
+        assert "rank 1 left with an error: ValueError: a bad record in the input" in error["message"]
+    if fault == "stall" and launcher != "keras-ring-run":
+        # Rank 1 never saw an error: keras_ring ended it, saying why (keras-ring-run stops
+        # every rank itself as soon as rank 0 fails).
+        assert "ending this process (exit code 70)" in output, output[-5000:]
