@@ -13,10 +13,19 @@ import tensorflow as tf
 # "keras_ring: allreduce 'x' ..." or, for a collective refused after an earlier failure,
 # "keras_ring: cannot run allreduce 'x' because ...": the collective is the one called.
 _LABEL = re.compile(r"keras_ring: (?:cannot run )?(?P<collective>\w+ (?:'[^']*'|#\d+))")
-_TF_SUFFIX = re.compile(r"\s*\[Op:[^\]]*\].*$", re.S)
+# TensorFlow's decorations after our message: " [[{{node ...}}]]", " [Op:...] name: ...".
+_TF_SUFFIX = re.compile(r"\s*(?:\[\[\{\{node |\[Op:).*$", re.S)
+# Where our message starts (in graph errors it follows TensorFlow's "Detected at node"
+# traceback, whose file paths contain "keras_ring" too).
+_OURS = re.compile(r"keras_ring(?:: | has not been initialized)")
 _RANK = re.compile(r"\brank (?P<rank>\d+)\b")
 # "... failed on rank R: <cause>" names the reporting rank; the cause names the rank it is about.
 _REPORTER = re.compile(r"^.*\bfailed on rank \d+: ", re.S)
+# "rank R: ..." at the start names the rank that reports, not the one at fault.
+_REPORTING_RANK = re.compile(r"^rank \d+: ")
+# TensorFlow's function runtime replaces some codes: "... originally returned UnavailableError,
+# and was replaced by InternalError ...": the original tells what happened.
+_REPLACED = re.compile(r"originally returned (?P<name>\w+Error)")
 # "rank 0 has X, rank N has Y": rank 0 is the reference, N the one that diverged.
 _DIVERGING = re.compile(r"\brank 0 has .*?, rank (?P<rank>\d+) has ", re.S)
 
@@ -35,6 +44,7 @@ class KerasRingError(Exception):
     reason: str = ""
 
     def _describe(self, message: str) -> None:
+        message = _REPORTING_RANK.sub("", message, count=1)
         m = _LABEL.search(message)
         self.collective = m.group("collective") if m else None
         self.reason = message[m.end():].lstrip(": ") if m else message
@@ -53,7 +63,18 @@ class NotInitializedError(KerasRingError, ValueError):
 
 
 class InitError(KerasRingError, RuntimeError):
-    """``keras_ring.init()`` could not bootstrap or connect the ranks."""
+    """``keras_ring.init()`` could not bootstrap or connect the ranks.
+
+    Args:
+        message: what went wrong.
+        rank: the rank at fault when known; otherwise read from the message.
+    """
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self._describe(message)
+        if rank is not None:
+            self.rank = rank
 
 
 class CollectiveMismatchError(KerasRingError, tf.errors.FailedPreconditionError):
@@ -88,16 +109,43 @@ _BY_TF_CLASS = [
 
 def translate(error: tf.errors.OpError) -> Exception:
     """Maps a TensorFlow error raised by a keras_ring op to keras_ring's class for it."""
-    message = error.message
-    if "keras_ring" not in message:
+    start = _OURS.search(error.message)
+    if start is None:
         return error
-    # Drop TensorFlow's decorations ("{{function_node ...}} ", " [Op:...] name: ...").
-    message = _TF_SUFFIX.sub("", message[message.index("keras_ring"):]).strip()
+    message = _TF_SUFFIX.sub("", error.message[start.start():]).strip()
     if "has not been initialized" in message:
         return NotInitializedError("running a collective")
+    replaced = _REPLACED.search(error.message)
+    original = getattr(tf.errors, replaced["name"], None) if replaced else None
     for tf_class, ours in _BY_TF_CLASS:
-        if isinstance(error, tf_class):
+        if isinstance(error, tf_class) or original is tf_class:
             err = ours(error.node_def, error.op, message)
             err._describe(message)
             return err
     return error
+
+
+def install_tensorflow_hook() -> None:
+    """Makes a keras_ring op's error one of keras_ring's classes wherever a graph runs it:
+    ``tf.function``, ``fit``, ``evaluate``, ``predict``, ``train_on_batch``. TensorFlow runs
+    every graph function through ``Context.call_function`` and raises its classes there
+    (from C++, by status code); that method is wrapped once. Other errors pass untouched.
+    Eager calls are translated by ``collectives`` itself.
+    """
+    from tensorflow.python.eager import context
+
+    original = context.Context.call_function
+    if getattr(original, "_keras_ring", False):
+        return
+
+    def call_function(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except tf.errors.OpError as e:
+            translated = translate(e)
+            if translated is e:
+                raise
+            raise translated.with_traceback(e.__traceback__) from None
+
+    call_function._keras_ring = True
+    context.Context.call_function = call_function

@@ -10,6 +10,7 @@ import threading
 from keras_ring import bootstrap as _bootstrap
 from keras_ring.bootstrap import Topology
 from keras_ring.config import Config
+from keras_ring import errors
 from keras_ring.errors import InitError, NotInitializedError
 from keras_ring import gpu, threads, timeline
 from keras_ring.ops.loader import Library, NativeConfig, library
@@ -68,6 +69,7 @@ class Runtime:
                 table = self._table
             threads.configure(table.topology.local_size, config.intra_op_threads)
             gpu.configure(lib, table.topology)  # before TensorFlow starts its GPUs
+            errors.install_tensorflow_hook()
             self._start_native(lib, table, config, failure_exit)
             self._topology = table.topology
             self._config = config
@@ -102,7 +104,9 @@ class Runtime:
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))
         if rc != 0:
-            raise InitError(f"rank {topo.rank}: {err.value.decode(errors='replace')}")
+            peer = lib.c.keras_ring_last_error_peer()
+            raise InitError(f"rank {topo.rank}: {err.value.decode(errors='replace')}",
+                            rank=peer if peer >= 0 else None)
         lib.c.keras_ring_install_signal_handlers()
 
     def shutdown(self, error: str | None = None) -> None:

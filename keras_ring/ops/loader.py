@@ -53,6 +53,8 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_init.restype = ctypes.c_int
     c.keras_ring_timeline_read.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     c.keras_ring_timeline_read.restype = ctypes.c_size_t
+    c.keras_ring_last_error_peer.argtypes = []
+    c.keras_ring_last_error_peer.restype = ctypes.c_int
     c.keras_ring_shutdown_with_error.argtypes = [ctypes.c_char_p]
     c.keras_ring_shutdown_with_error.restype = ctypes.c_int
     c.keras_ring_shutdown.argtypes = []

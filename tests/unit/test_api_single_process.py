@@ -169,3 +169,31 @@ def test_thread_default_respects_the_users_choice(monkeypatch):
     assert threads.configure(local_size=4, requested=0) is None
     # One rank per host keeps TensorFlow's own default.
     assert threads.configure(local_size=1, requested=None) is None
+
+
+@pytest.mark.parametrize("message, rank", [
+    # The reporting rank prefixes the message; the rank at fault is the one the cause names.
+    ("rank 0: keras_ring.init() could not connect the ranks: could not connect to rank 2 at "
+     "any address it offered: 10.0.0.3:4000 (Connection refused)", 2),
+    ("rank 1 on host h0 reached the rendezvous at a loopback address", 1),
+    ("ranks 0 and 3 both claim host 'node' but run on different machines", None),
+])
+def test_init_error_names_the_rank_at_fault(message, rank):
+    assert kr.InitError(message).rank == rank
+    assert kr.InitError(message, rank=5).rank == 5  # a structured rank wins
+
+
+def test_errors_of_a_graph_keep_keras_ring_classes_when_tensorflow_replaced_the_code():
+    from keras_ring import errors
+
+    raw = tf.errors.InternalError(
+        None, None, "Graph execution error:\n\nDetected at node X defined at:\n  File "
+        "\"/x/keras_ring/optimizer.py\", line 1\n\nkeras_ring: grouped_allreduce 'g' failed "
+        "on rank 0: lost rank 1: its process exited\n\t [[{{node X}}]]\nExecuting "
+        "non-communication op <X> originally returned UnavailableError, and was replaced by "
+        "InternalError to avoid invoking TF network error handling logic. [Op:__inference_f]")
+    ours = errors.translate(raw)
+    assert isinstance(ours, kr.PeerFailureError) and isinstance(ours, tf.errors.UnavailableError)
+    assert ours.rank == 1 and ours.collective == "grouped_allreduce 'g'"
+    assert str(ours).startswith("keras_ring: grouped_allreduce 'g' failed on rank 0: lost rank 1")
+    assert "[[{{node" not in str(ours) and "[Op:" not in str(ours)

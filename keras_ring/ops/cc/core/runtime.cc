@@ -59,7 +59,8 @@ Runtime::~Runtime() {
 void Runtime::Stop() { StopWith(ShutdownCause()); }
 
 void Runtime::Abandon(const std::string& reason) {
-  const Status cause(Code::kAborted,
+  // kUnavailable: to its peers this is a peer lost, as if it had crashed, only explained.
+  const Status cause(Code::kUnavailable,
                      "rank " + std::to_string(options_.rank) + " left with an error: " + reason,
                      options_.rank);
   StopWith(cause);

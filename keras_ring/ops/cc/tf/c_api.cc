@@ -44,7 +44,10 @@ void OnSignal(int sig, siginfo_t* info, void* context) {
   }
 }
 
+thread_local int t_last_error_peer = -1;  // the rank at fault in this thread's last error
+
 int Report(const Status& s, char* err, size_t err_len) {
+  t_last_error_peer = s.peer();
   if (err != nullptr && err_len > 0) {
     std::strncpy(err, s.message().c_str(), err_len - 1);
     err[err_len - 1] = '\0';
@@ -96,7 +99,7 @@ int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
     Status s = keras_ring::ConnectHostTransport(config, &transport);
     if (!s.ok()) {
       return Report(Status(s.code(), "keras_ring.init() could not connect the ranks: " +
-                                         s.message()),
+                                         s.message(), s.peer()),
                     err, err_len);
     }
   }
@@ -133,6 +136,8 @@ int keras_ring_shutdown_with_error(const char* reason) {
   runtime.reset();
   return 0;
 }
+
+int keras_ring_last_error_peer(void) { return t_last_error_peer; }
 
 int keras_ring_is_initialized(void) { return Runtime::Get() != nullptr ? 1 : 0; }
 

@@ -41,6 +41,8 @@ int keras_ring_shutdown(void);
 // failure and end too, and this process ends after the failure grace if its exit hangs.
 int keras_ring_shutdown_with_error(const char* reason);
 int keras_ring_is_initialized(void);
+// The rank at fault in the last error this thread's calls reported, or -1 if none is known.
+int keras_ring_last_error_peer(void);
 int keras_ring_barrier(const char* name, char* err, size_t err_len);
 // Marks the calling thread as running an eager collective (1) or not (0): its waits may then
 // yield the core before sleeping (see keras_ring::SetYieldWhileWaiting).

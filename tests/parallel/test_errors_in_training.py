@@ -1,0 +1,75 @@
+"""Errors raised inside training code are keras_ring's classes, with their attributes.
+
+TensorFlow raises an op's error where the graph runs (``fit``, ``train_on_batch``,
+``predict``, any ``tf.function``), and its function runtime replaces some codes
+(UnavailableError becomes InternalError). keras_ring's errors there must still be
+``CollectiveMismatchError`` & co., subclasses of the matching ``tf.errors`` class, with
+``collective``, ``rank`` and ``reason``. A shape that differs on the last rank makes a
+collective fail on every rank without breaking the runtime, so each case runs here.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ring as kr
+
+
+def _width(rank: int, size: int) -> int:
+    return 5 if rank == size - 1 else 4  # the last rank diverges
+
+
+def _check(error: Exception, size: int) -> None:
+    assert isinstance(error, kr.CollectiveMismatchError), type(error)
+    assert isinstance(error, tf.errors.FailedPreconditionError)
+    assert error.rank == size - 1, (error.rank, str(error))
+    assert error.collective is not None and "mismatch" in error.reason, error.reason
+    # Still usable afterwards.
+    assert kr.allreduce(tf.constant([1.0]), op=kr.Sum).numpy()[0] == size
+
+
+def test_in_a_tf_function(world):
+    rank, size = world
+
+    @tf.function
+    def step(x):
+        return kr.allreduce(x, name="in_graph") * 2.0
+
+    with pytest.raises(tf.errors.OpError) as info:
+        step(tf.ones([_width(rank, size)]))
+    _check(info.value, size)
+
+
+def _model(rank: int, size: int) -> keras.Model:
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(_width(rank, size))])
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    return model
+
+
+def test_in_fit_and_train_on_batch(world):
+    rank, size = world
+    model = _model(rank, size)
+    x = np.ones((8, 3), "float32")
+    y = np.ones((8, _width(rank, size)), "float32")
+    with pytest.raises(tf.errors.OpError) as info:
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    _check(info.value, size)
+    with pytest.raises(tf.errors.OpError) as info:
+        model.train_on_batch(x, y)
+    _check(info.value, size)
+
+
+class AllreduceLayer(keras.layers.Layer):
+    """A layer that averages its input over the ranks (like a synchronized statistic)."""
+
+    def call(self, x):
+        return kr.allreduce(x, name="layer_stat")
+
+
+def test_in_predict(world):
+    rank, size = world
+    model = keras.Sequential([keras.Input((_width(rank, size),)), AllreduceLayer()])
+    with pytest.raises(tf.errors.OpError) as info:
+        model.predict(np.ones((2, _width(rank, size)), "float32"), verbose=0)
+    _check(info.value, size)
