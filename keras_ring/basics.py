@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from keras_ring.runtime import RUNTIME
 
 
@@ -21,6 +23,12 @@ def init() -> None:
     ```
     """
     RUNTIME.init()
+    if "keras" in sys.modules:
+        # `model.compile(optimizer=keras_ring.wrap(...))` looks compile up before wrap runs,
+        # so the hook for models compiled with wrapped optimizers must be in place already.
+        from keras_ring.optimizer import install_compile_hook
+
+        install_compile_hook()
 
 
 def shutdown() -> None:

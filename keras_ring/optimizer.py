@@ -101,7 +101,7 @@ def wrap(
                                    sparse_as_dense, gradient_predivide_factor)
     optimizer = _as_optimizer(optimizer)
     _wrap_in_place(optimizer, options)
-    _install_compile_hook()
+    install_compile_hook()
     return optimizer
 
 
@@ -240,7 +240,7 @@ def _reduce_once_per_update(optimizer, options: ReduceOptions, grads: list, vari
 
 # --- Model.compile integration -----------------------------------------------------------
 
-def _install_compile_hook() -> None:
+def install_compile_hook() -> None:
     """Wraps ``keras.Model.compile`` once, to fix up models compiled with wrapped optimizers."""
     global _compile_hook_installed
     if _compile_hook_installed:
@@ -276,3 +276,31 @@ def _after_compile(model: Any, requested_jit: Any) -> None:
         _wrap_in_place(optimizer, inner.__dict__[_STATE].options)
     if is_wrapped(optimizer):
         _xla.turn_off_model_jit(model, requested_jit)
+        _build_before_first_step(model)
+
+
+def _build_before_first_step(model: Any) -> None:
+    """Makes ``fit``/``train_on_batch`` build a lazily built model before its first step.
+
+    Keras 3 on TensorFlow (without a distribution strategy) builds a model that has no
+    ``Input`` only while tracing the first train step, i.e. after the callbacks' last chance
+    to broadcast the root's initial weights: that step would run on unsynchronised weights.
+    Keras's other backends, and TensorFlow under a strategy, build symbolically from the
+    first batch before the first step; a model compiled with a wrapped optimizer does that
+    too, so its variables (and the optimizer's) exist when the broadcast runs.
+    """
+    if not hasattr(model, "_maybe_symbolic_build") or not hasattr(model, "_symbolic_build"):
+        return  # another Keras: it keeps its own build path
+    original = model._maybe_symbolic_build
+
+    def maybe_symbolic_build(iterator=None, data_batch=None):
+        built = all(layer.built for layer in model._flatten_layers())
+        if built or getattr(model, "_distribute_strategy", None) is not None:
+            return original(iterator=iterator, data_batch=data_batch)
+        if data_batch is None and iterator is not None:
+            for _, _, batches in iterator:  # the TensorFlow iterator hands out iterators
+                data_batch = next(batches)
+                break
+        model._symbolic_build(data_batch=data_batch)
+
+    model._maybe_symbolic_build = maybe_symbolic_build

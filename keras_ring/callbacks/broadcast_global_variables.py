@@ -59,11 +59,22 @@ def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
 
     The optimizer's variables are built first when needed, so slots such as Adam's moments
     exist on every rank and are broadcast too.
+
+    Raises:
+        ValueError: the model is not built yet (it has no variables to send); the message
+            says how to build it.
     """
+    if not model.built or not all(layer.built for layer in model._flatten_layers()):
+        raise ValueError(
+            f"keras_ring: cannot broadcast the variables of model '{model.name}': it is not "
+            "built yet, so it has no variables (Keras builds a model without an Input when it "
+            "first runs). Build it first: model.build(input_shape), call it on a batch, give "
+            "it a keras.Input, or compile it with keras_ring.wrap(optimizer), which makes "
+            "fit() build it before the first step")
     optimizer = getattr(model, "optimizer", None)
     variables = list(model.variables)
     if optimizer is not None:
-        if not optimizer.built:
+        if not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)
         variables += list(optimizer.variables)
     broadcast_variables(variables, root_rank=root_rank)

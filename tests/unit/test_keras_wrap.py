@@ -1,5 +1,8 @@
 """wrap(), Compression, bucket planning and DistributedGradientTape in one process (size 1)."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -155,3 +158,19 @@ def test_jit_compile_auto_on_a_gpu_machine_is_turned_off_once(fresh_warning, mon
             assert model.jit_compile is False
     assert len([w for w in record if "XLA" in str(w.message)]) == 1
     model.fit(np.zeros((4, 4), "float32"), np.zeros((4, 2), "float32"), verbose=0)
+
+
+def test_the_first_compile_of_a_fresh_process_sees_the_wrapped_optimizer(clean_env):
+    # `model.compile(optimizer=keras_ring.wrap(...))` resolves compile before wrap runs: in a
+    # process where nothing was wrapped yet, the compile hook must already be in place.
+    code = ("import numpy as np, keras, keras_ring\n"
+            "keras_ring.init()\n"
+            "m = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(2)])\n"
+            "m.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss='mse',"
+            " jit_compile=True)\n"
+            "m.fit(np.ones((8, 3)), np.ones((8, 2)), epochs=1, verbose=0,"
+            " callbacks=[keras_ring.callbacks.BroadcastGlobalVariablesCallback(0)])\n"
+            "print('RESULT', m.jit_compile, len(m.variables))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=clean_env, timeout=300)
+    assert "RESULT False 4" in out.stdout, out.stdout + out.stderr[-3000:]

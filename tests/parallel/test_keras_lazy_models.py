@@ -1,0 +1,83 @@
+"""Models built every way Keras allows, with wrap() and both callbacks, under mpirun.
+
+Keras 3 on TensorFlow builds a model without an Input (a Sequential of bare layers, most
+subclassed models) only when the first training step is traced. The broadcast must still
+happen before that step, so N ranks x batch B still train exactly like one process with
+batch N*B from the root's initial weights.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+import keras_ring
+from keras_ring.callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
+
+from tests.parallel import keras_support as ks
+
+BATCH, STEPS, EPOCHS = 4, 5, 2
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(ks.CLASSES)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def build(kind: str, seed: int) -> keras.Model:
+    """A model whose initial weights depend only on ``seed``, built (or not) as ``kind`` says."""
+    keras.utils.set_random_seed(seed)
+    if kind == "sequential_without_input":
+        return keras.Sequential([keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(ks.CLASSES)])
+    if kind == "subclassed":
+        return Subclassed()
+    if kind == "functional":
+        inputs = keras.Input((ks.FEATURES,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(ks.CLASSES)(hidden))
+    model = keras.Sequential([keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(ks.CLASSES)])
+    model.build((None, ks.FEATURES))  # "built_by_hand"
+    return model
+
+
+KINDS = ["sequential_without_input", "subclassed", "functional", "built_by_hand"]
+
+
+def _reference(kind: str, root: int, size: int, x, y) -> list:
+    """Plain Keras, one process: the root's initial model on batches of size*BATCH."""
+    model = build(kind, ks.rank_seed(root))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=ks.loss())
+    model.fit(x, y, batch_size=size * BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return ks.weights(model)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_way_of_building_trains_like_one_process(world, kind):
+    rank, size = world
+    root = size - 1
+    x, y = ks.classification_data(size * BATCH * STEPS, seed=7)
+    model = build(kind, ks.rank_seed(rank))  # every rank starts from other weights
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.Adam(0.01)), loss=ks.loss(),
+                  metrics=["accuracy"])
+    history = model.fit(ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH),
+                        batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                        callbacks=[BroadcastGlobalVariablesCallback(root),
+                                   MetricAverageCallback()])
+    assert len(history.history["accuracy"]) == EPOCHS
+    ks.assert_weights_close(ks.weights(model), _reference(kind, root, size, x, y), atol=2e-6)
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
+def test_a_model_that_cannot_be_built_yet_gets_an_error_that_says_what_to_do(world):
+    # Broadcasting by hand before anything built the model: nothing to broadcast yet.
+    model = build("sequential_without_input", 1)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=ks.loss())
+    with pytest.raises(ValueError, match=r"not built yet.*model\.build\("):
+        keras_ring.callbacks.broadcast_model(model, 0)
+    assert not model.optimizer.built  # and nothing was built on an empty variable list
