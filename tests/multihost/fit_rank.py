@@ -54,9 +54,9 @@ def main() -> int:
     args = parser.parse_args()
     keras_ring.init()
     x, y = make_data(2048, seed=keras_ring.rank())  # each rank its own shard
-    model = keras.Sequential([keras.layers.Dense(32, activation="relu"),  # built lazily
+    # No Input: Keras builds it lazily, as in Horovod's own Keras examples.
+    model = keras.Sequential([keras.layers.Dense(32, activation="relu"),
                               keras.layers.Dense(CLASSES)])
-    model.build((None, FEATURES))
     opt = keras_ring.wrap(keras.optimizers.Adam(1e-3 * keras_ring.size()))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
