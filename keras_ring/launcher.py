@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import selectors
 import shutil
@@ -27,11 +28,19 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 _WRAPPER_FLAG = "--keras-ring-rank-wrapper"
 _TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
-_MARKER = b"KERAS_RING_RUN_EXIT"
+# Each rank's wrapper sends its output to the launcher in frames, so the launcher knows
+# whose bytes it holds even in partial lines: b"\x1eKR <token> <rank> <sink> <n>\n" and n
+# bytes (sink 1 or 2: stdout or stderr), or b"\x1eKR <token> <rank> exit <code>\n".
+_FRAME = b"\x1eKR "
+_FRAME_PAYLOAD = 3072  # header + payload stay below PIPE_BUF: one atomic write per frame
+# A partial line (a progress bar after "\r") is forwarded once the rank has been quiet
+# this long, so pieces written together still travel together.
+_PARTIAL_SECONDS = 0.05
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "KERAS_RING_RANK", "SLURM_PROCID")
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # How long mpirun may take to wind the ranks down after a stop request before it is killed.
@@ -130,19 +139,13 @@ class _Job:
 
     def _pump(self, source, sink) -> None:
         out = getattr(sink, "buffer", sink)
-        for line in iter(source.readline, b""):
-            if line.startswith(_MARKER):
-                self._on_marker(line)
-                continue
-            out.write(line)
-            out.flush()
+        reader = _FrameReader(self.token, _Renderer(out), self._on_exit)
+        fd = source.fileno()
+        while chunk := os.read(fd, 65536):
+            reader.feed(chunk)
+        reader.close()
 
-    def _on_marker(self, line: bytes) -> None:
-        parts = line.split()
-        if len(parts) != 4 or parts[1] != self.token:
-            return
-        rank = int(parts[2]) if parts[2].isdigit() else -1
-        code = int(parts[3])
+    def _on_exit(self, rank: int, code: int) -> None:
         if code != 0 and self.first_failure is None:
             self.first_failure = (rank, code)
             self.stop(signal.SIGTERM)
@@ -229,25 +232,46 @@ def _die_with_parent(sig: int) -> None:
         pass
 
 
-def _copy_lines(child: subprocess.Popen, prefix: bytes) -> None:
-    """Copies the child's stdout/stderr to ours, one whole prefixed line per write."""
+def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
+    """Sends the child's stdout and stderr to ours in frames, live: whole lines at once, a
+    partial line (a progress bar) once the child has been quiet for a moment."""
     selector = selectors.DefaultSelector()
-    pending = {}
+    pending: dict[int, bytes] = {}
+    since: dict[int, float] = {}  # when the oldest pending partial line arrived
     for source, sink in ((child.stdout, 1), (child.stderr, 2)):
         selector.register(source, selectors.EVENT_READ, sink)
         pending[sink] = b""
     while selector.get_map():
-        for key, _ in selector.select():
+        timeout = (min(since.values()) + _PARTIAL_SECONDS - time.monotonic()) if since else None
+        events = selector.select(None if timeout is None else max(0.0, timeout))
+        for key, _ in events:
             chunk = os.read(key.fd, 65536)
             sink = key.data
             if not chunk:
                 selector.unregister(key.fileobj)
-                if pending[sink]:
-                    _write_all(sink, prefix + pending[sink] + b"\n")
+                _send_frames(sink, rank, token, pending.pop(sink))
+                since.pop(sink, None)
                 continue
-            *lines, pending[sink] = (pending[sink] + chunk).split(b"\n")
-            if lines:
-                _write_all(sink, b"".join(prefix + line + b"\n" for line in lines))
+            data = pending[sink] + chunk
+            cut = data.rfind(b"\n") + 1
+            _send_frames(sink, rank, token, data[:cut])
+            pending[sink] = data[cut:]
+            if pending[sink]:
+                since.setdefault(sink, time.monotonic())
+            else:
+                since.pop(sink, None)
+        now = time.monotonic()
+        for sink in [s for s, t in since.items() if now - t >= _PARTIAL_SECONDS]:
+            _send_frames(sink, rank, token, pending[sink])
+            pending[sink] = b""
+            del since[sink]
+
+
+def _send_frames(sink: int, rank: str, token: bytes, data: bytes) -> None:
+    for start in range(0, len(data), _FRAME_PAYLOAD):
+        payload = data[start:start + _FRAME_PAYLOAD]
+        _write_all(sink, b"%s%s %s %d %d\n%s" % (_FRAME, token, rank.encode(), sink,
+                                                len(payload), payload))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -269,17 +293,111 @@ def _wrapper_main(argv: list[str]) -> int:
         return _report(rank, 127)
     for sig in _FORWARDED_SIGNALS:
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    _copy_lines(child, f"[{rank}] ".encode())
+    _forward_output(child, rank, os.environ.get(_TOKEN_ENV, "").encode())
     code = child.wait()
     return _report(rank, code if code >= 0 else 128 - code)
 
 
 def _report(rank: str, code: int) -> int:
-    """Tells the launcher how this rank ended (one marker line it removes), returns ``code``."""
+    """Tells the launcher how this rank ended (a frame it consumes), returns ``code``."""
     token = os.environ.get(_TOKEN_ENV)
     if token:
-        _write_all(2, b"%s %s %s %d\n" % (_MARKER, token.encode(), rank.encode(), code))
+        _write_all(2, b"%s%s %s exit %d\n" % (_FRAME, token.encode(), rank.encode(), code))
     return code
+
+
+# --- the launcher's side of the frames ----------------------------------------------------------
+
+class _Renderer:
+    """Writes the ranks' output to one stream with ``[rank] `` at the start of every line and
+    after every carriage return, so a rank's progress bar updates in place; a rank's partial
+    line is ended before another rank's output, so two ranks never share a line."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.open_rank: str | None = None  # whose partial line is on the screen, if any
+
+    def rank_output(self, rank: str, data: bytes) -> None:
+        if not data:
+            return
+        parts = []
+        if self.open_rank is not None and self.open_rank != rank:
+            parts.append(b"\n")
+            self.open_rank = None
+        prefix = b"[%s] " % rank.encode()
+        at_start = self.open_rank is None
+        for piece in re.split(rb"(?<=[\r\n])", data):
+            if piece:
+                parts.append(prefix + piece if at_start else piece)
+                at_start = piece.endswith((b"\n", b"\r"))
+        self.open_rank = None if data.endswith(b"\n") else rank
+        self._write(b"".join(parts))
+
+    def raw(self, data: bytes) -> None:
+        """Bytes that are nobody's frames (mpirun's own messages), passed through."""
+        if data:
+            if self.open_rank is not None:
+                data = b"\n" + data
+                self.open_rank = None
+            self._write(data)
+
+    def close(self) -> None:
+        if self.open_rank is not None:
+            self._write(b"\n")
+            self.open_rank = None
+
+    def _write(self, data: bytes) -> None:
+        self.out.write(data)
+        self.out.flush()
+
+
+class _FrameReader:
+    """Splits the merged output of mpirun into the ranks' frames (see ``_FRAME``)."""
+
+    def __init__(self, token: bytes, renderer: _Renderer, on_exit) -> None:
+        self.token, self.renderer, self.on_exit = token, renderer, on_exit
+        self.buffer = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.buffer += chunk
+        while self.buffer:
+            start = self.buffer.find(_FRAME)
+            if start != 0:
+                # Pass through what precedes a frame; keep a tail that may begin one.
+                keep = start if start > 0 else self._possible_frame_start()
+                self.renderer.raw(self.buffer[:keep])
+                self.buffer = self.buffer[keep:]
+                if start < 0:
+                    return
+            end = self.buffer.find(b"\n")
+            if end < 0:
+                return  # the header is still arriving
+            fields = self.buffer[len(_FRAME):end].split()
+            if len(fields) == 4 and fields[0] == self.token and fields[2] == b"exit":
+                self.buffer = self.buffer[end + 1:]
+                self.on_exit(int(fields[1]) if fields[1].isdigit() else -1, int(fields[3]))
+                continue
+            if len(fields) != 4 or fields[0] != self.token or not fields[3].isdigit():
+                self.renderer.raw(self.buffer[:end + 1])  # not ours after all
+                self.buffer = self.buffer[end + 1:]
+                continue
+            size = int(fields[3])
+            if len(self.buffer) < end + 1 + size:
+                return  # the payload is still arriving
+            self.renderer.rank_output(fields[1].decode(), self.buffer[end + 1:end + 1 + size])
+            self.buffer = self.buffer[end + 1 + size:]
+
+    def _possible_frame_start(self) -> int:
+        """Where a frame marker may begin at the end of the buffer (else its length)."""
+        for k in range(min(len(_FRAME) - 1, len(self.buffer)), 0, -1):
+            if _FRAME.startswith(self.buffer[-k:]):
+                return len(self.buffer) - k
+        return len(self.buffer)
+
+    def close(self) -> None:
+        self.renderer.raw(self.buffer)
+        self.buffer = b""
+        self.renderer.close()
 
 
 if __name__ == "__main__":

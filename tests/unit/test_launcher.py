@@ -164,3 +164,68 @@ def test_console_script_runs_a_keras_ring_job(clean_env, tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     lines = sorted(line for line in proc.stdout.decode().splitlines() if "sum" in line)
     assert lines == ["[0] size 2 sum 3.0", "[1] size 2 sum 3.0"]
+
+
+def test_carriage_returns_reach_the_terminal_byte_for_byte(mpirun, clean_env, tmp_path):
+    # A Keras progress bar: "\r" then the new state, no newline until the epoch ends.
+    script = _script(tmp_path, """
+        for piece in (b"Epoch 1/1", b"\\n", b"\\r 1/3 [==    ]", b"\\r 2/3 [====  ]",
+                      b"\\r 3/3 [======]", b" - loss: 0.5\\n"):
+            os.write(1, piece)
+    """)
+    code, out, err = _run(mpirun, ["-np", "1", sys.executable, script], clean_env)
+    assert code == 0, err
+    assert out == ("[0] Epoch 1/1\n[0] \r[0]  1/3 [==    ]\r[0]  2/3 [====  ]"
+                   "\r[0]  3/3 [======] - loss: 0.5\n")
+
+
+def test_a_partial_line_is_forwarded_while_the_rank_still_runs(mpirun, clean_env, tmp_path):
+    fifo = tmp_path / "go_on"
+    os.mkfifo(fifo)
+    script = _script(tmp_path, f"""
+        os.write(1, b"\\r 1/3 [==    ]")  # no newline, and the rank waits before finishing
+        with open({str(fifo)!r}) as f:
+            f.read()
+        os.write(1, b"\\n")
+    """)
+    proc = _launch(mpirun, ["-np", "1", sys.executable, script], clean_env)
+    seen = b""
+    while not seen.endswith(b"[0]  1/3 [==    ]"):  # blocks until the bytes arrive
+        piece = os.read(proc.stdout.fileno(), 100)
+        assert piece, f"the launcher's output ended early: {seen!r}"
+        seen += piece
+    with open(fifo, "w") as f:  # only now may the rank end
+        f.write("go")
+    out, err = proc.communicate(timeout=GUARD)
+    assert proc.returncode == 0, err
+    assert seen + out == b"[0] \r[0]  1/3 [==    ]\n"
+
+
+def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
+    token = b"t0k"
+
+    def frame(rank, data):
+        return b"\x1eKR t0k %d 1 %d\n%s" % (rank, len(data), data)
+
+    stream = (frame(0, b"\r 1/3") + b"mpirun says hi\n" + frame(0, b"\r 2/3") +
+              frame(1, b"warning\n") + frame(0, b"\r 3/3\n") + frame(1, b"\xff\x00 binary\n")
+              + b"\x1eKR t0k 1 exit 3\n" + b"\x1eKR other 9 1 3\nabc" + frame(0, b"tail"))
+    for chunk_size in (1, 2, 7, len(stream)):  # frames split anywhere by the pipes
+        written, exits = [], []
+
+        class Sink:
+            def write(self, data):
+                written.append(data)
+
+            def flush(self):
+                pass
+
+        reader = launcher._FrameReader(token, launcher._Renderer(Sink()),
+                                       lambda r, c: exits.append((r, c)))
+        for i in range(0, len(stream), chunk_size):
+            reader.feed(stream[i:i + chunk_size])
+        reader.close()
+        assert b"".join(written) == (
+            b"[0] \r[0]  1/3\nmpirun says hi\n[0] \r[0]  2/3\n[1] warning\n[0] \r[0]  3/3\n"
+            b"[1] \xff\x00 binary\n\x1eKR other 9 1 3\nabc[0] tail\n"), chunk_size
+        assert exits == [(1, 3)]
