@@ -97,11 +97,7 @@ def _run(fn, *args):
             raise
         raise translated from None
     except RuntimeError as e:
-        # Ctrl-C: the op fails with "interrupted by SIGINT" while Python's KeyboardInterrupt
-        # is pending; it fires while TensorFlow builds its exception and pybind11 reports the
-        # clash as "RuntimeError: ... MISMATCH ... REPLACED BY KeyboardInterrupt". Give the
-        # program the KeyboardInterrupt it expects (so `except KeyboardInterrupt` works).
-        if "REPLACED BY KeyboardInterrupt" in str(e):
+        if errors.is_interrupt_clash(e):  # Ctrl-C while waiting: see there
             raise KeyboardInterrupt from None
         raise
     finally:

@@ -125,6 +125,15 @@ def translate(error: tf.errors.OpError) -> Exception:
     return error
 
 
+def is_interrupt_clash(error: RuntimeError) -> bool:
+    """Ctrl-C while a collective waits: the op fails ("interrupted by SIGINT") while Python's
+    KeyboardInterrupt is pending; it fires as TensorFlow builds its exception, and pybind11
+    reports the clash as "RuntimeError: ... MISMATCH ... REPLACED BY KeyboardInterrupt". The
+    program should get the KeyboardInterrupt it expects (so ``except KeyboardInterrupt``
+    works and the traceback says what happened)."""
+    return "REPLACED BY KeyboardInterrupt" in str(error)
+
+
 def install_tensorflow_hook() -> None:
     """Makes a keras_ring op's error one of keras_ring's classes wherever a graph runs it:
     ``tf.function``, ``fit``, ``evaluate``, ``predict``, ``train_on_batch``. TensorFlow runs
@@ -146,6 +155,10 @@ def install_tensorflow_hook() -> None:
             if translated is e:
                 raise
             raise translated.with_traceback(e.__traceback__) from None
+        except RuntimeError as e:
+            if is_interrupt_clash(e):
+                raise KeyboardInterrupt from None
+            raise
 
     call_function._keras_ring = True
     context.Context.call_function = call_function

@@ -1,6 +1,6 @@
 """One rank of a small Keras job with a fault (test_job_failure.py starts it under each launcher).
 
-Environment: ``FAULT`` = ``stall`` (sleep 600 s in user code: a hung data loader), ``crash``
+Environment: ``FAULT`` = ``none``, ``stall`` (sleep 600 s in user code: a hung data loader), ``crash``
 (``os._exit(3)``: gone without a word) or ``raise`` (an exception in user code, uncaught);
 ``FAULT_RANK`` (default 1) and ``FAULT_STEP`` (default 5) say where. ``JOB_DIR`` gets
 ``fault`` (the CLOCK_MONOTONIC time of the fault) and ``error.R`` (rank R's error, as JSON:
@@ -23,11 +23,15 @@ import keras_ring
 
 class Fault(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            print("TRAINING", flush=True)
         if batch != int(os.environ.get("FAULT_STEP", "5")):
             return
         if keras_ring.rank() != int(os.environ.get("FAULT_RANK", "1")):
             return
-        fault = os.environ["FAULT"]
+        fault = os.environ.get("FAULT", "none")
+        if fault == "none":
+            return
         Path(os.environ["JOB_DIR"], "fault").write_text(repr(time.monotonic()))
         if fault == "stall":
             time.sleep(600)
@@ -47,7 +51,7 @@ def main() -> None:
     model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     try:
-        model.fit(x, y, batch_size=32, epochs=5, verbose=0,
+        model.fit(x, y, batch_size=32, epochs=int(os.environ.get("EPOCHS", "5")), verbose=0,
                   callbacks=[keras_ring.callbacks.BroadcastGlobalVariablesCallback(0), Fault()])
     except Exception as e:
         record = {"type": type(e).__name__, "message": str(e),

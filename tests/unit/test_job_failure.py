@@ -12,6 +12,8 @@ loaded 2-core machine; what they catch is a job that never ends (the stalled ran
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -98,3 +100,28 @@ def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
         # Rank 1 never saw an error: keras_ring ended it, saying why (keras-ring-run stops
         # every rank itself as soon as rank 0 fails).
         assert "ending this process (exit code 70)" in output, output[-5000:]
+
+
+def test_ctrl_c_ends_a_training_job_at_once_with_a_plain_keyboard_interrupt(job_env, tmp_path):
+    # A terminal's Ctrl-C reaches the whole foreground process group.
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "keras-ring-run"), "-np", "2", sys.executable, str(CHILD)],
+        env=dict(job_env, JOB_DIR=str(tmp_path), EPOCHS="1000"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    seen = b""
+    while seen.count(b"TRAINING") < 2:  # both ranks are inside fit
+        piece = os.read(proc.stdout.fileno(), 4096)
+        assert piece, seen.decode(errors="replace")[-3000:]
+        seen += piece
+    interrupted = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        output = (seen + proc.communicate(timeout=GUARD)[0]).decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the interrupted job did not end")
+    took = time.monotonic() - interrupted
+    assert proc.returncode == 130, output[-3000:]
+    # Well before the launcher's 15 s grace ends in SIGKILL (about half a second here).
+    assert took < 10, (took, output[-3000:])
+    assert "MISMATCH" not in output and "[0] KeyboardInterrupt" in output, output[-3000:]
