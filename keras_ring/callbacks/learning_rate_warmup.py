@@ -72,6 +72,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._epoch = 0
         self._steps = 1
         self._finished = False
+        self._announce = False  # the warmup ended in this epoch: say so at its end
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         optimizer = lr_util.optimizer_of(self.model, "LearningRateWarmupCallback")
@@ -82,6 +83,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
                                               "LearningRateWarmupCallback")
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._say_finished()
         self._epoch = epoch
 
     def learning_rate_at(self, epoch: int, batch: int) -> float | None:
@@ -101,6 +103,16 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         lr_util.set_rate(self.model.optimizer, rate, self.momentum_correction)
         if rate == self.initial_lr and not self._finished:
             self._finished = True
-            if self.verbose and rank() == 0:
-                print(f"\nEpoch {self._epoch + 1}: finished gradual learning rate warmup "
-                      f"to {rate:g}.")
+            self._announce = True  # at the end of the epoch, as Keras's own callbacks do
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._say_finished()
+
+    def _say_finished(self) -> None:
+        # Once the epoch's progress bar is complete (Keras's ProgbarLogger runs after user
+        # callbacks, so: at the next epoch's start, or at the end of training), as
+        # EarlyStopping reports after the bar, not into its carriage-return updates.
+        if self._announce and self.verbose and rank() == 0:
+            print(f"Epoch {self._epoch + 1}: finished gradual learning rate warmup to "
+                  f"{self.initial_lr:g}.", flush=True)
+        self._announce = False

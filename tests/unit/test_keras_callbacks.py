@@ -92,3 +92,19 @@ def test_on_rank_zero_at_rank_zero_is_the_callback_itself():
     assert on_rank_zero(callback) is callback
     with pytest.raises(TypeError, match="takes a keras.callbacks.Callback, got builtins.str"):
         on_rank_zero("checkpoint")
+
+
+def test_warmup_announces_its_end_after_the_epochs_progress_bar(capsys):
+    # As Keras's EarlyStopping does: once the epoch's progress bar is complete, never in the
+    # middle of its carriage-return updates.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(np.ones((32, 3)), np.ones((32, 1)), batch_size=4, epochs=2, verbose=1,
+              callbacks=[LearningRateWarmupCallback(warmup_epochs=1, verbose=1)])
+    out = capsys.readouterr().out
+    message = "Epoch 1: finished gradual learning rate warmup to 0.1."
+    assert out.count(message) == 1, out
+    at = out.index(message)
+    # After the epoch's last step was shown and its line ended, before the next epoch.
+    assert out.index("8/8") < at < out.index("Epoch 2/2"), out
+    assert out[at - 1] == "\n", out
