@@ -177,15 +177,24 @@ def ensure_built(out_dir: Path | None = None, force: bool = False) -> Path:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--if-needed", action="store_true", help="skip when the library is current")
+    parser = argparse.ArgumentParser(
+        description="Builds keras_ring's op library for the installed TensorFlow, unless the "
+                    "library is already current (built for this TensorFlow from these sources).")
+    parser.add_argument("--force", action="store_true", help="rebuild even when it is current")
+    parser.add_argument("--if-needed", action="store_true",
+                        help="the default; kept for scripts that pass it")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    lib = library_path(args.out_dir or default_output_dir())
+    current = not args.force and is_current(lib, stamp())
     try:
-        path = ensure_built(args.out_dir, force=not args.if_needed)
+        path = ensure_built(args.out_dir, force=args.force)
     except BuildError as e:
         print(f"keras_ring: {e}", file=sys.stderr)
         return 1
+    if current:
+        print(f"keras_ring: {path} is current for this TensorFlow; nothing to do "
+              "(--force rebuilds it)", file=sys.stderr)
     print(path)
     return 0
 

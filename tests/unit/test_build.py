@@ -55,3 +55,11 @@ def test_gpu_free_build_has_cpu_kernels_for_every_op():
     for op in ("KerasRingAllreduce", "KerasRingGroupedAllreduce", "KerasRingAllgather", "KerasRingBroadcast"):
         devices = {k.device_type for k in kernels.get_registered_kernels_for_op(op).kernel}
         assert "CPU" in devices, (op, devices)
+
+
+def test_the_command_line_skips_a_current_library_and_says_so(capsys):
+    # make venv built the library for this TensorFlow: nothing to compile (it took 35 s).
+    assert build.main([]) == 0
+    captured = capsys.readouterr()
+    assert "is current for this TensorFlow; nothing to do (--force rebuilds it)" in captured.err
+    assert captured.out.strip() == str(build.library_path(build.default_output_dir()))
