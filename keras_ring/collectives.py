@@ -84,12 +84,7 @@ def _to_tensor(value: Any, what: str) -> tf.Tensor:
 
 def _run(fn, *args):
     """Calls an op; in eager mode its errors become keras_ring's error classes."""
-    eager = tf.executing_eagerly()
-    c_api = loader.library().c if eager else None
     try:
-        if eager:
-            # This thread waits for the peers itself: it may yield the core to them.
-            c_api.keras_ring_set_eager_call(1)
         return fn(*args)
     except tf.errors.OpError as e:
         translated = errors.translate(e)
@@ -100,9 +95,6 @@ def _run(fn, *args):
         if errors.is_interrupt_clash(e):  # Ctrl-C while waiting: see there
             raise KeyboardInterrupt from None
         raise
-    finally:
-        if eager:
-            c_api.keras_ring_set_eager_call(0)
 
 
 def allreduce(

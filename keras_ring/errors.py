@@ -7,8 +7,11 @@ catches TensorFlow's errors keeps working, and they carry what failed as attribu
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import tensorflow as tf
+
+from keras_ring.ops.loader import describe_error
 
 # "keras_ring: allreduce 'x' ..." or, for a collective refused after an earlier failure,
 # "keras_ring: cannot run allreduce 'x' because ...": the collective is the one called.
@@ -43,7 +46,14 @@ class KerasRingError(Exception):
     rank: int | None = None
     reason: str = ""
 
+    def _set(self, info: "ErrorInfo") -> None:
+        self.collective = info.collective or None
+        self.rank = info.rank if info.rank >= 0 else None
+        self.reason = info.reason
+
     def _describe(self, message: str) -> None:
+        """Reads the attributes from a message: only for errors that reached Python without
+        their structure (see ``error_info``)."""
         message = _REPORTING_RANK.sub("", message, count=1)
         m = _LABEL.search(message)
         self.collective = m.group("collective") if m else None
@@ -70,9 +80,11 @@ class InitError(KerasRingError, RuntimeError):
         rank: the rank at fault when known; otherwise read from the message.
     """
 
-    def __init__(self, message: str, rank: int | None = None):
+    def __init__(self, message: str, rank: int | None = None, info: "ErrorInfo | None" = None):
         super().__init__(message)
         self._describe(message)
+        if info is not None:
+            self._set(info)
         if rank is not None:
             self.rank = rank
 
@@ -105,6 +117,38 @@ _BY_TF_CLASS = [
     (tf.errors.AbortedError, CollectiveAbortedError),
     (tf.errors.CancelledError, CollectiveAbortedError),
 ]
+# The core's status codes (common.h), numbered like TensorFlow's.
+_BY_CODE = {9: CollectiveMismatchError, 3: CollectiveArgumentError, 4: CollectiveTimeoutError,
+            14: PeerFailureError, 10: CollectiveAbortedError, 1: CollectiveAbortedError}
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An error's structure as the core reports it: code, the rank at fault (-1: none), the
+    collective (empty: none) and the reason, without the collective's prefix."""
+
+    code: int
+    rank: int
+    collective: str
+    reason: str
+
+    @classmethod
+    def parse(cls, text: bytes | str) -> "ErrorInfo | None":
+        """``"code\\nrank\\ncollective\\nreason"`` (the core's encoding), or None."""
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
+        parts = text.split("\n", 3)
+        if len(parts) != 4 or not parts[0].lstrip("-").isdigit():
+            return None
+        try:
+            return cls(int(parts[0]), int(parts[1]), parts[2], parts[3])
+        except ValueError:
+            return None
+
+
+def error_info(message: str) -> ErrorInfo | None:
+    """The structure the core reported for the error with this message: TensorFlow hands
+    Python only codes and messages, so the op library remembers each error's structure."""
+    return ErrorInfo.parse(describe_error(message))
 
 
 def translate(error: tf.errors.OpError) -> Exception:
@@ -115,6 +159,11 @@ def translate(error: tf.errors.OpError) -> Exception:
     message = _TF_SUFFIX.sub("", error.message[start.start():]).strip()
     if "has not been initialized" in message:
         return NotInitializedError("running a collective")
+    info = error_info(message)
+    if info is not None and info.code in _BY_CODE:
+        err = _BY_CODE[info.code](error.node_def, error.op, message)
+        err._set(info)
+        return err
     replaced = _REPLACED.search(error.message)
     original = getattr(tf.errors, replaced["name"], None) if replaced else None
     for tf_class, ours in _BY_TF_CLASS:

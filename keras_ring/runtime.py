@@ -104,9 +104,10 @@ class Runtime:
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))
         if rc != 0:
-            peer = lib.c.keras_ring_last_error_peer()
-            raise InitError(f"rank {topo.rank}: {err.value.decode(errors='replace')}",
-                            rank=peer if peer >= 0 else None)
+            message = err.value.decode(errors="replace")
+            info = errors.error_info(message)
+            raise InitError(f"rank {topo.rank}: {message}",
+                            info=info if info is not None and info.rank >= 0 else None)
         lib.c.keras_ring_install_signal_handlers()
 
     def shutdown(self, error: str | None = None) -> None:

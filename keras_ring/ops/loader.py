@@ -53,8 +53,8 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_init.restype = ctypes.c_int
     c.keras_ring_timeline_read.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     c.keras_ring_timeline_read.restype = ctypes.c_size_t
-    c.keras_ring_last_error_peer.argtypes = []
-    c.keras_ring_last_error_peer.restype = ctypes.c_int
+    c.keras_ring_error_info.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    c.keras_ring_error_info.restype = ctypes.c_size_t
     c.keras_ring_shutdown_with_error.argtypes = [ctypes.c_char_p]
     c.keras_ring_shutdown_with_error.restype = ctypes.c_int
     c.keras_ring_shutdown.argtypes = []
@@ -65,8 +65,6 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_barrier.restype = ctypes.c_int
     c.keras_ring_install_signal_handlers.argtypes = []
     c.keras_ring_install_signal_handlers.restype = None
-    c.keras_ring_set_eager_call.argtypes = [ctypes.c_int]
-    c.keras_ring_set_eager_call.restype = None
     c.keras_ring_build_info.argtypes = []
     c.keras_ring_build_info.restype = ctypes.c_char_p
     # GPU backend (cc/core/nccl/device_c_api.h): where NCCL is, and whether it loads.
@@ -89,6 +87,14 @@ def _load(path: str) -> Library:
 
 
 @functools.lru_cache(maxsize=None)
+def describe_error(message: str) -> str:
+    """The structure the library remembers for an error with this exact message
+    ("code\\nrank\\ncollective\\nreason"), or "" when it knows none."""
+    buf = ctypes.create_string_buffer(8192)
+    library().c.keras_ring_error_info(message.encode(errors="replace"), buf, len(buf))
+    return buf.value.decode(errors="replace")
+
+
 def library() -> Library:
     """Returns the loaded library, building it first if it is missing or stale."""
     import tensorflow as tf

@@ -34,7 +34,7 @@ def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_
     return library().ops.keras_ring_allreduce(
         tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
         postscale_factor=_factor_attr(postscale),
-        tensor_name=tensor_name, name=_node_name("Allreduce", tensor_name),
+        eager=tf.executing_eagerly(), tensor_name=tensor_name, name=_node_name("Allreduce", tensor_name),
     )
 
 
@@ -42,19 +42,19 @@ def grouped_allreduce(tensors, reduce_op: int, prescale: float, postscale: float
     return library().ops.keras_ring_grouped_allreduce(
         tensors, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
         postscale_factor=_factor_attr(postscale),
-        tensor_name=tensor_name, name=_node_name("GroupedAllreduce", tensor_name),
+        eager=tf.executing_eagerly(), tensor_name=tensor_name, name=_node_name("GroupedAllreduce", tensor_name),
     )
 
 
 def allgather(tensor, tensor_name: str):
     return library().ops.keras_ring_allgather(
-        tensor, tensor_name=tensor_name, name=_node_name("Allgather", tensor_name)
+        tensor, eager=tf.executing_eagerly(), tensor_name=tensor_name, name=_node_name("Allgather", tensor_name)
     )
 
 
 def broadcast(tensor, root_rank: int, tensor_name: str):
     return library().ops.keras_ring_broadcast(
-        tensor, root_rank=root_rank, tensor_name=tensor_name, name=_node_name("Broadcast", tensor_name)
+        tensor, root_rank=root_rank, eager=tf.executing_eagerly(), tensor_name=tensor_name, name=_node_name("Broadcast", tensor_name)
     )
 
 

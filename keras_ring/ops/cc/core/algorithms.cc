@@ -24,15 +24,6 @@ Span Chunk(size_t count, int n, int index) {
 
 int Mod(int a, int n) { return ((a % n) + n) % n; }
 
-void FinishScaling(DataType dtype, ReduceOp op, void* data, size_t count, int size,
-                   double postscale) {
-  if (op == ReduceOp::kAverage) {
-    AverageScale(dtype, data, count, size, postscale);
-  } else {
-    Scale(dtype, data, count, postscale);
-  }
-}
-
 // Combines a received segment with the local one into the output. On the last
 // reduce-scatter step it also applies the final scaling while the segment is in cache, and
 // for large outputs it goes through a small L1 block so the output is written with streaming
@@ -48,7 +39,7 @@ struct Combiner {
 
   void Apply(void* dst, const void* local, const void* peer, size_t count) const {
     Reduce(dtype, op, dst, local, peer, count);
-    if (finish) FinishScaling(dtype, op, dst, count, size, postscale);
+    if (finish) FinishReduction(dtype, op, dst, count, size, postscale);
   }
 
   void operator()(void* dst, const void* local, const void* peer, size_t bytes) const {
@@ -144,7 +135,7 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
     }
   }
   if (n == 1 || count == 0) {
-    for (Part& p : parts) FinishScaling(dtype, op, p.output, p.count, n, postscale);
+    for (Part& p : parts) FinishReduction(dtype, op, p.output, p.count, n, postscale);
     return Status::OK();
   }
   const PartsLayout layout(parts, esize);
@@ -170,7 +161,7 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
       layout.RecvPieces(v.offset + off, vc, /*with_local=*/true, &recv);
       KR_RETURN_IF_ERROR(t.SendRecvPieces(right, send, left, recv, esize,
                                           step == n - 2 ? &reduce_last : &reduce,
-                                          Deadline::After(cfg.timeout_seconds)));
+                                          cfg.NextDeadline()));
     }
   }
 
@@ -189,7 +180,7 @@ Status RingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, Reduce
       layout.SendPieces(s.offset + off, sc, /*from_input=*/false, &send);
       layout.RecvPieces(v.offset + off, vc, /*with_local=*/false, &recv);
       KR_RETURN_IF_ERROR(t.SendRecvPieces(right, send, left, recv, esize, deliver,
-                                          Deadline::After(cfg.timeout_seconds)));
+                                          cfg.NextDeadline()));
     }
   }
   return Status::OK();
@@ -218,7 +209,7 @@ Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
       const size_t vc = off < vlen ? std::min(seg, vlen - off) : 0;
       KR_RETURN_IF_ERROR(t.SendRecv(right, base + offsets[static_cast<size_t>(sb)] + off, sc, left,
                                     base + offsets[static_cast<size_t>(vb)] + off, vc,
-                                    Deadline::After(cfg.timeout_seconds)));
+                                    cfg.NextDeadline()));
       off += seg;
     } while (off < std::max(slen, vlen));
     if (steps_done != nullptr) steps_done->fetch_add(1);
@@ -237,12 +228,12 @@ Status DirectAllgather(Transport& t, const AlgoConfig& cfg, void* out, size_t bl
   const char* mine = base + static_cast<size_t>(r) * block_bytes;
   for (int k = 1; k < n; ++k) {
     KR_RETURN_IF_ERROR(
-        t.Send(Mod(r + k, n), mine, block_bytes, Deadline::After(cfg.timeout_seconds)));
+        t.Send(Mod(r + k, n), mine, block_bytes, cfg.NextDeadline()));
   }
   for (int k = 1; k < n; ++k) {
     const int from = Mod(r - k, n);
     KR_RETURN_IF_ERROR(t.Recv(from, base + static_cast<size_t>(from) * block_bytes, block_bytes,
-                              Deadline::After(cfg.timeout_seconds)));
+                              cfg.NextDeadline()));
     if (steps_done != nullptr) steps_done->fetch_add(1);
   }
   return Status::OK();
@@ -259,10 +250,10 @@ Status ChainBroadcast(Transport& t, const AlgoConfig& cfg, void* buf, size_t byt
   for (size_t off = 0; off < bytes; off += seg) {
     const size_t len = std::min(seg, bytes - off);
     if (pos > 0) {
-      KR_RETURN_IF_ERROR(t.Recv(left, base + off, len, Deadline::After(cfg.timeout_seconds)));
+      KR_RETURN_IF_ERROR(t.Recv(left, base + off, len, cfg.NextDeadline()));
     }
     if (pos < n - 1) {
-      KR_RETURN_IF_ERROR(t.Send(right, base + off, len, Deadline::After(cfg.timeout_seconds)));
+      KR_RETURN_IF_ERROR(t.Send(right, base + off, len, cfg.NextDeadline()));
     }
   }
   return Status::OK();

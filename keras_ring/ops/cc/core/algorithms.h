@@ -18,6 +18,10 @@ struct AlgoConfig {
   // Allreduce outputs at least this large are written with non-temporal stores: they cannot
   // stay in cache anyway, and skipping the read-for-ownership nearly halves the traffic.
   size_t stream_bytes = 32 << 20;
+  bool may_yield = false;  // see Deadline::may_yield
+
+  // The bound of one wait: every step of an algorithm gets a fresh one.
+  Deadline NextDeadline() const { return Deadline::After(timeout_seconds).Yielding(may_yield); }
 };
 
 // In-place ring allreduce (reduce-scatter, then allgather) of `count` elements at `buf`.

@@ -67,13 +67,15 @@ Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string&
                   "rank " + std::to_string(reporter) +
                       " has shut down while this rank still needs it: the ranks ran different "
                       "numbers of collectives (uneven data shards? see keras_ring's README)",
-                  reporter);
+                  reporter)
+        .ReportedBy(reporter);
   }
   // Keep the original reason; drop what an earlier relay appended.
   std::string reason = cause_message.substr(0, cause_message.find(" (reported by rank"));
   return Status(cause_code,
                 reason + " (reported by rank " + std::to_string(reporter) + ", which gave up)",
-                culprit >= 0 ? culprit : reporter);
+                culprit >= 0 ? culprit : reporter)
+      .ReportedBy(reporter);
 }
 
 namespace {
@@ -82,13 +84,6 @@ static_assert(std::atomic<int>::is_always_lock_free, "used from a signal handler
 }  // namespace
 
 void RequestInterrupt(int signal_number) { g_interrupt_signal.store(signal_number); }
-
-namespace {
-thread_local bool t_yield_while_waiting = false;
-}  // namespace
-
-void SetYieldWhileWaiting(bool yes) { t_yield_while_waiting = yes; }
-bool YieldWhileWaiting() { return t_yield_while_waiting; }
 
 int InterruptSignal() { return g_interrupt_signal.load(); }
 

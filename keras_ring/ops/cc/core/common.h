@@ -23,6 +23,9 @@ enum class Code : int {
   kUnavailable = 14,
 };
 
+// An error as it travels from the core to Python: a code, the rank at fault, the collective
+// it happened in and why, besides the full human-readable message. Nothing downstream needs
+// to parse the message to learn these.
 class Status {
  public:
   Status() = default;
@@ -35,6 +38,26 @@ class Status {
   const std::string& message() const { return message_; }
   // The rank this error is about (the one waited for, dead, or diverging), or -1.
   int peer() const { return peer_; }
+  // The collective it happened in ("allreduce 'grad'"), or empty.
+  const std::string& collective() const { return collective_; }
+  // Why, without the collective's prefix: the message where no collective was set.
+  const std::string& reason() const { return collective_.empty() ? message_ : reason_; }
+  // The rank that reported this error when it came from a peer that gave up (its abort
+  // notice), or -1 when this rank saw it itself (e.g. its own wait timed out).
+  int reporter() const { return reporter_; }
+  Status ReportedBy(int rank) const {
+    Status s = *this;
+    s.reporter_ = rank;
+    return s;
+  }
+  // This error as `collective`'s failure: the message says so in front of the reason.
+  Status InCollective(const std::string& collective, const std::string& message) const {
+    Status s(code_, message, peer_);
+    s.collective_ = collective;
+    s.reason_ = reason();
+    s.reporter_ = reporter_;
+    return s;
+  }
   // True for errors after which the data plane can no longer be trusted.
   bool fatal() const {
     return code_ == Code::kDeadlineExceeded || code_ == Code::kUnavailable ||
@@ -45,6 +68,9 @@ class Status {
   Code code_ = Code::kOk;
   std::string message_;
   int peer_ = -1;
+  std::string collective_;
+  std::string reason_;
+  int reporter_ = -1;
 };
 
 #define KR_RETURN_IF_ERROR(expr)        \
@@ -83,7 +109,8 @@ bool IsValidReduceOp(int32_t op);
 
 using Clock = std::chrono::steady_clock;
 
-// An absolute point in time after which a wait gives up. Every blocking call takes one.
+// An absolute point in time after which a wait gives up, and how to wait until then. Every
+// blocking call takes one.
 class Deadline {
  public:
   static Deadline After(double seconds) {
@@ -96,8 +123,20 @@ class Deadline {
   int remaining_ms(int cap_ms = 1 << 30) const;
   Clock::time_point time() const { return t_; }
 
+  // Whether a wait may yield the core to other runnable threads for a moment before it
+  // sleeps. Right for an eager call, whose waiting thread is the user's own: yielding hands
+  // the core to the peers it waits for. Collectives in graphs run on TensorFlow's pool
+  // threads, which need the cores for TensorFlow's own work, and sleep at once.
+  bool may_yield() const { return may_yield_; }
+  Deadline Yielding(bool yes) const {
+    Deadline d = *this;
+    d.may_yield_ = yes;
+    return d;
+  }
+
  private:
   Clock::time_point t_;
+  bool may_yield_ = false;
 };
 
 // The error a rank reports when peer `reporter` gave up because of `cause` (its code and
@@ -108,13 +147,6 @@ Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string&
 // check it in every wait slice. Async-signal-safe: a lock-free atomic store.
 void RequestInterrupt(int signal_number);
 
-// Whether waits on this thread may yield the core to other runnable threads for a moment
-// before sleeping. The Python layer sets it around eager calls: there the waiting thread is
-// the user's own and yielding hands the core to the peers it waits for. Collectives inside
-// graphs run on TensorFlow's pool threads, which need the cores for TensorFlow's own work,
-// and sleep at once instead.
-void SetYieldWhileWaiting(bool yes);
-bool YieldWhileWaiting();
 // The signal that interrupted the process, or 0.
 int InterruptSignal();
 // A kAborted status describing the interrupt, or OK when there was none.

@@ -240,6 +240,15 @@ void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, doub
   Scale(dtype, buf, count, factor);
 }
 
+void FinishReduction(DataType dtype, ReduceOp op, void* buf, size_t count, int world,
+                     double postscale) {
+  if (op == ReduceOp::kAverage) {
+    AverageScale(dtype, buf, count, world, postscale);
+  } else {
+    Scale(dtype, buf, count, postscale);
+  }
+}
+
 bool IsReducible(DataType dtype) { return dtype != DataType::kBool; }
 
 void Reduce(DataType dtype, ReduceOp op, void* dst, const void* src, size_t count) {

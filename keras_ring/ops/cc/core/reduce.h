@@ -24,6 +24,13 @@ void Scale(DataType dtype, void* buf, size_t count, double factor);
 // integers are divided exactly (truncating toward zero), then scaled by factor.
 void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, double factor);
 
+// The one rule for what follows the reduction of `world` ranks' (prescaled) data: Average
+// divides by `world`, then `postscale` multiplies (AverageScale), else only the postscale.
+// The ring (on each rank's finished chunk) and the inline path (on the whole result) both
+// end with it, so they agree bit for bit.
+void FinishReduction(DataType dtype, ReduceOp op, void* buf, size_t count, int world,
+                     double postscale);
+
 // True if Reduce supports the pair (bool supports none).
 bool IsReducible(DataType dtype);
 

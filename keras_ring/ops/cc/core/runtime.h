@@ -1,10 +1,13 @@
-// The collective runtime: one object per process, made by init and destroyed by shutdown.
-// It owns the transport and one background worker that executes requests strictly in
-// submission order, so every rank runs the same collectives in the same order. When nothing
-// is queued, a submitting thread may run its request itself (SubmitOrRun); one request runs
-// at a time either way.
+// The collective runtime: one object per process, made by init and destroyed by shutdown. It
+// orders and supervises; executors run. Requests execute strictly in submission order (one
+// at a time, on the background worker or, when the runtime is idle, on the submitting
+// thread), each by the executor for its placement: the host executor (signatures, inline
+// data, ring over the transport) or the device executor (NCCL), made on first use. A
+// watchdog warns about stalls and watches the peers; the first fatal failure is kept and
+// fails every later request.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -13,57 +16,16 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "algorithms.h"
 #include "common.h"
-#include "signature.h"
+#include "executor.h"
+#include "host_executor.h"
+#include "request.h"
 #include "timeline.h"
 #include "transport.h"
 
 namespace keras_ring {
-
-struct TensorRef {
-  DataType dtype = DataType::kFloat32;
-  std::vector<int64_t> shape;
-  const void* input = nullptr;
-  void* output = nullptr;  // may equal input (in place); null for allgather until allocated
-  int64_t num_elements() const;
-  size_t num_bytes() const { return static_cast<size_t>(num_elements()) * DataTypeSize(dtype); }
-};
-
-// One collective as submitted by a kernel (or the C API). `done` is called exactly once,
-// from the worker thread (or from Submit when the runtime cannot take it).
-struct Request {
-  Kind kind = Kind::kAllreduce;
-  std::string name;
-  ReduceOp op = ReduceOp::kSum;
-  int root = 0;
-  double prescale = 1.0;
-  double postscale = 1.0;
-  std::vector<TensorRef> tensors;
-  // Allgather only: allocates the output for `total_rows` rows; sets tensors[0].output.
-  std::function<Status(int64_t total_rows, void** output)> allocate_output;
-  // Set for tensors in device memory (GPU): after the signatures agree, the worker calls
-  // this instead of the host algorithms, still in submission order. It gets the host
-  // transport as a control channel (e.g. to distribute an NCCL unique id) and every rank's
-  // signature. Device data is never inlined into the exchange.
-  std::function<Status(Transport& control, const std::vector<Signature>& all)> run_on_device;
-  std::function<void(const Status&)> done;
-  Clock::time_point submitted{};  // set by Submit, for the timeline
-};
-
-// Collectives on device memory (the NCCL backend) keep their state here, owned by the runtime
-// so that it lives exactly as long as the runtime: Abort() runs as shutdown begins (a
-// collective in flight ends at once), and the object is destroyed after the worker stopped.
-class DeviceBackend {
- public:
-  virtual ~DeviceBackend() = default;
-  virtual void Abort() = 0;  // shutdown began: end any wait now (thread-safe)
-  // The host data plane failed (a peer may be gone): release device resources without
-  // waiting for peers. Called on the worker.
-  virtual void PeerFailed() {}
-};
 
 struct RuntimeOptions {
   int rank = 0;
@@ -111,13 +73,14 @@ class Runtime {
   // or OK. Every later collective fails with it.
   Status PeerFailure();
 
+  // The executor for device collectives, made by `make` on the first call (any thread). It
+  // agrees on signatures through the host executor it is given.
+  Executor* device_executor(const std::function<std::unique_ptr<Executor>(HostExecutor&)>& make);
+
   // The process-wide instance, shared so kernels keep it alive while they use it.
   static std::shared_ptr<Runtime> Get();
   static void Install(std::shared_ptr<Runtime> runtime);
   static std::shared_ptr<Runtime> Uninstall();
-
-  // This runtime's device backend, made by `make` on the first call (any thread).
-  DeviceBackend* device_backend(const std::function<std::unique_ptr<DeviceBackend>()>& make);
 
   // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }
@@ -128,58 +91,42 @@ class Runtime {
   // Executes one request (the caller holds executing_) and returns its result; done is not
   // called here.
   Status RunOne(Request& request);
+  // Runs it on its executor and turns a failure into this runtime's error for it.
+  Status Execute(Request& request, uint64_t seq, ExecutionStats* stats);
   // Warns about stalls and watches for peers that failed or died, also while idle.
   void WatchdogLoop();
-  // A fatal failure: arms the process's failure exit (and, from the watchdog, aborts).
+  // A fatal failure: arms the process's failure exit.
   void OnFatal(const Status& cause);
   void RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
-                      const Status& s);
+                      const ExecutionStats& stats, const Status& s);
   std::string StallReport(double waited_seconds);
-  Status Execute(Request& request, uint64_t seq);
-  Status ExecuteAllreduce(Request& request);
-  Status ExecuteGrouped(Request& request);
-  Status ExecuteAllgather(Request& request, const std::vector<Signature>& sigs);
-  // Packs this rank's data into its slot when it fits; returns whether it did.
-  bool PackInline(const Request& request, Slot* slot) const;
-  // Completes a collective whose data every rank inlined in the exchanged slots.
-  Status ExecuteInline(Request& request, const std::vector<Signature>& sigs);
-  void ReduceInline(const Request& r, DataType dtype, size_t offset, size_t count, void* out);
-  Status ExecuteBroadcast(Request& request);
-  Signature MakeSignature(const Request& request, uint64_t seq) const;
-  Status Fail(const Request& request, uint64_t seq, const Status& cause);
   Status ShutdownCause() const;
-  Status BlameForExchangeTimeout(const Request& request, uint64_t seq, int steps) const;
 
   RuntimeOptions options_;
   std::unique_ptr<Transport> transport_;
-  AlgoConfig algo_;
+  std::unique_ptr<HostExecutor> host_;
+  std::mutex device_mu_;
+  std::unique_ptr<Executor> device_;
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Request> queue_;
   bool stopping_ = false;
-  Status stop_cause_;  // what peers are told when stopping_: a shutdown or a failure
+  Status stop_cause_;       // what peers are told when stopping_: a shutdown or a failure
   bool executing_ = false;  // a request runs, on the worker or on a caller's thread
   uint64_t seq_ = 0;        // of the last request run (only the executing thread touches it)
   Status broken_;  // first fatal error; every later request fails with it (executor only)
   Status peer_failure_;  // a peer's failure seen by the watchdog (guarded by mu_)
-  std::vector<char> scratch_;  // prescaled peer data on the inline path (worker only)
-  std::vector<Slot> slots_;    // one per rank, reused by every exchange (worker only)
   std::thread worker_;
 
-  // What the worker is doing, for the stall watchdog (which only reads these).
-  std::atomic<uint64_t> busy_seq_{0};       // 0 while idle
-  std::atomic<int64_t> busy_since_ns_{0};   // steady clock
-  std::atomic<int> exchange_steps_{-1};     // ring steps of the slot exchange; -1 after it
+  // What the executing thread is doing, for the stall watchdog (which only reads these).
+  std::atomic<uint64_t> busy_seq_{0};      // 0 while idle
+  std::atomic<int64_t> busy_since_ns_{0};  // steady clock
   std::mutex label_mu_;
   std::string busy_label_;
   std::thread watchdog_;
 
   Timeline timeline_;
-  std::mutex backend_mu_;
-  std::unique_ptr<DeviceBackend> backend_;
-  Clock::time_point exchanged_at_{};  // when the current collective's exchange finished
-  bool inlined_ = false;              // whether it completed inside the exchange
 };
 
 }  // namespace keras_ring

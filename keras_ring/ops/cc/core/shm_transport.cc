@@ -365,8 +365,8 @@ Status ShmTransport::Transfer(Job& job, Deadline deadline) {
     job.in_data = own_->data(job.from);
     job.c = AlignUp(job.in->consumed.value.load(std::memory_order_relaxed));
   }
-  // Waiting escalates: spin (only with a core to ourselves), then, on a thread that may
-  // (YieldWhileWaiting: an eager call), yield the core for up to yield_seconds, then sleep
+  // Waiting escalates: spin (only with a core to ourselves), then, where the caller allows
+  // it (Deadline::may_yield: an eager call), yield the core for up to yield_seconds, then sleep
   // on the doorbell. Yielding hands the core straight to a runnable peer without a futex
   // wake-up: 4 ranks on 2 cores, an eager 4 KiB allreduce ~150 us instead of ~400 us, with
   // half the CPU time. On TensorFlow's pool threads it costs instead (their spinning
@@ -374,7 +374,7 @@ Status ShmTransport::Transfer(Job& job, Deadline deadline) {
   const auto budget = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(options_.yield_seconds));
   int idle = 0;
-  const bool yielding = YieldWhileWaiting();
+  const bool yielding = deadline.may_yield();
   Clock::time_point waiting_since{};
   while (job.sending() || job.receiving()) {
     const bool sent = job.TrySend();

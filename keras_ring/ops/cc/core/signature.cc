@@ -50,10 +50,9 @@ Status ExchangeSignatures(Transport& t, double timeout_seconds, const Signature&
   return RingAllgatherv(t, cfg, all->data(), sizes);
 }
 
-Status ExchangeSlots(Transport& t, double timeout_seconds, std::vector<Slot>* slots,
+Status ExchangeSlots(Transport& t, const AlgoConfig& base, std::vector<Slot>* slots,
                      std::atomic<int>* steps_done) {
-  AlgoConfig cfg;
-  cfg.timeout_seconds = timeout_seconds;
+  AlgoConfig cfg = base;
   cfg.segment_bytes = sizeof(Slot);
   if (t.BufferedSendBytes() >= sizeof(Slot)) {
     // One round instead of n-1 chained steps: what makes small collectives fast when ranks

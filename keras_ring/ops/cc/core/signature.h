@@ -58,8 +58,11 @@ constexpr size_t kInlineCapacity = sizeof(Slot::payload);
 static_assert(sizeof(Slot) == kSlotBytes, "Slot must have a fixed size on every rank");
 static_assert(kInlineCapacity >= 4096, "4 KiB collectives should complete inline");
 
-// Allgathers every rank's slot (in rank order) through the transport.
-Status ExchangeSlots(Transport& t, double timeout_seconds, std::vector<Slot>* slots,
+struct AlgoConfig;
+
+// Allgathers every rank's slot (in rank order) through the transport, with `cfg`'s bound
+// and wait policy per step.
+Status ExchangeSlots(Transport& t, const AlgoConfig& cfg, std::vector<Slot>* slots,
                      std::atomic<int>* steps_done = nullptr);
 
 // Allgathers the signatures of all ranks (in rank order) through the transport. This is

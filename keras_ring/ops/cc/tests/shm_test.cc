@@ -254,14 +254,12 @@ TEST(Shm_TimeoutNamesThePeerAndAbortWakesIt) {
   auto shm = MakeShmWorld(control, 4096, Mix(2, 3));
   char byte = 0;
   for (bool yield : {false, true}) {  // an eager caller's yielding wait is bounded alike
-    keras_ring::SetYieldWhileWaiting(yield);
     const auto start = Clock::now();
-    Status s = At(shm, 0)->Recv(1, &byte, 1, Deadline::After(0.2));
+    Status s = At(shm, 0)->Recv(1, &byte, 1, Deadline::After(0.2).Yielding(yield));
     CHECK(s.code() == Code::kDeadlineExceeded) << s.message();
     CHECK(s.peer() == 1 && s.message().find("rank 1") != std::string::npos) << s.message();
     CHECK(SecondsSince(start) < 2.0);
   }
-  keras_ring::SetYieldWhileWaiting(false);
   Status s;
   At(shm, 1)->Abort();  // a failure, not a shutdown: the cause travels
   s = At(shm, 0)->Recv(1, &byte, 1, Deadline::After(5.0));

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../core/failure_exit.h"
+#include "error_registry.h"
 #include "../core/local_transport.h"
 #include "../core/runtime.h"
 #include "../core/routed_transport.h"
@@ -44,10 +45,8 @@ void OnSignal(int sig, siginfo_t* info, void* context) {
   }
 }
 
-thread_local int t_last_error_peer = -1;  // the rank at fault in this thread's last error
-
 int Report(const Status& s, char* err, size_t err_len) {
-  t_last_error_peer = s.peer();
+  keras_ring_tf::RememberError(s);
   if (err != nullptr && err_len > 0) {
     std::strncpy(err, s.message().c_str(), err_len - 1);
     err[err_len - 1] = '\0';
@@ -137,7 +136,15 @@ int keras_ring_shutdown_with_error(const char* reason) {
   return 0;
 }
 
-int keras_ring_last_error_peer(void) { return t_last_error_peer; }
+size_t keras_ring_error_info(const char* message, char* buf, size_t cap) {
+  const std::string info = keras_ring_tf::DescribeError(message != nullptr ? message : "");
+  const size_t n = cap > 0 ? std::min(cap - 1, info.size()) : 0;
+  if (cap > 0) {
+    std::memcpy(buf, info.data(), n);
+    buf[n] = '\0';
+  }
+  return n;
+}
 
 int keras_ring_is_initialized(void) { return Runtime::Get() != nullptr ? 1 : 0; }
 
@@ -153,8 +160,6 @@ int keras_ring_barrier(const char* name, char* err, size_t err_len) {
   request.name = name != nullptr ? name : "";
   return Report(runtime->Run(std::move(request)), err, err_len);
 }
-
-void keras_ring_set_eager_call(int yes) { keras_ring::SetYieldWhileWaiting(yes != 0); }
 
 const char* keras_ring_build_info(void) { return KERAS_RING_BUILD_INFO; }
 

@@ -41,12 +41,11 @@ int keras_ring_shutdown(void);
 // failure and end too, and this process ends after the failure grace if its exit hangs.
 int keras_ring_shutdown_with_error(const char* reason);
 int keras_ring_is_initialized(void);
-// The rank at fault in the last error this thread's calls reported, or -1 if none is known.
-int keras_ring_last_error_peer(void);
+// The structure of a recent error reported with this exact message (by a kernel or this API):
+// "code\nrank\ncollective\nreason", rank -1 when no rank is at fault; empty when unknown.
+// Writes up to cap-1 bytes and a NUL; returns the count.
+size_t keras_ring_error_info(const char* message, char* buf, size_t cap);
 int keras_ring_barrier(const char* name, char* err, size_t err_len);
-// Marks the calling thread as running an eager collective (1) or not (0): its waits may then
-// yield the core before sleeping (see keras_ring::SetYieldWhileWaiting).
-void keras_ring_set_eager_call(int yes);
 // The version string of this build, to detect a stale library.
 const char* keras_ring_build_info(void);
 

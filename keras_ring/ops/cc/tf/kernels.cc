@@ -8,6 +8,8 @@
 
 #include "tensorflow/core/framework/tensor.h"
 
+#include "error_registry.h"
+
 namespace keras_ring_tf {
 
 namespace kr = ::keras_ring;
@@ -32,11 +34,6 @@ kr::DataType ToCore(::tensorflow::DataType t) {
   }
 }
 
-absl::Status ToTf(const kr::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(s.code())), s.message());
-}
-
 kr::TensorRef Ref(const Tensor& in, Tensor* out) {
   kr::TensorRef ref;
   ref.dtype = ToCore(in.dtype());
@@ -48,40 +45,40 @@ kr::TensorRef Ref(const Tensor& in, Tensor* out) {
 
 }  // namespace
 
+absl::Status ToTf(const kr::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  RememberError(s);  // its structure, for Python (error_registry.h)
+  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(s.code())), s.message());
+}
+
 CollectiveKernel::CollectiveKernel(OpKernelConstruction* c)
     : AsyncOpKernel(c),
       on_gpu_(c->device_type() == ::tensorflow::DeviceType(::tensorflow::DEVICE_GPU)) {
   OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
+  OP_REQUIRES_OK(c, c->GetAttr("eager", &eager_));
 }
 
-std::shared_ptr<kr::Runtime> CollectiveKernel::GetRuntime(OpKernelContext* ctx) {
-  auto runtime = kr::Runtime::Get();
+void CollectiveKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
+  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get();
   if (runtime == nullptr) {
-    ctx->SetStatus(absl::FailedPreconditionError(
-        "keras_ring has not been initialized; call keras_ring.init() first"));
+    ctx->SetStatus(ToTf(kr::Status(
+        kr::Code::kFailedPrecondition,
+        "keras_ring has not been initialized; call keras_ring.init() first")));
+    return done();
   }
-  return runtime;
-}
-
-void CollectiveKernel::Submit(kr::Runtime& runtime, kr::Request request, OpKernelContext* ctx,
-                              DoneCallback done) {
+  kr::Request request;
   request.name = tensor_name_;
-  if (on_gpu_) {
-    const absl::Status s = AttachToGpuStream(ctx, runtime, &request);
-    if (!s.ok()) {
-      ctx->SetStatus(s);
-      done();
-      return;
-    }
-  }
+  request.may_yield = eager_ && !on_gpu_;
+  OP_REQUIRES_OK_ASYNC(ctx, Build(ctx, &request), done);
+  if (on_gpu_) OP_REQUIRES_OK_ASYNC(ctx, AttachToGpuStream(ctx, *runtime, &request), done);
   request.done = [ctx, done = std::move(done)](const kr::Status& s) {
     if (!s.ok()) ctx->SetStatus(ToTf(s));
     done();
   };
   if (on_gpu_) {
-    runtime.Submit(std::move(request));  // NCCL runs on the worker, ordered with the stream
+    runtime->Submit(std::move(request));  // NCCL runs on the worker, ordered with the stream
   } else {
-    runtime.SubmitOrRun(std::move(request));
+    runtime->SubmitOrRun(std::move(request));
   }
 }
 
@@ -112,56 +109,43 @@ ReduceKernel::ReduceKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
   OP_REQUIRES_OK(c, GetFactor(c, "postscale_factor", &postscale_));
 }
 
-kr::Request ReduceKernel::MakeRequest(kr::Kind kind) const {
-  kr::Request r;
-  r.kind = kind;
-  r.op = op_;
-  r.prescale = prescale_;
-  r.postscale = postscale_;
-  return r;
+void ReduceKernel::SetReduction(kr::Request* r) const {
+  r->op = op_;
+  r->prescale = prescale_;
+  r->postscale = postscale_;
 }
 
-void AllreduceKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
-  auto runtime = GetRuntime(ctx);
-  if (runtime == nullptr) return done();
+absl::Status AllreduceKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   const Tensor& in = ctx->input(0);
   Tensor* out = nullptr;
-  OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out),
-                       done);
-  kr::Request r = MakeRequest(kr::Kind::kAllreduce);
-  r.tensors.push_back(Ref(in, out));
-  Submit(*runtime, std::move(r), ctx, std::move(done));
+  TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
+  r->kind = kr::Kind::kAllreduce;
+  SetReduction(r);
+  r->tensors.push_back(Ref(in, out));
+  return absl::OkStatus();
 }
 
-void GroupedAllreduceKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
-  auto runtime = GetRuntime(ctx);
-  if (runtime == nullptr) return done();
-  kr::Request r = MakeRequest(kr::Kind::kGroupedAllreduce);
+absl::Status GroupedAllreduceKernel::Build(OpKernelContext* ctx, kr::Request* r) {
+  r->kind = kr::Kind::kGroupedAllreduce;
+  SetReduction(r);
   for (int i = 0; i < ctx->num_inputs(); ++i) {
     const Tensor& in = ctx->input(i);
     Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out),
-                         done);
-    r.tensors.push_back(Ref(in, out));
+    TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out));
+    r->tensors.push_back(Ref(in, out));
   }
-  Submit(*runtime, std::move(r), ctx, std::move(done));
+  return absl::OkStatus();
 }
 
-void AllgatherKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
-  auto runtime = GetRuntime(ctx);
-  if (runtime == nullptr) return done();
+absl::Status AllgatherKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   const Tensor& in = ctx->input(0);
-  kr::Request r;
-  r.kind = kr::Kind::kAllgather;
-  r.tensors.push_back(Ref(in, nullptr));
-  if (in.dims() == 0) r.tensors[0].shape = {1};  // a scalar is one row
-  const TensorShape row_shape = [&] {
-    TensorShape s = in.shape();
-    if (s.dims() > 0) s.RemoveDim(0);
-    return s;
-  }();
+  r->kind = kr::Kind::kAllgather;
+  r->tensors.push_back(Ref(in, nullptr));
+  if (in.dims() == 0) r->tensors[0].shape = {1};  // a scalar is one row
+  TensorShape row_shape = in.shape();
+  if (row_shape.dims() > 0) row_shape.RemoveDim(0);
   // Runs on the worker once every rank's row count is known.
-  r.allocate_output = [ctx, row_shape](int64_t rows, void** output) -> kr::Status {
+  r->allocate_output = [ctx, row_shape](int64_t rows, void** output) -> kr::Status {
     TensorShape shape({rows});
     shape.AppendShape(row_shape);
     Tensor* out = nullptr;
@@ -170,27 +154,23 @@ void AllgatherKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
     *output = const_cast<char*>(out->tensor_data().data());
     return kr::Status::OK();
   };
-  Submit(*runtime, std::move(r), ctx, std::move(done));
+  return absl::OkStatus();
 }
 
 BroadcastKernel::BroadcastKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
   OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
 }
 
-void BroadcastKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
-  auto runtime = GetRuntime(ctx);
-  if (runtime == nullptr) return done();
+absl::Status BroadcastKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   // The root's range is checked with the signatures, so every rank fails alike even
   // when only one of them names a bad root.
   const Tensor& in = ctx->input(0);
   Tensor* out = nullptr;
-  OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out),
-                       done);
-  kr::Request r;
-  r.kind = kr::Kind::kBroadcast;
-  r.root = root_;
-  r.tensors.push_back(Ref(in, out));
-  Submit(*runtime, std::move(r), ctx, std::move(done));
+  TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
+  r->kind = kr::Kind::kBroadcast;
+  r->root = root_;
+  r->tensors.push_back(Ref(in, out));
+  return absl::OkStatus();
 }
 
 REGISTER_KERNEL_BUILDER(Name("KerasRingAllreduce").Device(::tensorflow::DEVICE_CPU),

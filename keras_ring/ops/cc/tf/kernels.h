@@ -20,19 +20,24 @@ namespace keras_ring_tf {
 absl::Status AttachToGpuStream(::tensorflow::OpKernelContext* ctx, ::keras_ring::Runtime& runtime,
                                ::keras_ring::Request* request);
 
+// The TensorFlow status for a core status (its structure is remembered for Python).
+absl::Status ToTf(const ::keras_ring::Status& s);
+
 // Base for every collective kernel: the common attributes, the runtime lookup and the
-// hand-over to the runtime.
+// hand-over to the runtime. A kernel only says what its request is (Build).
 class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
  public:
   explicit CollectiveKernel(::tensorflow::OpKernelConstruction* c);
+  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) final;
 
  protected:
-  // Null (with the context's status set) when init() has not run.
-  std::shared_ptr<::keras_ring::Runtime> GetRuntime(::tensorflow::OpKernelContext* ctx);
-  void Submit(::keras_ring::Runtime& runtime, ::keras_ring::Request request,
-              ::tensorflow::OpKernelContext* ctx, DoneCallback done);
+  // Fills `request` (kind, tensors, ...) from the op's inputs, allocating what it must.
+  virtual absl::Status Build(::tensorflow::OpKernelContext* ctx,
+                             ::keras_ring::Request* request) = 0;
 
+ private:
   std::string tensor_name_;
+  bool eager_ = false;
   bool on_gpu_ = false;
 };
 
@@ -41,7 +46,7 @@ class ReduceKernel : public CollectiveKernel {
   explicit ReduceKernel(::tensorflow::OpKernelConstruction* c);
 
  protected:
-  ::keras_ring::Request MakeRequest(::keras_ring::Kind kind) const;
+  void SetReduction(::keras_ring::Request* request) const;
 
  private:
   ::keras_ring::ReduceOp op_ = ::keras_ring::ReduceOp::kSum;
@@ -52,25 +57,33 @@ class ReduceKernel : public CollectiveKernel {
 class AllreduceKernel : public ReduceKernel {
  public:
   using ReduceKernel::ReduceKernel;
-  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) override;
+
+ protected:
+  absl::Status Build(::tensorflow::OpKernelContext* ctx, ::keras_ring::Request* r) override;
 };
 
 class GroupedAllreduceKernel : public ReduceKernel {
  public:
   using ReduceKernel::ReduceKernel;
-  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) override;
+
+ protected:
+  absl::Status Build(::tensorflow::OpKernelContext* ctx, ::keras_ring::Request* r) override;
 };
 
 class AllgatherKernel : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
-  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) override;
+
+ protected:
+  absl::Status Build(::tensorflow::OpKernelContext* ctx, ::keras_ring::Request* r) override;
 };
 
 class BroadcastKernel : public CollectiveKernel {
  public:
   explicit BroadcastKernel(::tensorflow::OpKernelConstruction* c);
-  void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) override;
+
+ protected:
+  absl::Status Build(::tensorflow::OpKernelContext* ctx, ::keras_ring::Request* r) override;
 
  private:
   int root_ = 0;

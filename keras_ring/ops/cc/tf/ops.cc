@@ -19,6 +19,7 @@ REGISTER_OP("KerasRingAllreduce")
     .Attr("prescale_factor: string = '1.0'")  // a double, written exactly (repr)
     .Attr("postscale_factor: string = '1.0'")
     .Attr("tensor_name: string = ''")
+    .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Reduces `tensor` across all ranks; every rank gets the same result.");
@@ -31,6 +32,7 @@ REGISTER_OP("KerasRingGroupedAllreduce")
     .Attr("prescale_factor: string = '1.0'")  // a double, written exactly (repr)
     .Attr("postscale_factor: string = '1.0'")
     .Attr("tensor_name: string = ''")
+    .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
@@ -43,6 +45,7 @@ REGISTER_OP("KerasRingAllgather")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, bool}")
     .Attr("tensor_name: string = ''")
+    .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle in = c->input(0);
@@ -67,6 +70,7 @@ REGISTER_OP("KerasRingBroadcast")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int32, int64, bool}")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
+    .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Every rank receives the root rank's tensor.");

@@ -47,7 +47,7 @@ void Backoff(int polls) {
   std::this_thread::sleep_for(std::chrono::microseconds(16 << shift));
 }
 
-bool NothingToMove(const std::vector<Signature>& sigs, const DeviceCollective& c) {
+bool NothingToMove(const std::vector<Signature>& sigs, const Request& c) {
   if (c.kind == Kind::kAllgather) {
     return PlanGather(sigs, DataTypeSize(c.tensors[0].dtype)).total == 0;
   }
@@ -71,7 +71,7 @@ int64_t TotalRows(const std::vector<Signature>& sigs) {
 
 }  // namespace
 
-DeviceTicket::~DeviceTicket() {
+StreamTicket::~StreamTicket() {
   if (ready != nullptr) owner->ReleaseEvent(device, ready);
 }
 
@@ -104,9 +104,10 @@ Status Communicator::PreMulSumOp(int nccl_dtype, DataType dtype, double scalar, 
   return Status::OK();
 }
 
-NcclBackend::NcclBackend(std::shared_ptr<DeviceApi> api, int rank, int size,
-                         double timeout_seconds)
-    : api_(std::move(api)), rank_(rank), size_(size), timeout_seconds_(timeout_seconds) {}
+NcclBackend::NcclBackend(std::shared_ptr<DeviceApi> api, HostExecutor& host, int rank,
+                         int size, double timeout_seconds)
+    : api_(std::move(api)), host_(host), rank_(rank), size_(size),
+      timeout_seconds_(timeout_seconds) {}
 
 NcclBackend::~NcclBackend() {
   ReleaseCommunicators();
@@ -199,8 +200,8 @@ void NcclBackend::ReleaseEvent(int device, Event event) {
   devices_[device].free_events.push_back(event);
 }
 
-std::shared_ptr<DeviceTicket> NcclBackend::Prepare(int device, Stream caller_stream) {
-  auto ticket = std::make_shared<DeviceTicket>(this, device, caller_stream);
+std::shared_ptr<StreamTicket> NcclBackend::Prepare(int device, Stream caller_stream) {
+  auto ticket = std::make_shared<StreamTicket>(this, device, caller_stream);
   ticket->status = api_->LoadCuda();
   if (!ticket->status.ok()) return ticket;
   // The caller's thread may be working on another device; leave it as it was.
@@ -218,8 +219,20 @@ std::shared_ptr<DeviceTicket> NcclBackend::Prepare(int device, Stream caller_str
   return ticket;
 }
 
-Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs,
-                        DeviceCollective& c, DeviceTicket& ticket) {
+Status NcclBackend::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
+  auto* ticket = dynamic_cast<StreamTicket*>(request.device_ticket.get());
+  if (ticket == nullptr) {
+    return Status(Code::kInternal, "a device collective without NCCL's ticket reached NCCL");
+  }
+  std::vector<Signature> sigs;
+  bool inlined = false;  // never: device data does not ride in the slots
+  KR_RETURN_IF_ERROR(host_.Agree(request, seq, &sigs, &inlined));
+  stats->agreed = Clock::now();
+  return Run(host_.transport(), sigs, request, *ticket);
+}
+
+Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs, Request& c,
+                        StreamTicket& ticket) {
   // Everything decided before the first NCCL call depends only on the agreed signatures, so
   // every rank takes the same branch and a refusal is an ordinary, non-fatal error.
   std::vector<ReducePlan> plans;
@@ -236,10 +249,10 @@ Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs,
     return c.allocate_output(TotalRows(sigs), &c.tensors[0].output);
   }
   KR_RETURN_IF_ERROR(Ready(control, ticket));
-  return Execute(sigs, c, plans, ticket, State(ticket.device));
+  return RunOnStream(sigs, c, plans, ticket, State(ticket.device));
 }
 
-Status NcclBackend::Ready(Transport& control, DeviceTicket& ticket) {
+Status NcclBackend::Ready(Transport& control, StreamTicket& ticket) {
   Status local = ticket.status;
   if (local.ok()) local = api_->LoadNccl();
   if (local.ok()) local = Cuda(api_->SetDevice(ticket.device), "cudaSetDevice");
@@ -257,8 +270,8 @@ Status NcclBackend::Ready(Transport& control, DeviceTicket& ticket) {
   return Status(Code::kAborted, local.message());
 }
 
-Status NcclBackend::Execute(const std::vector<Signature>& sigs, DeviceCollective& c,
-                            const std::vector<ReducePlan>& plans, DeviceTicket& ticket,
+Status NcclBackend::RunOnStream(const std::vector<Signature>& sigs, Request& c,
+                                const std::vector<ReducePlan>& plans, StreamTicket& ticket,
                             DeviceState& d) {
   Communicator& comm = *d.comm;
   Event ready = ticket.ready;
@@ -394,7 +407,7 @@ Status NcclBackend::InitCommunicator(int device, const UniqueId& id, Comm* out) 
   return Status::OK();
 }
 
-Status NcclBackend::Launch(const std::vector<Signature>& sigs, DeviceCollective& c,
+Status NcclBackend::Launch(const std::vector<Signature>& sigs, Request& c,
                            const std::vector<ReducePlan>& plans, Communicator& comm,
                            Stream stream) {
   switch (c.kind) {
@@ -416,7 +429,7 @@ Status NcclBackend::Launch(const std::vector<Signature>& sigs, DeviceCollective&
   return Status::OK();
 }
 
-Status NcclBackend::LaunchReduce(DeviceCollective& c, const std::vector<ReducePlan>& plans,
+Status NcclBackend::LaunchReduce(Request& c, const std::vector<ReducePlan>& plans,
                                  Communicator& comm, Stream stream) {
   std::vector<int> ops;
   for (size_t i = 0; i < plans.size(); ++i) {
@@ -446,7 +459,7 @@ Status NcclBackend::LaunchReduce(DeviceCollective& c, const std::vector<ReducePl
   return s;
 }
 
-Status NcclBackend::LaunchAllgather(const std::vector<Signature>& sigs, DeviceCollective& c,
+Status NcclBackend::LaunchAllgather(const std::vector<Signature>& sigs, Request& c,
                                     Comm comm, Stream stream) {
   const TensorRef& t = c.tensors[0];
   const GatherPlan g = PlanGather(sigs, DataTypeSize(t.dtype));
@@ -492,30 +505,15 @@ Status NcclBackend::WaitFor(Event done, Communicator& comm, const char* what) {
 
 void AttachNccl(Runtime& runtime, int device, Stream caller_stream, Request* request,
                 const std::shared_ptr<DeviceApi>& api) {
-  DeviceBackend* base = runtime.device_backend([&] {
-    return std::make_unique<NcclBackend>(api, runtime.rank(), runtime.size(),
+  Executor* executor = runtime.device_executor([&](HostExecutor& host) {
+    return std::make_unique<NcclBackend>(api, host, runtime.rank(), runtime.size(),
                                          runtime.options().timeout_seconds);
   });
-  auto* backend = dynamic_cast<NcclBackend*>(base);
-  auto collective = std::make_shared<DeviceCollective>();
-  collective->kind = request->kind;
-  collective->op = request->op;
-  collective->root = request->root;
-  collective->prescale = request->prescale;
-  collective->postscale = request->postscale;
-  collective->tensors = request->tensors;
-  collective->allocate_output = request->allocate_output;
-  if (backend == nullptr) {
-    request->run_on_device = [](Transport&, const std::vector<Signature>&) {
-      return Status(Code::kInternal, "the runtime's device backend is not NCCL's");
-    };
-    return;
+  request->placement = Placement::kDevice;
+  // Another device executor would get no ticket and refuse the request (never silently).
+  if (auto* backend = dynamic_cast<NcclBackend*>(executor)) {
+    request->device_ticket = backend->Prepare(device, caller_stream);
   }
-  std::shared_ptr<DeviceTicket> ticket = backend->Prepare(device, caller_stream);
-  request->run_on_device = [backend, ticket, collective](Transport& control,
-                                                         const std::vector<Signature>& sigs) {
-    return backend->Run(control, sigs, *collective, *ticket);
-  };
 }
 
 }  // namespace nccl

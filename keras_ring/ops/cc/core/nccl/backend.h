@@ -1,5 +1,5 @@
-// The NCCL backend: collectives on device memory, run by the runtime's ordered worker after
-// the signatures agreed (Request::run_on_device).
+// The NCCL backend: the runtime's executor for collectives on device memory (placement
+// kDevice). It agrees on signatures through the host executor, then runs NCCL.
 //
 // Ordering without host synchronisation of the caller's stream: at submission an event is
 // recorded on the caller's stream (TensorFlow's compute stream); the runtime's own stream
@@ -22,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "../executor.h"
+#include "../host_executor.h"
 #include "../runtime.h"
 #include "device_api.h"
 #include "plan.h"
@@ -33,29 +35,18 @@ class NcclBackend;
 
 // What a device collective carries from submission (the caller's thread) to execution (the
 // worker): where its inputs are ready. Returns its event to the backend when dropped.
-struct DeviceTicket {
-  DeviceTicket(NcclBackend* owner, int device, Stream caller_stream)
+struct StreamTicket : DeviceTicket {
+  StreamTicket(NcclBackend* owner, int device, Stream caller_stream)
       : owner(owner), device(device), caller_stream(caller_stream) {}
-  ~DeviceTicket();
-  DeviceTicket(const DeviceTicket&) = delete;
-  DeviceTicket& operator=(const DeviceTicket&) = delete;
+  ~StreamTicket() override;
+  StreamTicket(const StreamTicket&) = delete;
+  StreamTicket& operator=(const StreamTicket&) = delete;
 
   NcclBackend* owner;
   int device;
   Stream caller_stream;
   Event ready = nullptr;  // recorded on caller_stream at submission
   Status status;          // why the submission could not prepare, reported collectively
-};
-
-// The parts of a Request the device path needs (run_on_device does not get the Request).
-struct DeviceCollective {
-  Kind kind = Kind::kAllreduce;
-  ReduceOp op = ReduceOp::kSum;
-  int root = 0;
-  double prescale = 1.0;
-  double postscale = 1.0;
-  std::vector<TensorRef> tensors;
-  std::function<Status(int64_t total_rows, void** output)> allocate_output;
 };
 
 // One NCCL communicator; aborted rather than destroyed once anything went wrong with it.
@@ -80,9 +71,10 @@ class Communicator {
   std::map<std::pair<int, double>, int> premul_ops_;
 };
 
-class NcclBackend : public DeviceBackend {
+class NcclBackend : public Executor {
  public:
-  NcclBackend(std::shared_ptr<DeviceApi> api, int rank, int size, double timeout_seconds);
+  NcclBackend(std::shared_ptr<DeviceApi> api, HostExecutor& host, int rank, int size,
+              double timeout_seconds);
   // After the worker stopped: destroys the communicators (aborts them after a failure), then
   // the streams and events. Bounded: a teardown stuck on a vanished peer is left behind.
   ~NcclBackend() override;
@@ -90,11 +82,10 @@ class NcclBackend : public DeviceBackend {
   void PeerFailed() override { peer_failed_.store(true); }
 
   // On the submitting thread: records where `caller_stream`'s inputs are ready.
-  std::shared_ptr<DeviceTicket> Prepare(int device, Stream caller_stream);
+  std::shared_ptr<StreamTicket> Prepare(int device, Stream caller_stream);
 
-  // On the worker, in submission order, after the signatures agreed.
-  Status Run(Transport& control, const std::vector<Signature>& sigs, DeviceCollective& c,
-             DeviceTicket& ticket);
+  // On the worker, in submission order: agree on signatures (host executor), then run.
+  Status Execute(Request& request, uint64_t seq, ExecutionStats* stats) override;
 
   int communicator_count();
   void ReleaseEvent(int device, Event event);
@@ -108,17 +99,19 @@ class NcclBackend : public DeviceBackend {
 
   DeviceState& State(int device);
   // This rank can run NCCL on the ticket's device: communicator made (collectively) if new.
-  Status Ready(Transport& control, DeviceTicket& ticket);
-  Status Execute(const std::vector<Signature>& sigs, DeviceCollective& c,
-                 const std::vector<ReducePlan>& plans, DeviceTicket& ticket, DeviceState& d);
+  Status Run(Transport& control, const std::vector<Signature>& sigs, Request& c,
+             StreamTicket& ticket);
+  Status Ready(Transport& control, StreamTicket& ticket);
+  Status RunOnStream(const std::vector<Signature>& sigs, Request& c,
+                     const std::vector<ReducePlan>& plans, StreamTicket& ticket, DeviceState& d);
   Status TakeEvent(int device, Event* event);
   Status Connect(Transport& control, int device, const Status& local);
   Status InitCommunicator(int device, const UniqueId& id, Comm* comm);
-  Status Launch(const std::vector<Signature>& sigs, DeviceCollective& c,
+  Status Launch(const std::vector<Signature>& sigs, Request& c,
                 const std::vector<ReducePlan>& plans, Communicator& comm, Stream stream);
-  Status LaunchReduce(DeviceCollective& c, const std::vector<ReducePlan>& plans,
+  Status LaunchReduce(Request& c, const std::vector<ReducePlan>& plans,
                       Communicator& comm, Stream stream);
-  Status LaunchAllgather(const std::vector<Signature>& sigs, DeviceCollective& c, Comm comm,
+  Status LaunchAllgather(const std::vector<Signature>& sigs, Request& c, Comm comm,
                          Stream stream);
   Status WaitFor(Event done, Communicator& comm, const char* what);
   // Why a wait must end now (shutdown, a signal, the deadline), or OK.
@@ -128,6 +121,7 @@ class NcclBackend : public DeviceBackend {
   Status Nccl(int result, const char* call);
 
   std::shared_ptr<DeviceApi> api_;
+  HostExecutor& host_;
   const int rank_;
   const int size_;
   const double timeout_seconds_;
@@ -137,8 +131,8 @@ class NcclBackend : public DeviceBackend {
   std::map<int, DeviceState> devices_;  // node-based: references stay valid
 };
 
-// Makes `request` a device collective on `runtime`'s NCCL backend (created on first use with
-// `api`): records the ready point on `caller_stream` now and sets request->run_on_device.
+// Makes `request` a device collective on `runtime`'s NCCL backend (its device executor,
+// created on first use with `api`): records the ready point on `caller_stream` now.
 void AttachNccl(Runtime& runtime, int device, Stream caller_stream, Request* request,
                 const std::shared_ptr<DeviceApi>& api = SystemDeviceApi());
 

@@ -1,0 +1,32 @@
+// What runs a collective once the runtime, which orders and supervises, hands it over. The
+// host executor runs collectives on host memory (signature exchange, inline data, ring
+// algorithms over the Transport); the NCCL executor runs those on device memory. The
+// runtime picks one by the request's placement; both agree on signatures the same way.
+#pragma once
+
+#include <cstdint>
+
+#include "request.h"
+
+namespace keras_ring {
+
+// What a run recorded for the timeline.
+struct ExecutionStats {
+  Clock::time_point agreed{};  // when the signatures had been exchanged
+  bool inlined = false;        // completed inside the exchange (small data)
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Runs `request`, the `seq`-th collective of this runtime: agrees on signatures with the
+  // peers, then moves the data. Returns the bare cause of a failure (the runtime labels it);
+  // a fatal status means the data plane can no longer be trusted.
+  virtual Status Execute(Request& request, uint64_t seq, ExecutionStats* stats) = 0;
+  // Shutdown began: end any wait now. Any thread.
+  virtual void Abort() {}
+  // The host data plane failed (a peer may be gone): release what waits on peers. Worker.
+  virtual void PeerFailed() {}
+};
+
+}  // namespace keras_ring

@@ -1,0 +1,206 @@
+#include "host_executor.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "reduce.h"
+
+namespace keras_ring {
+namespace {
+
+void CopyIfDistinct(void* dst, const void* src, size_t bytes) {
+  if (dst != src && bytes > 0) std::memcpy(dst, src, bytes);
+}
+
+}  // namespace
+
+HostExecutor::HostExecutor(int rank, int size, Transport& transport, const AlgoConfig& algo)
+    : rank_(rank), size_(size), transport_(transport), algo_(algo),
+      slots_(static_cast<size_t>(size)) {}
+
+AlgoConfig HostExecutor::ConfigFor(const Request& request) const {
+  AlgoConfig cfg = algo_;
+  cfg.may_yield = request.may_yield;
+  return cfg;
+}
+
+Status HostExecutor::Agree(const Request& request, uint64_t seq, std::vector<Signature>* sigs,
+                           bool* all_inlined) {
+  Slot& mine = slots_[static_cast<size_t>(rank_)];
+  mine.sig = SignatureOf(request, seq);
+  mine.sig.inlined = PackInline(request, &mine) ? 1 : 0;
+  exchange_steps_.store(0);
+  Status s = ExchangeSlots(transport_, ConfigFor(request), &slots_, &exchange_steps_);
+  const int steps = exchange_steps_.exchange(-1);
+  if (s.code() == Code::kDeadlineExceeded && s.reporter() < 0) {
+    s = BlameForExchangeTimeout(request, seq, steps);  // our own wait, not a relayed notice
+  }
+  if (!s.ok()) return s;
+  sigs->clear();
+  *all_inlined = true;
+  for (const Slot& slot : slots_) {
+    sigs->push_back(slot.sig);
+    *all_inlined = *all_inlined && slot.sig.inlined != 0;
+  }
+  return CheckSignatures(*sigs);
+}
+
+Status HostExecutor::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
+  std::vector<Signature> sigs;
+  bool all_inlined = false;
+  KR_RETURN_IF_ERROR(Agree(request, seq, &sigs, &all_inlined));
+  stats->agreed = Clock::now();
+  stats->inlined = all_inlined;
+  if (all_inlined) return ExecuteInline(request, sigs);
+  switch (request.kind) {
+    case Kind::kAllreduce: return ExecuteAllreduce(request);
+    case Kind::kGroupedAllreduce: return ExecuteGrouped(request);
+    case Kind::kAllgather: return ExecuteAllgather(request, sigs);
+    case Kind::kBroadcast: return ExecuteBroadcast(request);
+    case Kind::kBarrier: return Status::OK();
+  }
+  return Status::OK();
+}
+
+// The ring exchange stalls at the first rank that has not submitted the collective: after
+// k completed steps this rank has heard from ranks r-1 .. r-k, so it waits for rank r-k-1
+// (possibly through live ranks that have nothing to forward yet). Blaming that rank, not
+// the neighbour, makes every waiting rank name the same stalled one.
+Status HostExecutor::BlameForExchangeTimeout(const Request& request, uint64_t seq,
+                                             int steps) const {
+  const int blamed = ((rank_ - std::max(steps, 0) - 1) % size_ + size_) % size_;
+  return Status(Code::kDeadlineExceeded,
+                "timed out waiting for rank " + std::to_string(blamed) + " to submit " +
+                    SignatureOf(request, seq).Label() +
+                    " (it has not reached it, is stalled, or runs a different program)",
+                blamed);
+}
+
+bool HostExecutor::PackInline(const Request& r, Slot* slot) const {
+  if (r.placement != Placement::kHost) return false;  // pointers into device memory
+  size_t bytes = 0;
+  for (const TensorRef& t : r.tensors) bytes += t.num_bytes();
+  if (bytes > kInlineCapacity) return false;
+  if (r.kind == Kind::kBroadcast && rank_ != r.root) return true;  // receives only
+  size_t off = 0;
+  for (const TensorRef& t : r.tensors) {
+    if (t.num_bytes() > 0) std::memcpy(slot->payload + off, t.input, t.num_bytes());
+    off += t.num_bytes();
+  }
+  return true;
+}
+
+// Every rank combines the ranks' contributions in rank order, so all get the same bits.
+void HostExecutor::ReduceInline(const Request& r, DataType dtype, size_t offset, size_t count,
+                                void* out) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  if (bytes == 0) return;
+  std::memcpy(out, slots_[0].payload + offset, bytes);
+  Scale(dtype, out, count, r.prescale);
+  for (size_t rank = 1; rank < slots_.size(); ++rank) {
+    const void* peer = slots_[rank].payload + offset;
+    if (r.prescale != 1.0) {
+      scratch_.resize(bytes);
+      std::memcpy(scratch_.data(), peer, bytes);
+      Scale(dtype, scratch_.data(), count, r.prescale);
+      peer = scratch_.data();
+    }
+    Reduce(dtype, r.op, out, peer, count);
+  }
+  FinishReduction(dtype, r.op, out, count, size_, r.postscale);
+}
+
+Status HostExecutor::ExecuteInline(Request& r, const std::vector<Signature>& sigs) {
+  switch (r.kind) {
+    case Kind::kAllreduce:
+    case Kind::kGroupedAllreduce: {
+      size_t offset = 0;
+      for (TensorRef& t : r.tensors) {
+        ReduceInline(r, t.dtype, offset, static_cast<size_t>(t.num_elements()), t.output);
+        offset += t.num_bytes();
+      }
+      return Status::OK();
+    }
+    case Kind::kAllgather: {
+      TensorRef& t = r.tensors[0];
+      int64_t rows = 0;
+      for (const Signature& s : sigs) rows += s.count;
+      void* out = nullptr;
+      KR_RETURN_IF_ERROR(r.allocate_output(rows, &out));  // nothing is in flight: not fatal
+      char* dst = static_cast<char*>(out);
+      for (size_t rank = 0; rank < sigs.size(); ++rank) {
+        const size_t bytes =
+            static_cast<size_t>(sigs[rank].count * sigs[rank].row_elems) * DataTypeSize(t.dtype);
+        if (bytes > 0) std::memcpy(dst, slots_[rank].payload, bytes);
+        dst += bytes;
+      }
+      return Status::OK();
+    }
+    case Kind::kBroadcast: {
+      TensorRef& t = r.tensors[0];
+      if (t.num_bytes() > 0) {
+        std::memcpy(t.output, slots_[static_cast<size_t>(r.root)].payload, t.num_bytes());
+      }
+      return Status::OK();
+    }
+    case Kind::kBarrier:
+      return Status::OK();
+  }
+  return Status::OK();
+}
+
+Status HostExecutor::ExecuteAllreduce(Request& r) {
+  TensorRef& t = r.tensors[0];
+  return RingAllreduce(transport_, ConfigFor(r), t.dtype, r.op, t.input, t.output,
+                       static_cast<size_t>(t.num_elements()), r.prescale, r.postscale);
+}
+
+Status HostExecutor::ExecuteGrouped(Request& r) {
+  // One ring pass per dtype, dtypes in order of first appearance, over the tensors where
+  // they lie (no fusion buffer: the ring cuts its segments at the tensors' boundaries).
+  std::vector<DataType> order;
+  for (const TensorRef& t : r.tensors) {
+    if (std::find(order.begin(), order.end(), t.dtype) == order.end()) order.push_back(t.dtype);
+  }
+  for (DataType dtype : order) {
+    std::vector<Part> parts;
+    for (TensorRef& t : r.tensors) {
+      if (t.dtype == dtype) {
+        parts.push_back(Part{t.input, t.output, static_cast<size_t>(t.num_elements())});
+      }
+    }
+    KR_RETURN_IF_ERROR(RingAllreduce(transport_, ConfigFor(r), dtype, r.op, std::move(parts),
+                                     r.prescale, r.postscale));
+  }
+  return Status::OK();
+}
+
+Status HostExecutor::ExecuteAllgather(Request& r, const std::vector<Signature>& sigs) {
+  TensorRef& t = r.tensors[0];
+  const size_t esize = DataTypeSize(t.dtype);
+  int64_t total_rows = 0;
+  std::vector<size_t> block_bytes;
+  for (const Signature& s : sigs) {
+    total_rows += s.count;
+    block_bytes.push_back(static_cast<size_t>(s.count * s.row_elems) * esize);
+  }
+  void* out = nullptr;
+  Status alloc = r.allocate_output(total_rows, &out);
+  if (!alloc.ok()) {
+    // Peers are about to exchange data with us; failing alone would leave them waiting.
+    return Status(Code::kAborted, "could not allocate the allgather output: " + alloc.message());
+  }
+  size_t offset = 0;
+  for (int i = 0; i < rank_; ++i) offset += block_bytes[static_cast<size_t>(i)];
+  CopyIfDistinct(static_cast<char*>(out) + offset, t.input, t.num_bytes());
+  return RingAllgatherv(transport_, ConfigFor(r), out, block_bytes);
+}
+
+Status HostExecutor::ExecuteBroadcast(Request& r) {
+  TensorRef& t = r.tensors[0];
+  if (rank_ == r.root) CopyIfDistinct(t.output, t.input, t.num_bytes());
+  return ChainBroadcast(transport_, ConfigFor(r), t.output, t.num_bytes(), r.root);
+}
+
+}  // namespace keras_ring

@@ -1,0 +1,53 @@
+// Runs collectives on host memory. Every collective opens with an exchange of Slots (each
+// rank's signature and, when small, its data), checked before any data moves; small
+// collectives then complete from the slots alone, the others run the ring algorithms over
+// the transport. The device executor reuses the exchange to agree (Agree).
+#pragma once
+
+#include <atomic>
+#include <vector>
+
+#include "algorithms.h"
+#include "executor.h"
+#include "transport.h"
+
+namespace keras_ring {
+
+class HostExecutor : public Executor {
+ public:
+  HostExecutor(int rank, int size, Transport& transport, const AlgoConfig& algo);
+
+  Status Execute(Request& request, uint64_t seq, ExecutionStats* stats) override;
+
+  // Exchanges the signatures (with this rank's data when it fits and the request allows)
+  // and checks them: every rank computes the same verdict. `sigs` gets every rank's
+  // signature; `all_inlined` whether every rank's data came along.
+  Status Agree(const Request& request, uint64_t seq, std::vector<Signature>* sigs,
+               bool* all_inlined);
+
+  // Ring steps of the slot exchange in progress, -1 when none runs (for the stall report).
+  int exchange_steps() const { return exchange_steps_.load(); }
+  Transport& transport() { return transport_; }
+  // The algorithms' settings for `request` (its wait policy).
+  AlgoConfig ConfigFor(const Request& request) const;
+
+ private:
+  bool PackInline(const Request& request, Slot* slot) const;
+  Status ExecuteInline(Request& request, const std::vector<Signature>& sigs);
+  void ReduceInline(const Request& r, DataType dtype, size_t offset, size_t count, void* out);
+  Status ExecuteAllreduce(Request& request);
+  Status ExecuteGrouped(Request& request);
+  Status ExecuteAllgather(Request& request, const std::vector<Signature>& sigs);
+  Status ExecuteBroadcast(Request& request);
+  Status BlameForExchangeTimeout(const Request& request, uint64_t seq, int steps) const;
+
+  const int rank_;
+  const int size_;
+  Transport& transport_;
+  const AlgoConfig algo_;
+  std::vector<Slot> slots_;    // one per rank, reused by every exchange
+  std::vector<char> scratch_;  // prescaled peer data on the inline path
+  std::atomic<int> exchange_steps_{-1};
+};
+
+}  // namespace keras_ring

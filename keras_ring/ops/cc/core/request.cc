@@ -1,0 +1,71 @@
+#include "request.h"
+
+namespace keras_ring {
+
+int64_t TensorRef::num_elements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+namespace {
+
+// Grouped: the tensors' dtypes and sizes, hashed (equal counts can hide another layout).
+void DescribeGroup(const Request& r, Signature* s) {
+  uint64_t h = 1469598103934665603ull;
+  int64_t total = 0;
+  for (const TensorRef& t : r.tensors) {
+    h = HashMix(h, static_cast<uint64_t>(t.dtype));
+    h = HashMix(h, static_cast<uint64_t>(t.num_elements()));
+    total += t.num_elements();
+  }
+  s->dtype = r.tensors.empty() ? 0 : static_cast<int32_t>(r.tensors[0].dtype);
+  s->ndims = static_cast<int32_t>(r.tensors.size());
+  s->count = total;
+  s->layout_hash = h;
+}
+
+// One tensor: its shape (dims beyond the signature's room hashed); allgather counts rows.
+void DescribeTensor(const Request& r, Signature* s) {
+  const TensorRef& t = r.tensors[0];
+  s->dtype = static_cast<int32_t>(t.dtype);
+  s->ndims = static_cast<int32_t>(t.shape.size());
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    if (i < kMaxSignatureDims) {
+      s->dims[i] = t.shape[i];
+    } else {
+      h = HashMix(h, static_cast<uint64_t>(t.shape[i]));
+    }
+  }
+  s->layout_hash = t.shape.size() > kMaxSignatureDims ? h : 0;
+  if (r.kind == Kind::kAllgather) {
+    s->count = t.shape.empty() ? 1 : t.shape[0];
+    s->row_elems = 1;
+    for (size_t i = 1; i < t.shape.size(); ++i) s->row_elems *= t.shape[i];
+  } else {
+    s->count = t.num_elements();
+  }
+}
+
+}  // namespace
+
+Signature SignatureOf(const Request& r, uint64_t seq) {
+  Signature s;
+  s.seq = seq;
+  s.kind = static_cast<int32_t>(r.kind);
+  s.reduce_op = static_cast<int32_t>(r.op);
+  s.root = r.root;
+  s.prescale = r.prescale;
+  s.postscale = r.postscale;
+  s.device = static_cast<int32_t>(r.placement);
+  s.SetName(r.name);
+  if (r.kind == Kind::kGroupedAllreduce) {
+    DescribeGroup(r, &s);
+  } else if (!r.tensors.empty()) {  // a barrier has none
+    DescribeTensor(r, &s);
+  }
+  return s;
+}
+
+}  // namespace keras_ring

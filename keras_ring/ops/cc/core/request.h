@@ -1,0 +1,57 @@
+// One collective as submitted by a kernel (or the C API): what it is, on which buffers, and
+// where its data lives, which decides the executor that runs it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "signature.h"
+
+namespace keras_ring {
+
+struct TensorRef {
+  DataType dtype = DataType::kFloat32;
+  std::vector<int64_t> shape;
+  const void* input = nullptr;
+  void* output = nullptr;  // may equal input (in place); null for allgather until allocated
+  int64_t num_elements() const;
+  size_t num_bytes() const { return static_cast<size_t>(num_elements()) * DataTypeSize(dtype); }
+};
+
+// Where a collective's data lives: host memory (the ring over the transport) or device
+// memory (NCCL). Part of the signature, so ranks cannot disagree about it silently.
+enum class Placement : int32_t { kHost = 0, kDevice = 1 };
+
+// What a device executor attaches to a request when it is submitted (for NCCL: the point
+// on the caller's stream where the inputs are ready). Opaque to the runtime.
+struct DeviceTicket {
+  virtual ~DeviceTicket() = default;
+};
+
+struct Request {
+  Kind kind = Kind::kAllreduce;
+  std::string name;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  double prescale = 1.0;
+  double postscale = 1.0;
+  std::vector<TensorRef> tensors;
+  // Allgather only: allocates the output for `total_rows` rows; sets tensors[0].output.
+  std::function<Status(int64_t total_rows, void** output)> allocate_output;
+  Placement placement = Placement::kHost;
+  std::shared_ptr<DeviceTicket> device_ticket;  // with kDevice: the device executor's
+  bool may_yield = false;                       // waits may yield the core (an eager call)
+  // Called exactly once: from the runtime's worker, from the submitting thread when the
+  // runtime ran the request there (SubmitOrRun), or from Submit when it cannot take it.
+  std::function<void(const Status&)> done;
+  Clock::time_point submitted{};  // set by Submit, for the timeline
+};
+
+// `request`'s signature as the `seq`-th collective: what every rank must agree on.
+Signature SignatureOf(const Request& request, uint64_t seq);
+
+}  // namespace keras_ring
