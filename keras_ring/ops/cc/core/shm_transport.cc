@@ -30,7 +30,7 @@
 namespace keras_ring {
 namespace {
 
-constexpr uint64_t kSegmentMagic = 0x6b72696e6773686dull;  // "kringshm"
+constexpr uint64_t kRegionMagic = 0x6b72696e6773686dull;  // "kringshm"
 constexpr size_t kAlign = 64;                              // messages start on a cache line
 constexpr int kSleepSliceMs = 10;                          // liveness checks while asleep
 const char kNamePrefix[] = "keras_ring.";
@@ -39,7 +39,7 @@ struct alignas(64) Counter {
   std::atomic<uint64_t> value{0};
 };
 
-// A byte ring from one sender to the segment's owner.
+// A byte ring from one sender to the region's owner.
 struct Channel {
   Counter written;   // advanced by the sender
   Counter consumed;  // advanced by the owner
@@ -52,7 +52,7 @@ long Futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
 }
 
-std::string SegmentName(uint64_t token, int rank, int pid) {
+std::string RegionName(uint64_t token, int rank, int pid) {
   char buf[96];
   std::snprintf(buf, sizeof buf, "/%s%016llx.%d.%d", kNamePrefix,
                 static_cast<unsigned long long>(token), rank, pid);
@@ -77,7 +77,7 @@ struct SetupReport {
 
 }  // namespace
 
-struct ShmTransport::Segment {
+struct ShmTransport::Region {
   uint64_t magic;
   int32_t rank;
   int32_t size;
@@ -91,7 +91,7 @@ struct ShmTransport::Segment {
   alignas(64) std::atomic<uint32_t> sleepers;  // >0 while the owner sleeps on the doorbell
 
   Channel* channel(int sender) {
-    return reinterpret_cast<Channel*>(reinterpret_cast<char*>(this) + sizeof(Segment)) + sender;
+    return reinterpret_cast<Channel*>(reinterpret_cast<char*>(this) + sizeof(Region)) + sender;
   }
   char* data(int sender) {
     return reinterpret_cast<char*>(this) + header_bytes +
@@ -126,12 +126,12 @@ struct ShmTransport::Job {
 
   // Channel state, set up by Transfer.
   uint64_t cap = 0;
-  Channel* out = nullptr;  // our ring in the receiver's segment
+  Channel* out = nullptr;  // our ring in the receiver's region
   char* out_data = nullptr;
-  Segment* out_owner = nullptr;
-  Channel* in = nullptr;  // the sender's ring in our segment
+  Region* out_owner = nullptr;
+  Channel* in = nullptr;  // the sender's ring in our region
   const char* in_data = nullptr;
-  Segment* in_owner = nullptr;  // the sender's segment (rung when we free space)
+  Region* in_owner = nullptr;  // the sender's region (rung when we free space)
   uint64_t w = 0;               // our write position in `out`
   uint64_t c = 0;               // our read position in `in`
 
@@ -212,12 +212,12 @@ ShmTransport::ShmTransport(int rank, int size, const ShmOptions& options)
 
 ShmTransport::~ShmTransport() {
   for (Peer& p : peers_) {
-    if (p.segment != nullptr && p.segment != own_) munmap(p.segment, segment_bytes_);
+    if (p.region != nullptr && p.region != own_) munmap(p.region, region_bytes_);
   }
-  if (own_ != nullptr) munmap(own_, segment_bytes_);
+  if (own_ != nullptr) munmap(own_, region_bytes_);
 }
 
-void ShmTransport::RemoveStaleSegments() {
+void ShmTransport::RemoveStaleRegions() {
   DIR* dir = opendir("/dev/shm");
   if (dir == nullptr) return;
   while (dirent* e = readdir(dir)) {
@@ -232,12 +232,12 @@ void ShmTransport::RemoveStaleSegments() {
   closedir(dir);
 }
 
-std::string ShmTransport::CreateOwnSegment(size_t header_bytes) {
-  own_name_ = SegmentName(options_.job_token, rank_, getpid());
+std::string ShmTransport::CreateOwnRegion(size_t header_bytes) {
+  own_name_ = RegionName(options_.job_token, rank_, getpid());
   int fd = shm_open(own_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   void* mem = MAP_FAILED;
-  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(segment_bytes_)) == 0) {
-    mem = mmap(nullptr, segment_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(region_bytes_)) == 0) {
+    mem = mmap(nullptr, region_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   }
   const int err = errno;
   if (fd >= 0) close(fd);
@@ -245,8 +245,8 @@ std::string ShmTransport::CreateOwnSegment(size_t header_bytes) {
     if (fd >= 0) shm_unlink(own_name_.c_str());
     return "creating shared memory " + own_name_ + " failed: " + std::strerror(err);
   }
-  own_ = new (mem) Segment();  // ftruncate zero-filled the rest
-  own_->magic = kSegmentMagic;
+  own_ = new (mem) Region();  // ftruncate zero-filled the rest
+  own_->magic = kRegionMagic;
   own_->rank = rank_;
   own_->size = size_;
   own_->channel_bytes = options_.channel_bytes;
@@ -255,20 +255,20 @@ std::string ShmTransport::CreateOwnSegment(size_t header_bytes) {
 }
 
 std::string ShmTransport::MapPeer(int peer, int pid, int liveness_fd) {
-  const std::string name = SegmentName(options_.job_token, peer, pid);
+  const std::string name = RegionName(options_.job_token, peer, pid);
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
   void* mem =
-      fd >= 0 ? mmap(nullptr, segment_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+      fd >= 0 ? mmap(nullptr, region_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
   const int err = errno;
   if (fd >= 0) close(fd);
   if (mem == MAP_FAILED) return "mapping " + name + " failed: " + std::strerror(err);
-  auto* segment = static_cast<Segment*>(mem);
-  if (segment->magic != kSegmentMagic || segment->channel_bytes != options_.channel_bytes) {
-    munmap(mem, segment_bytes_);
-    return name + " is not a keras_ring segment of this size (KERAS_RING_SHM_CHANNEL_BYTES "
+  auto* region = static_cast<Region*>(mem);
+  if (region->magic != kRegionMagic || region->channel_bytes != options_.channel_bytes) {
+    munmap(mem, region_bytes_);
+    return name + " is not a keras_ring region of this size (KERAS_RING_SHM_CHANNEL_BYTES "
                   "must be equal on all ranks)";
   }
-  peers_[static_cast<size_t>(peer)] = Peer{segment, liveness_fd};
+  peers_[static_cast<size_t>(peer)] = Peer{region, liveness_fd};
   return "";
 }
 
@@ -284,8 +284,8 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
   }
   std::unique_ptr<ShmTransport> t(new ShmTransport(rank, size, tuned));
   const size_t header =
-      (sizeof(Segment) + static_cast<size_t>(size) * sizeof(Channel) + 4095) & ~size_t{4095};
-  t->segment_bytes_ = header + static_cast<size_t>(size) * options.channel_bytes;
+      (sizeof(Region) + static_cast<size_t>(size) * sizeof(Channel) + 4095) & ~size_t{4095};
+  t->region_bytes_ = header + static_cast<size_t>(size) * options.channel_bytes;
   AlgoConfig cfg;
   cfg.timeout_seconds = timeout_seconds;
   std::vector<SetupReport> reports(static_cast<size_t>(size));
@@ -306,8 +306,8 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
     return s;
   };
 
-  RemoveStaleSegments();
-  Status s = round(t->CreateOwnSegment(header));  // also tells everyone our pid
+  RemoveStaleRegions();
+  Status s = round(t->CreateOwnRegion(header));  // also tells everyone our pid
   std::string error;
   for (int peer : local) {
     if (!s.ok() || !error.empty()) break;
@@ -315,7 +315,7 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
                        liveness_fds[static_cast<size_t>(peer)]);
   }
   if (s.ok()) s = round(error);
-  // Every peer has mapped this segment (or the job failed): the name is no longer needed,
+  // Every peer has mapped this region (or the job failed): the name is no longer needed,
   // and without a name nothing can outlive the job.
   if (t->own_ != nullptr) shm_unlink(t->own_name_.c_str());
   if (!s.ok()) return s;
@@ -330,12 +330,12 @@ Status ShmTransport::CheckPeers(const Job& job, bool starting) const {
   for (int peer : waited_for) {
     if (peer < 0) continue;
     const Peer& p = peers_[static_cast<size_t>(peer)];
-    if (p.segment->aborted.load(std::memory_order_acquire) != 0) {
-      const Code code = static_cast<Code>(p.segment->cause_code);
+    if (p.region->aborted.load(std::memory_order_acquire) != 0) {
+      const Code code = static_cast<Code>(p.region->cause_code);
       // A peer that shut down cleanly left its last data in our rings: only a wait that
       // cannot progress is an error. A peer that failed must stop us even mid-collective.
       if (starting && code == Code::kCancelled) continue;
-      return PeerGaveUp(peer, code, p.segment->cause_peer, p.segment->cause_message);
+      return PeerGaveUp(peer, code, p.region->cause_peer, p.region->cause_message);
     }
     if (!starting && PeerSocketClosed(p.liveness_fd)) {
       return Status(Code::kUnavailable,
@@ -354,13 +354,13 @@ Status ShmTransport::Transfer(Job& job, Deadline deadline) {
   // Both sides start each message on a cache line (AlignUp), so element boundaries never
   // straddle the ring's wrap-around.
   if (job.sending()) {
-    job.out_owner = peers_[static_cast<size_t>(job.to)].segment;
+    job.out_owner = peers_[static_cast<size_t>(job.to)].region;
     job.out = job.out_owner->channel(rank_);
     job.out_data = job.out_owner->data(rank_);
     job.w = AlignUp(job.out->written.value.load(std::memory_order_relaxed));
   }
   if (job.receiving()) {
-    job.in_owner = peers_[static_cast<size_t>(job.from)].segment;
+    job.in_owner = peers_[static_cast<size_t>(job.from)].region;
     job.in = own_->channel(job.from);
     job.in_data = own_->data(job.from);
     job.c = AlignUp(job.in->consumed.value.load(std::memory_order_relaxed));
@@ -465,7 +465,7 @@ void ShmTransport::AbortWith(const Status& cause) {
   own_->aborted.store(1, std::memory_order_release);
   own_->Ring();  // wake our own worker if it sleeps
   for (Peer& p : peers_) {
-    if (p.segment != nullptr) p.segment->Ring();  // let peers see the flag now
+    if (p.region != nullptr) p.region->Ring();  // let peers see the flag now
   }
 }
 

@@ -1,7 +1,7 @@
-// Ranks on one host exchange data through POSIX shared memory: each rank owns a segment
+// Ranks on one host exchange data through POSIX shared memory: each rank owns a region
 // with one single-producer/single-consumer byte ring per sender. Waiting spins briefly, then
-// sleeps on a futex "doorbell" in the waiter's own segment, so oversubscribed ranks do not
-// steal each other's cores. Segments are unlinked as soon as every peer has mapped them, so
+// sleeps on a futex "doorbell" in the waiter's own region, so oversubscribed ranks do not
+// steal each other's cores. Regions are unlinked as soon as every peer has mapped them, so
 // nothing is left in /dev/shm even when a rank is killed.
 #pragma once
 
@@ -24,8 +24,8 @@ struct ShmOptions {
 
 class ShmTransport : public Transport {
  public:
-  // Collective over `control` (all ranks must call it): creates this rank's segment, maps
-  // the segments of the ranks in `local` (same host), then unlinks its own. `liveness_fds`
+  // Collective over `control` (all ranks must call it): creates this rank's region, maps
+  // the regions of the ranks in `local` (same host), then unlinks its own. `liveness_fds`
   // (per rank, -1 if none) are sockets whose EOF means the peer is gone.
   static Status Create(Transport& control, const std::vector<int>& local,
                        const std::vector<int>& liveness_fds, const ShmOptions& options,
@@ -35,7 +35,7 @@ class ShmTransport : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* name() const override { return "shm"; }
-  bool Reaches(int peer) const { return peers_[static_cast<size_t>(peer)].segment != nullptr; }
+  bool Reaches(int peer) const { return peers_[static_cast<size_t>(peer)].region != nullptr; }
 
   Status Send(int peer, const void* data, size_t bytes, Deadline deadline) override;
   Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
@@ -49,14 +49,14 @@ class ShmTransport : public Transport {
   size_t BufferedSendBytes() const override { return options_.channel_bytes - 64; }
   void AbortWith(const Status& cause) override;
 
-  // Removes segments of earlier jobs whose creating process is gone (a crash during init).
-  static void RemoveStaleSegments();
+  // Removes regions of earlier jobs whose creating process is gone (a crash during init).
+  static void RemoveStaleRegions();
 
-  struct Segment;  // layout in shm_transport.cc
+  struct Region;  // layout in shm_transport.cc
 
  private:
   struct Peer {
-    Segment* segment = nullptr;  // the peer's segment (its inbound channel from us)
+    Region* region = nullptr;  // the peer's region (its inbound channel from us)
     int liveness_fd = -1;
   };
   ShmTransport(int rank, int size, const ShmOptions& options);
@@ -64,7 +64,7 @@ class ShmTransport : public Transport {
   Status Transfer(Job& job, Deadline deadline);
   Status Sleep(const Job& job, Deadline deadline);
   // Setup steps; each returns an error message, empty on success.
-  std::string CreateOwnSegment(size_t header_bytes);
+  std::string CreateOwnRegion(size_t header_bytes);
   std::string MapPeer(int peer, int pid, int liveness_fd);
   // Errors for the peers `job` waits on: gone, failed, or (unless `starting`) shut down.
   Status CheckPeers(const Job& job, bool starting) const;
@@ -72,8 +72,8 @@ class ShmTransport : public Transport {
   int rank_;
   int size_;
   ShmOptions options_;
-  Segment* own_ = nullptr;
-  size_t segment_bytes_ = 0;
+  Region* own_ = nullptr;
+  size_t region_bytes_ = 0;
   std::string own_name_;
   std::vector<Peer> peers_;
   std::atomic<bool> aborted_{false};

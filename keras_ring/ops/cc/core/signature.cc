@@ -122,6 +122,13 @@ std::vector<Field> FieldsFor(Kind kind) {
                  return a.name[0] == '\0' || b.name[0] == '\0' || std::strcmp(a.name, b.name) == 0;
                },
                [](auto& s) { return "'" + std::string(s.name) + "'"; }});
+  // After the name: two ranks that ran different numbers of collectives may still line up
+  // a collective of the same kind, name and shape, from different steps.
+  f.push_back({"sequence number", [](auto& a, auto& b) { return a.seq == b.seq; },
+               [](auto& s) {
+                 return "#" + std::to_string(s.seq) +
+                        " (the ranks ran different numbers of collectives before it)";
+               }});
   if (kind == Kind::kBarrier) return f;
   // Before anything else about the data: a host rank would run the ring while a GPU rank
   // runs NCCL, and their byte streams would not match.

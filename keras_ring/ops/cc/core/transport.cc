@@ -54,15 +54,4 @@ Status Transport::SendRecvPieces(int to, const std::vector<SendPiece>& send, int
   return Status::OK();
 }
 
-Status Transport::SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from,
-                                 void* dst, const void* local, size_t recv_bytes,
-                                 size_t element_bytes, const ReduceFn& reduce,
-                                 Deadline deadline) {
-  std::vector<SendPiece> send;
-  if (send_bytes > 0) send.push_back(SendPiece{send_data, send_bytes});
-  std::vector<RecvPiece> recv;
-  if (recv_bytes > 0) recv.push_back(RecvPiece{dst, local, recv_bytes});
-  return SendRecvPieces(to, send, from, recv, element_bytes, &reduce, deadline);
-}
-
 }  // namespace keras_ring

@@ -64,11 +64,6 @@ class Transport {
                                 const std::vector<RecvPiece>& recv, size_t element_bytes,
                                 const ReduceFn* reduce, Deadline deadline);
 
-  // SendRecvPieces with one piece each way.
-  Status SendRecvReduce(int to, const void* send_data, size_t send_bytes, int from, void* dst,
-                        const void* local, size_t recv_bytes, size_t element_bytes,
-                        const ReduceFn& reduce, Deadline deadline);
-
   // The most bytes a Send to any peer completes with, before that peer receives them (the
   // buffering of every link). An algorithm may post sends of this size to several peers
   // before receiving without risking a rank blocked in a send waiting for another one.

@@ -1,6 +1,6 @@
-// The shared-memory transport with ranks as threads of this process (the segments, rings,
+// The shared-memory transport with ranks as threads of this process (the regions, rings,
 // doorbells and futexes are the real ones): ring algorithms over tiny channels so every
-// message wraps around, odd message sizes before element-typed reductions, and no segment
+// message wraps around, odd message sizes before element-typed reductions, and no region
 // left in /dev/shm.
 #include <dirent.h>
 #include <unistd.h>
@@ -22,7 +22,7 @@ namespace {
 
 using namespace keras_ring;  // NOLINT: test-local
 
-int CountSegmentsOfThisProcess() {
+int CountRegionsOfThisProcess() {
   const std::string suffix = "." + std::to_string(getpid());
   int count = 0;
   if (DIR* dir = opendir("/dev/shm")) {
@@ -63,7 +63,7 @@ TEST(Shm_AllreduceThroughTinyRingsMatchesExpected) {
   for (int n : {2, 3, 4}) {
     LocalWorld control(n);
     auto shm = MakeShmWorld(control, 4096, Mix(n, 1));
-    CHECK(CountSegmentsOfThisProcess() == 0) << "segments must be unlinked once mapped";
+    CHECK(CountRegionsOfThisProcess() == 0) << "regions must be unlinked once mapped";
     for (size_t count : {size_t{1}, size_t{13}, size_t{1000}, size_t{70001}}) {
       for (DataType dtype : {DataType::kFloat64, DataType::kFloat16, DataType::kInt8}) {
         std::vector<std::vector<char>> out(static_cast<size_t>(n));

@@ -107,6 +107,22 @@ TEST(Signatures_CountMismatchNamesBothRanks) {
   }
 }
 
+TEST(Signatures_SameCollectiveFromAnotherStepIsAMismatch) {
+  // Rank 1 ran one collective fewer: its next 'grad_dense' lines up with rank 0's later one.
+  const auto v = ExchangeAndCheck(2, [](int r) {
+    Signature s = AllreduceSig(10);
+    s.seq = r == 1 ? 6 : 7;
+    return s;
+  });
+  CheckSameVerdict(v);
+  for (const Status& s : v) {
+    CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+    CHECK_CONTAINS(s.message(), "sequence number mismatch: rank 0 has #7");
+    CHECK_CONTAINS(s.message(), "rank 1 has #6");
+    CHECK_EQ(s.peer(), 1);
+  }
+}
+
 TEST(Signatures_DtypeMismatchNamesBothDtypes) {
   const auto v = ExchangeAndCheck(
       4, [](int r) { return AllreduceSig(10, r == 1 ? DataType::kInt32 : DataType::kFloat32); });
