@@ -10,71 +10,23 @@ import re
 
 import tensorflow as tf
 
-# "keras_ring: allreduce 'x' ..." or, for a collective refused after an earlier failure,
-# "keras_ring: cannot run allreduce 'x' because ...": the collective is the one called.
-_LABEL = re.compile(r"keras_ring: (?:cannot run )?(?P<collective>\w+ (?:'[^']*'|#\d+))")
+# The errors of a launch need no TensorFlow (launchers raise them): defined there, public here.
+from keras_ring._errors_base import InitError, KerasRingError, NotInitializedError
+
+__all__ = [
+    "KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
+    "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",
+    "CollectiveAbortedError", "translate", "is_interrupt_clash", "install_tensorflow_hook",
+]
+
 # TensorFlow's decorations after our message: " [[{{node ...}}]]", " [Op:...] name: ...".
 _TF_SUFFIX = re.compile(r"\s*(?:\[\[\{\{node |\[Op:).*$", re.S)
 # Where our message starts (in graph errors it follows TensorFlow's "Detected at node"
 # traceback, whose file paths contain "keras_ring" too).
 _OURS = re.compile(r"keras_ring(?:: | has not been initialized)")
-_RANK = re.compile(r"\brank (?P<rank>\d+)\b")
-# "... failed on rank R: <cause>" names the reporting rank; the cause names the rank it is about.
-_REPORTER = re.compile(r"^.*\bfailed on rank \d+: ", re.S)
-# "rank R: ..." at the start names the rank that reports, not the one at fault.
-_REPORTING_RANK = re.compile(r"^rank \d+: ")
 # TensorFlow's function runtime replaces some codes: "... originally returned UnavailableError,
 # and was replaced by InternalError ...": the original tells what happened.
 _REPLACED = re.compile(r"originally returned (?P<name>\w+Error)")
-# "rank 0 has X, rank N has Y": rank 0 is the reference, N the one that diverged.
-_DIVERGING = re.compile(r"\brank 0 has .*?, rank (?P<rank>\d+) has ", re.S)
-
-
-class KerasRingError(Exception):
-    """Base of every keras_ring error.
-
-    Attributes:
-        collective: the failing collective, e.g. ``"allreduce 'grad_dense_1'"``, or None.
-        rank: the rank the error is about (dead, waited for, or diverging), or None.
-        reason: the message without the collective prefix.
-    """
-
-    collective: str | None = None
-    rank: int | None = None
-    reason: str = ""
-
-    def _describe(self, message: str) -> None:
-        message = _REPORTING_RANK.sub("", message, count=1)
-        m = _LABEL.search(message)
-        self.collective = m.group("collective") if m else None
-        self.reason = message[m.end():].lstrip(": ") if m else message
-        cause = _REPORTER.sub("", self.reason)
-        r = _DIVERGING.search(cause) or _RANK.search(cause)
-        self.rank = int(r.group("rank")) if r else None
-
-
-class NotInitializedError(KerasRingError, ValueError):
-    """A keras_ring function was called before ``keras_ring.init()`` or after ``shutdown()``."""
-
-    def __init__(self, what: str = "this function"):
-        super().__init__(
-            f"keras_ring has not been initialized: call keras_ring.init() before {what}"
-        )
-
-
-class InitError(KerasRingError, RuntimeError):
-    """``keras_ring.init()`` could not bootstrap or connect the ranks.
-
-    Args:
-        message: what went wrong.
-        rank: the rank at fault when known; otherwise read from the message.
-    """
-
-    def __init__(self, message: str, rank: int | None = None):
-        super().__init__(message)
-        self._describe(message)
-        if rank is not None:
-            self.rank = rank
 
 
 class CollectiveMismatchError(KerasRingError, tf.errors.FailedPreconditionError):

@@ -1,0 +1,76 @@
+"""The errors a launch raises, importable without TensorFlow.
+
+The bootstrap, the rendezvous and the launchers raise these before TensorFlow is loaded (or
+in processes that never load it), so they live apart from the collective errors, which
+subclass ``tf.errors`` classes. ``keras_ring.errors`` re-exports them: that is their public
+home, and their ``__module__`` says so, so tracebacks and pickles name ``keras_ring.errors``.
+"""
+
+from __future__ import annotations
+
+import re
+
+# "keras_ring: allreduce 'x' ..." or, for a collective refused after an earlier failure,
+# "keras_ring: cannot run allreduce 'x' because ...": the collective is the one called.
+_LABEL = re.compile(r"keras_ring: (?:cannot run )?(?P<collective>\w+ (?:'[^']*'|#\d+))")
+_RANK = re.compile(r"\brank (?P<rank>\d+)\b")
+# "... failed on rank R: <cause>" names the reporting rank; the cause names the rank it is about.
+_REPORTER = re.compile(r"^.*\bfailed on rank \d+: ", re.S)
+# "rank R: ..." at the start names the rank that reports, not the one at fault.
+_REPORTING_RANK = re.compile(r"^rank \d+: ")
+# "rank 0 has X, rank N has Y": rank 0 is the reference, N the one that diverged.
+_DIVERGING = re.compile(r"\brank 0 has .*?, rank (?P<rank>\d+) has ", re.S)
+
+_PUBLIC_MODULE = "keras_ring.errors"
+
+
+class KerasRingError(Exception):
+    """Base of every keras_ring error.
+
+    Attributes:
+        collective: the failing collective, e.g. ``"allreduce 'grad_dense_1'"``, or None.
+        rank: the rank the error is about (dead, waited for, or diverging), or None.
+        reason: the message without the collective prefix.
+    """
+
+    __module__ = _PUBLIC_MODULE
+    collective: str | None = None
+    rank: int | None = None
+    reason: str = ""
+
+    def _describe(self, message: str) -> None:
+        message = _REPORTING_RANK.sub("", message, count=1)
+        m = _LABEL.search(message)
+        self.collective = m.group("collective") if m else None
+        self.reason = message[m.end():].lstrip(": ") if m else message
+        cause = _REPORTER.sub("", self.reason)
+        r = _DIVERGING.search(cause) or _RANK.search(cause)
+        self.rank = int(r.group("rank")) if r else None
+
+
+class NotInitializedError(KerasRingError, ValueError):
+    """A keras_ring function was called before ``keras_ring.init()`` or after ``shutdown()``."""
+
+    __module__ = _PUBLIC_MODULE
+
+    def __init__(self, what: str = "this function"):
+        super().__init__(
+            f"keras_ring has not been initialized: call keras_ring.init() before {what}"
+        )
+
+
+class InitError(KerasRingError, RuntimeError):
+    """``keras_ring.init()`` could not bootstrap or connect the ranks.
+
+    Args:
+        message: what went wrong.
+        rank: the rank at fault when known; otherwise read from the message.
+    """
+
+    __module__ = _PUBLIC_MODULE
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self._describe(message)
+        if rank is not None:
+            self.rank = rank
