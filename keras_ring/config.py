@@ -1,4 +1,7 @@
-"""Environment variables that configure keras_ring, read in one place with clear errors."""
+"""Environment variables that configure keras_ring, read in one place with clear errors.
+
+This module imports nothing of keras_ring, so every layer may use it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,13 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_FAILURE_EXIT_SECONDS = 5.0
 
 
-def _float(name: str, default: float, minimum: float = 0.0) -> float:
+
+def seconds_from_env(name: str, default: float, minimum: float = 0.0) -> float:
+    """Variable ``name`` as seconds greater than ``minimum``; ``default`` when unset or empty.
+
+    Raises:
+        ValueError: the value is no number or too small; the message names the variable.
+    """
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -37,7 +46,12 @@ def _seconds_or_off(name: str, default: float) -> float:
     return value
 
 
-def _int(name: str, default: int, minimum: int = 1) -> int:
+def int_from_env(name: str, default: int, minimum: int = 1) -> int:
+    """Variable ``name`` as an integer of at least ``minimum``; ``default`` when unset or empty.
+
+    Raises:
+        ValueError: the value is no integer or too small; the message names the variable.
+    """
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -63,7 +77,7 @@ def _bool(name: str, default: bool) -> bool:
 
 
 def _power_of_two(name: str, default: int) -> int:
-    value = _int(name, default, minimum=4096)
+    value = int_from_env(name, default, minimum=4096)
     if value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")
     return value
@@ -88,11 +102,12 @@ class Config:
     @classmethod
     def from_env(cls) -> "Config":
         return cls(
-            timeout_seconds=_float("KERAS_RING_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS),
-            stall_warning_seconds=_float("KERAS_RING_STALL_WARNING_SECONDS", 60.0),
+            timeout_seconds=seconds_from_env("KERAS_RING_TIMEOUT_SECONDS",
+                                             DEFAULT_TIMEOUT_SECONDS),
+            stall_warning_seconds=seconds_from_env("KERAS_RING_STALL_WARNING_SECONDS", 60.0),
             failure_exit_seconds=_seconds_or_off("KERAS_RING_FAILURE_EXIT_SECONDS",
                                                  DEFAULT_FAILURE_EXIT_SECONDS),
-            segment_bytes=_int("KERAS_RING_SEGMENT_BYTES", 1 << 20, minimum=64),
+            segment_bytes=int_from_env("KERAS_RING_SEGMENT_BYTES", 1 << 20, minimum=64),
             host_id=os.environ.get("KERAS_RING_HOST_ID") or None,
             advertise_address=os.environ.get("KERAS_RING_ADVERTISE_ADDRESS", "").strip() or None,
             socket_ifname=os.environ.get("KERAS_RING_SOCKET_IFNAME", "").strip() or None,
@@ -100,7 +115,7 @@ class Config:
             shm_channel_bytes=_power_of_two("KERAS_RING_SHM_CHANNEL_BYTES", 1 << 20),
             timeline_path=os.environ.get("KERAS_RING_TIMELINE") or None,
             intra_op_threads=(
-                _int("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
+                int_from_env("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
                 if os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip() else None
             ),
         )

@@ -107,9 +107,9 @@ def test_ipv6_rendezvous_with_two_hosts_runs_collectives(env):
 
 
 def test_multi_host_listener_accepts_ipv4_and_ipv6():
-    from keras_ring.bootstrap import _listen
+    from keras_ring.peer_table import listen
 
-    listener = _listen(multi_host=True, backlog=2)
+    listener = listen(multi_host=True, backlog=2)
     port = listener.getsockname()[1]
     try:
         families = [socket.AF_INET, socket.AF_INET6] if socket.has_dualstack_ipv6() else [socket.AF_INET]
