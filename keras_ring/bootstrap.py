@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from keras_ring import rendezvous
-from keras_ring.config import Config
+from keras_ring.config import MPI_LAUNCHER_VARIABLES, Config
 from keras_ring.mpi_exchange import mpi_bootstrap
 from keras_ring.peer_table import (PeerTable, Topology, check_hosts, offered_addresses,
                                    reachable_addresses, single_process)
@@ -23,16 +23,10 @@ __all__ = [
     "check_hosts", "offered_addresses", "reachable_addresses",
 ]
 
-# Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, Slurm's PMI) set in ranks.
-_LAUNCHER_VARIABLES = (
-    "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
-    "HYDRA_CONTROL_FD", "PMI_FD",
-)
-
 
 def launched_by_mpi() -> bool:
     """True when an MPI launcher started this process."""
-    return any(v in os.environ for v in _LAUNCHER_VARIABLES)
+    return any(v in os.environ for v in MPI_LAUNCHER_VARIABLES)
 
 
 def bootstrap(config: Config) -> PeerTable:

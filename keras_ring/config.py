@@ -1,6 +1,8 @@
 """Environment variables that configure keras_ring, read in one place with clear errors.
 
-This module imports nothing of keras_ring, so every layer may use it.
+Also the names of the variables launchers set: the bootstrap, the rendezvous, the Spark
+launcher and the tests read them from here. This module imports nothing of keras_ring, so
+every layer may use it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,25 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 # How long a process of a failed job may run on before keras_ring ends it (see README).
 DEFAULT_FAILURE_EXIT_SECONDS = 5.0
 
+# The launch without MPI (keras_ring.rendezvous): this process's rank, the number of ranks,
+# rank 0's rendezvous address, and how long the whole exchange may take.
+RANK_VARIABLE = "KERAS_RING_RANK"
+SIZE_VARIABLE = "KERAS_RING_SIZE"
+RENDEZVOUS_VARIABLE = "KERAS_RING_RENDEZVOUS"
+START_TIMEOUT_VARIABLE = "KERAS_RING_START_TIMEOUT_SECONDS"
+
+# Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, Slurm's PMI) set in ranks:
+# any of them means an MPI launcher started this process.
+MPI_LAUNCHER_VARIABLES = (
+    "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
+    "HYDRA_CONTROL_FD", "PMI_FD",
+)
+# The prefixes of every variable those launchers set: a child process started without them
+# is no MPI rank (it covers MPI_LAUNCHER_VARIABLES).
+MPI_VARIABLE_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_")
+# Where a rank of any launcher finds its rank, first match wins. keras-ring-run's per-rank
+# wrapper keeps a copy (it runs as a stdlib-only script); a unit test checks that they agree.
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", RANK_VARIABLE, "SLURM_PROCID")
 
 
 def seconds_from_env(name: str, default: float, minimum: float = 0.0) -> float:

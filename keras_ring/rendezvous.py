@@ -35,15 +35,12 @@ import time
 from dataclasses import asdict, dataclass
 
 from keras_ring._errors_base import InitError
-from keras_ring.config import Config, int_from_env, seconds_from_env
+from keras_ring.config import (RANK_VARIABLE, RENDEZVOUS_VARIABLE, SIZE_VARIABLE,
+                               START_TIMEOUT_VARIABLE, Config, int_from_env, seconds_from_env)
 from keras_ring.interfaces import is_loopback, network_stack_id
 from keras_ring.peer_table import (PeerTable, Topology, check_hosts, listen, offered_addresses,
                                    reachable_addresses)
 
-RANK_VARIABLE = "KERAS_RING_RANK"
-SIZE_VARIABLE = "KERAS_RING_SIZE"
-RENDEZVOUS_VARIABLE = "KERAS_RING_RENDEZVOUS"
-START_TIMEOUT_VARIABLE = "KERAS_RING_START_TIMEOUT_SECONDS"
 _VARIABLES = (RANK_VARIABLE, SIZE_VARIABLE, RENDEZVOUS_VARIABLE)
 
 # Identifies the protocol, so a stray connection (a port scanner, a health probe, a job of
