@@ -6,7 +6,6 @@ every rank. Invalid arguments raise before anything is communicated.
 
 from __future__ import annotations
 
-import enum
 import io
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
@@ -15,20 +14,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import errors
+from keras_ring import basics, errors
 from keras_ring.ops import loader, wrappers
+from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.runtime import RUNTIME
 
-
-class ReduceOp(enum.IntEnum):
-    """How allreduce combines the ranks' values (the values are part of the op library ABI)."""
-
-    Sum = 0
-    Average = 1
-    Min = 2
-    Max = 3
-    Product = 4
-
+wrappers.register_gradients(basics.rank)
 
 Sum = ReduceOp.Sum
 Average = ReduceOp.Average
