@@ -7,7 +7,7 @@ import ctypes
 import sys
 import threading
 
-from keras_ring import errors, gpu, threads, timeline
+from keras_ring import _lifecycle, errors, gpu, threads
 from keras_ring.bootstrap import bootstrap
 from keras_ring.config import Config
 from keras_ring.errors import InitError, NotInitializedError
@@ -119,8 +119,9 @@ class Runtime:
         with self._lock:
             if self._topology is None:
                 return
-            if self._config is not None and self._config.timeline_path is not None:
-                timeline.write(self._config.timeline_path, self._topology, library())
+            if self._config is not None:
+                for step in _lifecycle.BEFORE_SHUTDOWN:  # the timeline's, say: see there
+                    step(self._config, self._topology, library())
             if error is None:
                 library().c.keras_ring_shutdown()
             else:
