@@ -16,7 +16,8 @@ from keras_ring._errors_base import InitError, KerasRingError, NotInitializedErr
 __all__ = [
     "KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
     "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",
-    "CollectiveAbortedError", "translate", "is_interrupt_clash", "install_tensorflow_hook",
+    "CollectiveAbortedError", "translate", "for_status_code", "is_interrupt_clash",
+    "install_tensorflow_hook",
 ]
 
 # TensorFlow's decorations after our message: " [[{{node ...}}]]", " [Op:...] name: ...".
@@ -71,10 +72,22 @@ def translate(error: tf.errors.OpError) -> Exception:
     original = getattr(tf.errors, replaced["name"], None) if replaced else None
     for tf_class, ours in _BY_TF_CLASS:
         if isinstance(error, tf_class) or original is tf_class:
-            err = ours(error.node_def, error.op, message)
-            err._describe(message)
-            return err
+            return _ours(ours, message, error.node_def, error.op)
     return error
+
+
+def for_status_code(code: int, message: str) -> KerasRingError:
+    """keras_ring's error for a status code the C API returned (a barrier's, say)."""
+    for tf_class, ours in _BY_TF_CLASS:
+        if code == tf_class(None, None, "").error_code:
+            return _ours(ours, message)
+    return KerasRingError(message)
+
+
+def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
+    err = cls(node_def, op, message)
+    err._describe(message)
+    return err
 
 
 def is_interrupt_clash(error: RuntimeError) -> bool:
