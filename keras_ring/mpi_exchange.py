@@ -27,7 +27,14 @@ def mpi_bootstrap(config: Config) -> PeerTable:
     that imported mpi4py itself keeps its MPI.
     """
     user_owns_mpi = "mpi4py.MPI" in sys.modules
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except ModuleNotFoundError as e:
+        if e.name != "mpi4py":
+            raise
+        raise InitError("an MPI launcher started this process, but mpi4py is not installed: "
+                        "pip install keras-ring[mpi] (or launch without MPI through the "
+                        "KERAS_RING_RENDEZVOUS variables)") from None
 
     try:
         return _exchange(MPI.COMM_WORLD, config)

@@ -345,6 +345,15 @@ def test_explicit_addresses_are_kept_as_given():
     assert [p.address for p in peers0] == ["192.168.5.1", "192.168.5.2,10.0.0.2"]
 
 
+def test_an_mpi_launch_without_mpi4py_says_what_to_install(monkeypatch):
+    from keras_ring.mpi_exchange import mpi_bootstrap
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as if it were not installed
+    with pytest.raises(kr.InitError, match=r"mpi4py is not installed: pip install "
+                                           r"keras-ring\[mpi\]"):
+        mpi_bootstrap(Config.from_env())
+
+
 def test_check_hosts():
     from keras_ring.bootstrap import check_hosts
 
