@@ -12,7 +12,10 @@ x = keras_ring.allreduce(tf.constant([1.0, 2.0]), op=keras_ring.Sum)
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
+
+from keras_ring import _lifecycle
 
 __version__ = "0.1.0"
 
@@ -55,6 +58,29 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+# The runtime sits below the modules these steps need, so the package registers them (see
+# keras_ring/_lifecycle.py); each imports its module only when it has work to do.
+
+def _install_keras_compile_hook() -> None:
+    # `model.compile(optimizer=keras_ring.wrap(...))` looks compile up before wrap runs, so
+    # the hook for models compiled with wrapped optimizers must be in place at init().
+    if "keras" in sys.modules:
+        from keras_ring.optimizer import install_compile_hook
+
+        install_compile_hook()
+
+
+def _write_timeline(config: Config, topology: Topology, lib: Library) -> None:
+    if config.timeline_path is not None:
+        from keras_ring import timeline
+
+        timeline.write(config.timeline_path, topology, lib)
+
+
+_lifecycle.AFTER_INIT.append(_install_keras_compile_hook)
+_lifecycle.BEFORE_SHUTDOWN.append(_write_timeline)
+
+
 if TYPE_CHECKING:
     from keras_ring import callbacks
     from keras_ring.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
@@ -63,8 +89,11 @@ if TYPE_CHECKING:
                                         allgather_object, allreduce, barrier, broadcast,
                                         broadcast_object, broadcast_variables, grouped_allreduce)
     from keras_ring.compression import Compression
+    from keras_ring.config import Config
     from keras_ring.errors import (CollectiveAbortedError, CollectiveArgumentError,
                                    CollectiveMismatchError, CollectiveTimeoutError, InitError,
                                    KerasRingError, NotInitializedError, PeerFailureError)
     from keras_ring.gradient_tape import DistributedGradientTape
+    from keras_ring.ops.loader import Library
     from keras_ring.optimizer import DistributedOptimizer, wrap
+    from keras_ring.peer_table import Topology

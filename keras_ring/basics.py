@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
+from keras_ring import _lifecycle
 from keras_ring.runtime import RUNTIME
 
 
@@ -23,12 +22,8 @@ def init() -> None:
     ```
     """
     RUNTIME.init()
-    if "keras" in sys.modules:
-        # `model.compile(optimizer=keras_ring.wrap(...))` looks compile up before wrap runs,
-        # so the hook for models compiled with wrapped optimizers must be in place already.
-        from keras_ring.optimizer import install_compile_hook
-
-        install_compile_hook()
+    for step in _lifecycle.AFTER_INIT:  # the Keras integration's, say: see keras_ring/__init__
+        step()
 
 
 def shutdown() -> None:

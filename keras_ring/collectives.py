@@ -6,7 +6,7 @@ every rank. Invalid arguments raise before anything is communicated.
 
 from __future__ import annotations
 
-import enum
+import ctypes
 import io
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
@@ -15,20 +15,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import errors
+from keras_ring import basics, errors
 from keras_ring.ops import loader, wrappers
+from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.runtime import RUNTIME
 
-
-class ReduceOp(enum.IntEnum):
-    """How allreduce combines the ranks' values (the values are part of the op library ABI)."""
-
-    Sum = 0
-    Average = 1
-    Min = 2
-    Max = 3
-    Product = 4
-
+wrappers.register_gradients(basics.rank)
 
 Sum = ReduceOp.Sum
 Average = ReduceOp.Average
@@ -82,6 +74,31 @@ def _to_tensor(value: Any, what: str) -> tf.Tensor:
         raise TypeError(f"keras_ring.{what} needs a tensor, got {type(value).__name__}: {e}") from None
 
 
+def _tensors(values: Iterable[Any], allowed: tuple, what: str) -> list[tf.Tensor]:
+    """``values`` as tensors of dtypes in ``allowed``: all converted, then all checked."""
+    tensors = [_to_tensor(v, what) for v in values]
+    for t in tensors:
+        _check_dtype(t, allowed, what)
+    return tensors
+
+
+def _reduce_args(what: str, op: Any, name: str | None, prescale_factor: Any,
+                 postscale_factor: Any) -> tuple[ReduceOp, str, float, float]:
+    """The checked arguments every allreduce takes, once the runtime is known to run."""
+    RUNTIME.topology(f"keras_ring.{what}()")
+    return (_check_op(op), _check_name(name), _check_factor(prescale_factor, "prescale_factor"),
+            _check_factor(postscale_factor, "postscale_factor"))
+
+
+def _check_root(root_rank: Any) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
+    # The op attribute is an int32. A root beyond it is out of range like any other: clamp it
+    # so the runtime's range check reports it on every rank alike, instead of TensorFlow
+    # (or an OverflowError) failing on this rank alone and leaving the others waiting.
+    return max(-(2**31), min(int(root_rank), 2**31 - 1))
+
+
 def _run(fn, *args):
     """Calls an op; in eager mode its errors become keras_ring's error classes."""
     try:
@@ -121,15 +138,11 @@ def allreduce(
     mean_loss = keras_ring.allreduce(loss, op=keras_ring.Average, name="loss")
     ```
     """
-    RUNTIME.topology("keras_ring.allreduce()")
-    op = _check_op(op)
-    tensor_name = _check_name(name)
-    pre = _check_factor(prescale_factor, "prescale_factor")
-    post = _check_factor(postscale_factor, "postscale_factor")
+    op, tensor_name, pre, post = _reduce_args("allreduce", op, name, prescale_factor,
+                                              postscale_factor)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_indexed_slices(tensor, op, tensor_name, pre, post)
-    tensor = _to_tensor(tensor, "allreduce")
-    _check_dtype(tensor, REDUCE_DTYPES, "allreduce")
+    (tensor,) = _tensors([tensor], REDUCE_DTYPES, "allreduce")
     return _run(wrappers.allreduce, tensor, int(op), pre, post, tensor_name)
 
 
@@ -203,20 +216,15 @@ def grouped_allreduce(
     grads = keras_ring.grouped_allreduce(grads, op=keras_ring.Average)
     ```
     """
-    RUNTIME.topology("keras_ring.grouped_allreduce()")
-    op = _check_op(op)
-    tensor_name = _check_name(name)
-    pre = _check_factor(prescale_factor, "prescale_factor")
-    post = _check_factor(postscale_factor, "postscale_factor")
+    op, tensor_name, pre, post = _reduce_args("grouped_allreduce", op, name, prescale_factor,
+                                              postscale_factor)
     if isinstance(tensors, (tf.Tensor, np.ndarray)):
         raise TypeError("grouped_allreduce takes a list of tensors; use allreduce for one tensor")
     if isinstance(tensors, Mapping) or not isinstance(tensors, Iterable):
         # Iterating a dict would reduce its keys.
         raise TypeError("grouped_allreduce takes a list or tuple of tensors, got "
                         f"{type(tensors).__name__}" + ("; pass list(d.values())" if isinstance(tensors, Mapping) else ""))
-    tensors = [_to_tensor(t, "grouped_allreduce") for t in tensors]
-    for t in tensors:
-        _check_dtype(t, REDUCE_DTYPES, "grouped_allreduce")
+    tensors = _tensors(tensors, REDUCE_DTYPES, "grouped_allreduce")
     if not tensors:
         return []
     return list(
@@ -237,8 +245,7 @@ def allgather(tensor: Any, name: str | None = None) -> tf.Tensor:
     ```
     """
     RUNTIME.topology("keras_ring.allgather()")
-    tensor = _to_tensor(tensor, "allgather")
-    _check_dtype(tensor, GATHER_DTYPES, "allgather")
+    (tensor,) = _tensors([tensor], GATHER_DTYPES, "allgather")
     return _run(wrappers.allgather, tensor, _check_name(name))
 
 
@@ -252,15 +259,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor
     ```
     """
     RUNTIME.topology("keras_ring.broadcast()")
-    tensor = _to_tensor(tensor, "broadcast")
-    _check_dtype(tensor, GATHER_DTYPES, "broadcast")
-    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
-        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
-    # The op attribute is an int32. A root beyond it is out of range like any other: clamp it
-    # so the runtime's range check reports it on every rank alike, instead of TensorFlow
-    # (or an OverflowError) failing on this rank alone and leaving the others waiting.
-    root = max(-(2**31), min(int(root_rank), 2**31 - 1))
-    return _run(wrappers.broadcast, tensor, root, _check_name(name))
+    (tensor,) = _tensors([tensor], GATHER_DTYPES, "broadcast")
+    return _run(wrappers.broadcast, tensor, _check_root(root_rank), _check_name(name))
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
@@ -302,16 +302,8 @@ def allgather_object(obj: Any) -> list[Any]:
 
 def barrier() -> None:
     """Returns once every rank has called it (bounded by ``KERAS_RING_TIMEOUT_SECONDS``)."""
-    import ctypes
-
     lib = RUNTIME.library("keras_ring.barrier()")
     err = ctypes.create_string_buffer(4096)
     rc = lib.c.keras_ring_barrier(b"barrier", err, len(err))
     if rc != 0:
-        message = err.value.decode(errors="replace")
-        for tf_class, ours in errors._BY_TF_CLASS:
-            if tf_class.__name__ and rc == tf_class(None, None, "").error_code:
-                e = ours(None, None, message)
-                e._describe(message)
-                raise e
-        raise errors.KerasRingError(message)
+        raise errors.for_status_code(rc, err.value.decode(errors="replace"))

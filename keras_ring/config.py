@@ -1,4 +1,9 @@
-"""Environment variables that configure keras_ring, read in one place with clear errors."""
+"""Environment variables that configure keras_ring, read in one place with clear errors.
+
+Also the names of the variables launchers set: the bootstrap, the rendezvous, the Spark
+launcher and the tests read them from here. This module imports nothing of keras_ring, so
+every layer may use it.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,33 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 # How long a process of a failed job may run on before keras_ring ends it (see README).
 DEFAULT_FAILURE_EXIT_SECONDS = 5.0
 
+# The launch without MPI (keras_ring.rendezvous): this process's rank, the number of ranks,
+# rank 0's rendezvous address, and how long the whole exchange may take.
+RANK_VARIABLE = "KERAS_RING_RANK"
+SIZE_VARIABLE = "KERAS_RING_SIZE"
+RENDEZVOUS_VARIABLE = "KERAS_RING_RENDEZVOUS"
+START_TIMEOUT_VARIABLE = "KERAS_RING_START_TIMEOUT_SECONDS"
 
-def _float(name: str, default: float, minimum: float = 0.0) -> float:
+# Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, Slurm's PMI) set in ranks:
+# any of them means an MPI launcher started this process.
+MPI_LAUNCHER_VARIABLES = (
+    "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
+    "HYDRA_CONTROL_FD", "PMI_FD",
+)
+# The prefixes of every variable those launchers set: a child process started without them
+# is no MPI rank (it covers MPI_LAUNCHER_VARIABLES).
+MPI_VARIABLE_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_")
+# Where a rank of any launcher finds its rank, first match wins. keras-ring-run's per-rank
+# wrapper keeps a copy (it runs as a stdlib-only script); a unit test checks that they agree.
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", RANK_VARIABLE, "SLURM_PROCID")
+
+
+def seconds_from_env(name: str, default: float, minimum: float = 0.0) -> float:
+    """Variable ``name`` as seconds greater than ``minimum``; ``default`` when unset or empty.
+
+    Raises:
+        ValueError: the value is no number or too small; the message names the variable.
+    """
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -37,7 +67,12 @@ def _seconds_or_off(name: str, default: float) -> float:
     return value
 
 
-def _int(name: str, default: int, minimum: int = 1) -> int:
+def int_from_env(name: str, default: int, minimum: int = 1) -> int:
+    """Variable ``name`` as an integer of at least ``minimum``; ``default`` when unset or empty.
+
+    Raises:
+        ValueError: the value is no integer or too small; the message names the variable.
+    """
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -63,7 +98,7 @@ def _bool(name: str, default: bool) -> bool:
 
 
 def _power_of_two(name: str, default: int) -> int:
-    value = _int(name, default, minimum=4096)
+    value = int_from_env(name, default, minimum=4096)
     if value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")
     return value
@@ -88,11 +123,12 @@ class Config:
     @classmethod
     def from_env(cls) -> "Config":
         return cls(
-            timeout_seconds=_float("KERAS_RING_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS),
-            stall_warning_seconds=_float("KERAS_RING_STALL_WARNING_SECONDS", 60.0),
+            timeout_seconds=seconds_from_env("KERAS_RING_TIMEOUT_SECONDS",
+                                             DEFAULT_TIMEOUT_SECONDS),
+            stall_warning_seconds=seconds_from_env("KERAS_RING_STALL_WARNING_SECONDS", 60.0),
             failure_exit_seconds=_seconds_or_off("KERAS_RING_FAILURE_EXIT_SECONDS",
                                                  DEFAULT_FAILURE_EXIT_SECONDS),
-            segment_bytes=_int("KERAS_RING_SEGMENT_BYTES", 1 << 20, minimum=64),
+            segment_bytes=int_from_env("KERAS_RING_SEGMENT_BYTES", 1 << 20, minimum=64),
             host_id=os.environ.get("KERAS_RING_HOST_ID") or None,
             advertise_address=os.environ.get("KERAS_RING_ADVERTISE_ADDRESS", "").strip() or None,
             socket_ifname=os.environ.get("KERAS_RING_SOCKET_IFNAME", "").strip() or None,
@@ -100,7 +136,7 @@ class Config:
             shm_channel_bytes=_power_of_two("KERAS_RING_SHM_CHANNEL_BYTES", 1 << 20),
             timeline_path=os.environ.get("KERAS_RING_TIMELINE") or None,
             intra_op_threads=(
-                _int("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
+                int_from_env("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
                 if os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip() else None
             ),
         )

@@ -7,86 +7,28 @@ catches TensorFlow's errors keeps working, and they carry what failed as attribu
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import tensorflow as tf
 
+# The errors of a launch need no TensorFlow (launchers raise them): defined there, public here.
+from keras_ring._errors_base import ErrorInfo, InitError, KerasRingError, NotInitializedError
 from keras_ring.ops.loader import describe_error
 
-# "keras_ring: allreduce 'x' ..." or, for a collective refused after an earlier failure,
-# "keras_ring: cannot run allreduce 'x' because ...": the collective is the one called.
-_LABEL = re.compile(r"keras_ring: (?:cannot run )?(?P<collective>\w+ (?:'[^']*'|#\d+))")
+__all__ = [
+    "KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
+    "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",
+    "CollectiveAbortedError", "ErrorInfo", "error_info", "translate", "for_status_code",
+    "is_interrupt_clash", "install_tensorflow_hook",
+]
+
 # TensorFlow's decorations after our message: " [[{{node ...}}]]", " [Op:...] name: ...".
 _TF_SUFFIX = re.compile(r"\s*(?:\[\[\{\{node |\[Op:).*$", re.S)
 # Where our message starts (in graph errors it follows TensorFlow's "Detected at node"
 # traceback, whose file paths contain "keras_ring" too).
 _OURS = re.compile(r"keras_ring(?:: | has not been initialized)")
-_RANK = re.compile(r"\brank (?P<rank>\d+)\b")
-# "... failed on rank R: <cause>" names the reporting rank; the cause names the rank it is about.
-_REPORTER = re.compile(r"^.*\bfailed on rank \d+: ", re.S)
-# "rank R: ..." at the start names the rank that reports, not the one at fault.
-_REPORTING_RANK = re.compile(r"^rank \d+: ")
 # TensorFlow's function runtime replaces some codes: "... originally returned UnavailableError,
 # and was replaced by InternalError ...": the original tells what happened.
 _REPLACED = re.compile(r"originally returned (?P<name>\w+Error)")
-# "rank 0 has X, rank N has Y": rank 0 is the reference, N the one that diverged.
-_DIVERGING = re.compile(r"\brank 0 has .*?, rank (?P<rank>\d+) has ", re.S)
-
-
-class KerasRingError(Exception):
-    """Base of every keras_ring error.
-
-    Attributes:
-        collective: the failing collective, e.g. ``"allreduce 'grad_dense_1'"``, or None.
-        rank: the rank the error is about (dead, waited for, or diverging), or None.
-        reason: the message without the collective prefix.
-    """
-
-    collective: str | None = None
-    rank: int | None = None
-    reason: str = ""
-
-    def _set(self, info: "ErrorInfo") -> None:
-        self.collective = info.collective or None
-        self.rank = info.rank if info.rank >= 0 else None
-        self.reason = info.reason
-
-    def _describe(self, message: str) -> None:
-        """Reads the attributes from a message: only for errors that reached Python without
-        their structure (see ``error_info``)."""
-        message = _REPORTING_RANK.sub("", message, count=1)
-        m = _LABEL.search(message)
-        self.collective = m.group("collective") if m else None
-        self.reason = message[m.end():].lstrip(": ") if m else message
-        cause = _REPORTER.sub("", self.reason)
-        r = _DIVERGING.search(cause) or _RANK.search(cause)
-        self.rank = int(r.group("rank")) if r else None
-
-
-class NotInitializedError(KerasRingError, ValueError):
-    """A keras_ring function was called before ``keras_ring.init()`` or after ``shutdown()``."""
-
-    def __init__(self, what: str = "this function"):
-        super().__init__(
-            f"keras_ring has not been initialized: call keras_ring.init() before {what}"
-        )
-
-
-class InitError(KerasRingError, RuntimeError):
-    """``keras_ring.init()`` could not bootstrap or connect the ranks.
-
-    Args:
-        message: what went wrong.
-        rank: the rank at fault when known; otherwise read from the message.
-    """
-
-    def __init__(self, message: str, rank: int | None = None, info: "ErrorInfo | None" = None):
-        super().__init__(message)
-        self._describe(message)
-        if info is not None:
-            self._set(info)
-        if rank is not None:
-            self.rank = rank
 
 
 class CollectiveMismatchError(KerasRingError, tf.errors.FailedPreconditionError):
@@ -121,29 +63,6 @@ _BY_TF_CLASS = [
 _BY_CODE = {9: CollectiveMismatchError, 3: CollectiveArgumentError, 4: CollectiveTimeoutError,
             14: PeerFailureError, 10: CollectiveAbortedError, 1: CollectiveAbortedError}
 
-@dataclass(frozen=True)
-class ErrorInfo:
-    """An error's structure as the core reports it: code, the rank at fault (-1: none), the
-    collective (empty: none) and the reason, without the collective's prefix."""
-
-    code: int
-    rank: int
-    collective: str
-    reason: str
-
-    @classmethod
-    def parse(cls, text: bytes | str) -> "ErrorInfo | None":
-        """``"code\\nrank\\ncollective\\nreason"`` (the core's encoding), or None."""
-        if isinstance(text, bytes):
-            text = text.decode(errors="replace")
-        parts = text.split("\n", 3)
-        if len(parts) != 4 or not parts[0].lstrip("-").isdigit():
-            return None
-        try:
-            return cls(int(parts[0]), int(parts[1]), parts[2], parts[3])
-        except ValueError:
-            return None
-
 
 def error_info(message: str) -> ErrorInfo | None:
     """The structure the core reported for the error with this message: TensorFlow hands
@@ -161,17 +80,31 @@ def translate(error: tf.errors.OpError) -> Exception:
         return NotInitializedError("running a collective")
     info = error_info(message)
     if info is not None and info.code in _BY_CODE:
-        err = _BY_CODE[info.code](error.node_def, error.op, message)
-        err._set(info)
-        return err
+        return _ours(_BY_CODE[info.code], message, error.node_def, error.op)
     replaced = _REPLACED.search(error.message)
     original = getattr(tf.errors, replaced["name"], None) if replaced else None
     for tf_class, ours in _BY_TF_CLASS:
         if isinstance(error, tf_class) or original is tf_class:
-            err = ours(error.node_def, error.op, message)
-            err._describe(message)
-            return err
+            return _ours(ours, message, error.node_def, error.op)
     return error
+
+
+def for_status_code(code: int, message: str) -> KerasRingError:
+    """keras_ring's error for a status code the C API returned (a barrier's, say)."""
+    for tf_class, ours in _BY_TF_CLASS:
+        if code == tf_class(None, None, "").error_code:
+            return _ours(ours, message)
+    return KerasRingError(message)
+
+
+def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
+    err = cls(node_def, op, message)
+    info = error_info(message)
+    if info is not None:
+        err._set(info)
+    else:  # not an error the library reported: its message is all there is
+        err._describe(message)
+    return err
 
 
 def is_interrupt_clash(error: RuntimeError) -> bool:

@@ -18,6 +18,8 @@ import importlib.util
 import os
 import warnings
 
+from keras_ring.ops import loader
+
 # Wheels whose ``lib`` directory holds a library the GPU collectives load.
 _LIBRARY_PACKAGES = ("nvidia.nccl", "nvidia.cuda_runtime")
 
@@ -45,9 +47,7 @@ def nccl_version(library=None) -> str:
             too old, and how to install it).
     """
     if library is None:
-        from keras_ring.ops.loader import library as load
-
-        library = load()
+        library = loader.library()
     version = ctypes.c_int(0)
     err = ctypes.create_string_buffer(4096)
     rc = library.c.keras_ring_nccl_probe(

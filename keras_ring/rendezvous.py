@@ -34,16 +34,13 @@ import struct
 import time
 from dataclasses import asdict, dataclass
 
-from keras_ring import bootstrap
-from keras_ring.bootstrap import PeerTable, Topology
-from keras_ring.config import Config, _float, _int
+from keras_ring._errors_base import InitError
+from keras_ring.config import (RANK_VARIABLE, RENDEZVOUS_VARIABLE, SIZE_VARIABLE,
+                               START_TIMEOUT_VARIABLE, Config, int_from_env, seconds_from_env)
 from keras_ring.interfaces import is_loopback, network_stack_id
-from keras_ring.errors import InitError
+from keras_ring.peer_table import (PeerTable, Topology, check_hosts, listen, offered_addresses,
+                                   reachable_addresses)
 
-RANK_VARIABLE = "KERAS_RING_RANK"
-SIZE_VARIABLE = "KERAS_RING_SIZE"
-RENDEZVOUS_VARIABLE = "KERAS_RING_RENDEZVOUS"
-START_TIMEOUT_VARIABLE = "KERAS_RING_START_TIMEOUT_SECONDS"
 _VARIABLES = (RANK_VARIABLE, SIZE_VARIABLE, RENDEZVOUS_VARIABLE)
 
 # Identifies the protocol, so a stray connection (a port scanner, a health probe, a job of
@@ -112,14 +109,14 @@ def settings_from_env(config: Config | None = None) -> Settings:
             f"all of {', '.join(_VARIABLES)} in every process"
         )
     # All three variables are known to be set here, so the defaults never apply.
-    size = _int(SIZE_VARIABLE, 1, minimum=1)
-    rank = _int(RANK_VARIABLE, 0, minimum=0)
+    size = int_from_env(SIZE_VARIABLE, 1, minimum=1)
+    rank = int_from_env(RANK_VARIABLE, 0, minimum=0)
     if rank >= size:
         raise ValueError(f"{RANK_VARIABLE}={rank} is out of range: "
                          f"{SIZE_VARIABLE}={size} allows ranks 0 to {size - 1}")
     host, port = parse_address(os.environ[RENDEZVOUS_VARIABLE], RENDEZVOUS_VARIABLE)
     default = (config or Config.from_env()).timeout_seconds
-    return Settings(rank, size, host, port, _float(START_TIMEOUT_VARIABLE, default))
+    return Settings(rank, size, host, port, seconds_from_env(START_TIMEOUT_VARIABLE, default))
 
 
 def parse_address(text: str, name: str = "address") -> tuple[str, int]:
@@ -164,9 +161,8 @@ def build_table(rank: int, peers: list[Peer], job_token: int,
         if listener is not None:
             listener.close()
         return PeerTable(topology)
-    addresses = bootstrap.reachable_addresses(rank, host_ids, [p.stack for p in peers],
-                                              [p.address for p in peers],
-                                              [p.port for p in peers])
+    addresses = reachable_addresses(rank, host_ids, [p.stack for p in peers],
+                                    [p.address for p in peers], [p.port for p in peers])
     return PeerTable(topology, addresses, job_token, listener)
 
 
@@ -184,10 +180,10 @@ def from_env(config: Config) -> PeerTable | None:
     if s.size == 1:
         return PeerTable(Topology.from_host_ids(0, [host_id]))
     loopback_only = is_loopback(s.host)
-    listener = bootstrap._listen(multi_host=not loopback_only, backlog=s.size)
+    listener = listen(multi_host=not loopback_only, backlog=s.size)
     try:
         # No usable interface is no error yet: the address rank 0 sees may be enough.
-        addresses, _ = bootstrap.offered_addresses(config)
+        addresses, _ = offered_addresses(config)
         offer = Offer(host_id, listener.getsockname()[1], addresses,
                       explicit=config.advertise_address is not None, stack=network_stack_id(),
                       loopback_only=loopback_only)
@@ -310,7 +306,7 @@ def _offer_of(hello: dict) -> Offer:
 
 def _check_world(offers: list[Offer], seen: list[str]) -> str | None:
     """What is wrong with the claims of all ranks together; None if nothing."""
-    problem = bootstrap.check_hosts([o.host_id for o in offers], [o.stack for o in offers])
+    problem = check_hosts([o.host_id for o in offers], [o.stack for o in offers])
     if problem:
         return problem
     for r, o in enumerate(offers):

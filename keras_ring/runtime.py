@@ -7,13 +7,12 @@ import ctypes
 import sys
 import threading
 
-from keras_ring import bootstrap as _bootstrap
-from keras_ring.bootstrap import Topology
+from keras_ring import _lifecycle, errors, gpu, threads
+from keras_ring.bootstrap import bootstrap
 from keras_ring.config import Config
-from keras_ring import errors
 from keras_ring.errors import InitError, NotInitializedError
-from keras_ring import gpu, threads, timeline
 from keras_ring.ops.loader import Library, NativeConfig, library
+from keras_ring.peer_table import PeerTable, Topology
 
 
 class Runtime:
@@ -25,7 +24,7 @@ class Runtime:
         self._config: Config | None = None
         # Bootstrapped once per process (MPI can be initialised only once); the listening
         # socket stays open so a later init() reconnects to the same addresses.
-        self._table: _bootstrap.PeerTable | None = None
+        self._table: PeerTable | None = None
         self._atexit_registered = False
         self._leaving_with: str | None = None  # an uncaught exception is ending the program
 
@@ -48,7 +47,7 @@ class Runtime:
         assert self._config is not None
         return self._config
 
-    def init(self, table: _bootstrap.PeerTable | None = None, failure_exit: bool = True) -> None:
+    def init(self, table: PeerTable | None = None, failure_exit: bool = True) -> None:
         """Bootstraps (once per process) and starts the native runtime.
 
         Args:
@@ -65,7 +64,7 @@ class Runtime:
             lib = library()
             if table is None:
                 if self._table is None:
-                    self._table = _bootstrap.bootstrap(config)
+                    self._table = bootstrap(config)
                 table = self._table
             threads.configure(table.topology.local_size, config.intra_op_threads)
             gpu.configure(lib, table.topology)  # before TensorFlow starts its GPUs
@@ -80,7 +79,7 @@ class Runtime:
                 self._atexit_registered = True
 
     @staticmethod
-    def _start_native(lib: Library, table: _bootstrap.PeerTable, config: Config,
+    def _start_native(lib: Library, table: PeerTable, config: Config,
                       failure_exit: bool) -> None:
         topo = table.topology
         n = topo.size
@@ -121,8 +120,9 @@ class Runtime:
         with self._lock:
             if self._topology is None:
                 return
-            if self._config is not None and self._config.timeline_path is not None:
-                timeline.write(self._config.timeline_path, self._topology, library())
+            if self._config is not None:
+                for step in _lifecycle.BEFORE_SHUTDOWN:  # the timeline's, say: see there
+                    step(self._config, self._topology, library())
             if error is None:
                 library().c.keras_ring_shutdown()
             else:

@@ -34,10 +34,14 @@ import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from keras_ring.bootstrap import PeerTable
+# None of these imports TensorFlow: use_gpu must set the GPUs before TensorFlow loads.
+from keras_ring import interfaces
+from keras_ring._errors_base import InitError
+from keras_ring.config import Config
+from keras_ring.peer_table import PeerTable, check_hosts, listen, offered_addresses
+from keras_ring.rendezvous import Peer, build_table
 
 # How long a rank whose collective failed because of another rank waits before it reports,
 # so that the rank with the root cause is the one whose traceback Spark shows.
@@ -216,7 +220,7 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool) -> list:
     try:
         if use_gpu:
             _pin_gpus(context)  # before anything imports TensorFlow's GPU runtime
-        from keras_ring.runtime import RUNTIME
+        from keras_ring.runtime import RUNTIME  # imports TensorFlow: after the pinning
 
         table = _exchange(context, rank, size)
         if RUNTIME.initialized:  # a reused Python worker whose last job did not end cleanly
@@ -240,33 +244,28 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, use_gpu: bool) -> list:
 
 def _exchange(context, rank: int, size: int) -> PeerTable:
     """The peer table, from two allGathers: host identities, then listener addresses."""
-    from keras_ring import bootstrap, interfaces, rendezvous
-    from keras_ring.config import Config
-    from keras_ring.errors import InitError
-
     config = Config.from_env()
     claims = [json.loads(m) for m in context.allGather(json.dumps(
         [config.host_id or socket.gethostname(), interfaces.network_stack_id()]))]
     host_ids = [h for h, _ in claims]
-    problem = bootstrap.check_hosts(host_ids, [st for _, st in claims])
+    problem = check_hosts(host_ids, [st for _, st in claims])
     if problem:  # the same claims on every task: every task raises this
         raise InitError(problem)
     multi_host = len(set(host_ids)) > 1
     # Loopback only when every rank is on this host, as under MPI.
-    listener = bootstrap._listen(multi_host, size)
+    listener = listen(multi_host, size)
     try:
         # The executor's address as Spark's driver knows it routes goes first; a host name
         # may not (many systems map their own name to 127.0.1.1).
         executor_host = context.getTaskInfos()[rank].address.rpartition(":")[0]
-        offered, _ = bootstrap.offered_addresses(config)
+        offered, _ = offered_addresses(config)
         if config.advertise_address is None and executor_host:
             offered = ",".join(dict.fromkeys([executor_host] + offered.split(","))).strip(",")
         token = secrets.randbits(63) if rank == 0 else 0
         entries = [json.loads(m) for m in context.allGather(
             json.dumps([offered, listener.getsockname()[1], token]))]
-        peers = [rendezvous.Peer(h, a, p, st)
-                 for (h, st), (a, p, _) in zip(claims, entries)]
-        return rendezvous.build_table(rank, peers, entries[0][2], listener)
+        peers = [Peer(h, a, p, st) for (h, st), (a, p, _) in zip(claims, entries)]
+        return build_table(rank, peers, entries[0][2], listener)
     except BaseException:
         listener.close()
         raise

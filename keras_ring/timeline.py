@@ -15,10 +15,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from keras_ring.collectives import allgather_object
+from keras_ring.ops.loader import Library
+from keras_ring.peer_table import Topology
+
 _PHASES = (("queued", 3, 4), ("waiting for peers", 4, 5), ("transfer/reduce", 5, 6))
 
 
-def read_events(lib) -> list[list[str]]:
+def read_events(lib: Library) -> list[list[str]]:
     """Drains the runtime's recorded events (tab-separated lines) as field lists."""
     chunks = []
     buf = ctypes.create_string_buffer(1 << 16)
@@ -48,12 +52,10 @@ def trace_events(rank: int, events: list[list[str]]) -> list[dict[str, Any]]:
     return out
 
 
-def write(path: str, topology, lib) -> None:
+def write(path: str, topology: Topology, lib: Library) -> None:
     """Gathers every rank's events on rank 0 and writes the trace (called by shutdown)."""
     events = trace_events(topology.rank, read_events(lib))
     if topology.size > 1:
-        from keras_ring.collectives import allgather_object
-
         try:
             gathered = allgather_object(events)
         except Exception:  # a peer is gone: keep what this rank has

@@ -1,19 +1,22 @@
 """Thin calls of the generated ops, and the gradients TensorFlow uses for them.
 
-Everything here assumes validated inputs; keras_ring.collectives does the checking.
+Everything here assumes validated inputs; keras_ring.collectives does the checking, and
+registers the gradients (:func:`register_gradients`), since two of them need this process's
+rank, which only the runtime above this layer knows.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 
 import tensorflow as tf
 
 from keras_ring.ops.loader import library
+from keras_ring.ops.reduce_op import ReduceOp
 
 _NODE_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
-
-SUM, AVERAGE = 0, 1
 
 
 def _node_name(kind: str, tensor_name: str) -> str:
@@ -30,32 +33,32 @@ def _factor(op, attr: str) -> float:
     return float(value.decode() if isinstance(value, bytes) else value)
 
 
+def _common(kind: str, tensor_name: str) -> dict:
+    # `eager`: called eagerly, the waiting thread is the user's, so waits may yield the core
+    # to the peers (the kernel's Request::may_yield); graphs' pool threads sleep at once.
+    return dict(eager=tf.executing_eagerly(), tensor_name=tensor_name,
+                name=_node_name(kind, tensor_name))
+
+
 def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str):
     return library().ops.keras_ring_allreduce(
         tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
-        postscale_factor=_factor_attr(postscale),
-        eager=tf.executing_eagerly(), tensor_name=tensor_name, name=_node_name("Allreduce", tensor_name),
-    )
+        postscale_factor=_factor_attr(postscale), **_common("Allreduce", tensor_name))
 
 
 def grouped_allreduce(tensors, reduce_op: int, prescale: float, postscale: float, tensor_name: str):
     return library().ops.keras_ring_grouped_allreduce(
         tensors, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
-        postscale_factor=_factor_attr(postscale),
-        eager=tf.executing_eagerly(), tensor_name=tensor_name, name=_node_name("GroupedAllreduce", tensor_name),
-    )
+        postscale_factor=_factor_attr(postscale), **_common("GroupedAllreduce", tensor_name))
 
 
 def allgather(tensor, tensor_name: str):
-    return library().ops.keras_ring_allgather(
-        tensor, eager=tf.executing_eagerly(), tensor_name=tensor_name, name=_node_name("Allgather", tensor_name)
-    )
+    return library().ops.keras_ring_allgather(tensor, **_common("Allgather", tensor_name))
 
 
 def broadcast(tensor, root_rank: int, tensor_name: str):
-    return library().ops.keras_ring_broadcast(
-        tensor, root_rank=root_rank, eager=tf.executing_eagerly(), tensor_name=tensor_name, name=_node_name("Broadcast", tensor_name)
-    )
+    return library().ops.keras_ring_broadcast(tensor, root_rank=root_rank,
+                                              **_common("Broadcast", tensor_name))
 
 
 def _grad_name(op) -> str:
@@ -64,7 +67,6 @@ def _grad_name(op) -> str:
     return f"{name}_grad" if name else ""
 
 
-@tf.RegisterGradient("KerasRingAllreduce")
 def _allreduce_grad(op, grad):
     """The allreduce of the upstream gradient, with the same op and scale factors."""
     return allreduce(
@@ -73,7 +75,6 @@ def _allreduce_grad(op, grad):
     )
 
 
-@tf.RegisterGradient("KerasRingGroupedAllreduce")
 def _grouped_allreduce_grad(op, *grads):
     grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
     return grouped_allreduce(
@@ -82,14 +83,11 @@ def _grouped_allreduce_grad(op, *grads):
     )
 
 
-@tf.RegisterGradient("KerasRingAllgather")
-def _allgather_grad(op, grad):
+def _allgather_grad(op, grad, rank: Callable[[], int]):
     """Average-allreduce of the upstream gradient, sliced to this rank's rows."""
-    from keras_ring.basics import rank
-
     x = op.inputs[0]
     name = _grad_name(op)
-    grad = allreduce(grad, AVERAGE, 1.0, 1.0, name)
+    grad = allreduce(grad, int(ReduceOp.Average), 1.0, 1.0, name)
     rows = tf.reshape(tf.shape(x, out_type=tf.int64)[:1], [-1]) if x.shape.rank != 0 else None
     if rows is None:  # a scalar contributed one row
         rows = tf.constant([1], tf.int64)
@@ -100,12 +98,29 @@ def _allgather_grad(op, grad):
     return tf.reshape(mine, tf.shape(x))
 
 
-@tf.RegisterGradient("KerasRingBroadcast")
-def _broadcast_grad(op, grad):
+def _broadcast_grad(op, grad, rank: Callable[[], int]):
     """Sum-allreduce of the upstream gradient on the root, zeros elsewhere."""
-    from keras_ring.basics import rank
-
-    summed = allreduce(grad, SUM, 1.0, 1.0, _grad_name(op))
+    summed = allreduce(grad, int(ReduceOp.Sum), 1.0, 1.0, _grad_name(op))
     if rank() == op.get_attr("root_rank"):
         return summed
     return tf.zeros_like(summed)
+
+
+_registered = False
+
+
+def register_gradients(rank: Callable[[], int]) -> None:
+    """Registers the ops' gradients with TensorFlow; later calls do nothing.
+
+    Args:
+        rank: returns this process's rank, when a gradient is built (the allgather and
+            broadcast gradients depend on it).
+    """
+    global _registered
+    if _registered:
+        return  # TensorFlow refuses a second gradient for an op type
+    tf.RegisterGradient("KerasRingAllreduce")(_allreduce_grad)
+    tf.RegisterGradient("KerasRingGroupedAllreduce")(_grouped_allreduce_grad)
+    tf.RegisterGradient("KerasRingAllgather")(functools.partial(_allgather_grad, rank=rank))
+    tf.RegisterGradient("KerasRingBroadcast")(functools.partial(_broadcast_grad, rank=rank))
+    _registered = True

@@ -11,6 +11,7 @@ import numpy as np
 import keras
 import keras_ring
 from keras_ring.callbacks import BroadcastGlobalVariablesCallback
+from keras_ring.config import MPI_VARIABLE_PREFIXES
 
 from tests.parallel import keras_support as ks
 
@@ -59,7 +60,7 @@ def _load_in_fresh_process(paths):
     # No launcher variables (the child must not think it is a rank) and no keras_ring on
     # the path: the loader must not need it.
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_", "KERAS_RING"))}
+           if not k.startswith(MPI_VARIABLE_PREFIXES + ("KERAS_RING",))}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run([sys.executable, "-c", LOADER, *paths], env=env, cwd="/",
                           capture_output=True, text=True, timeout=300)

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from keras_ring.config import MPI_VARIABLE_PREFIXES
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
@@ -19,8 +21,7 @@ def mpirun():
 @pytest.fixture
 def clean_env():
     """The environment for child processes, without launcher variables of our own process."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_VARIABLE_PREFIXES)}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONPATH"] = str(ROOT)
     return env

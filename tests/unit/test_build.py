@@ -63,3 +63,9 @@ def test_the_command_line_skips_a_current_library_and_says_so(capsys):
     captured = capsys.readouterr()
     assert "is current for this TensorFlow; nothing to do (--force rebuilds it)" in captured.err
     assert captured.out.strip() == str(build.library_path(build.default_output_dir()))
+
+
+def test_the_library_compiles_no_cpp_test_file():
+    # The wheel leaves cc/tests out (pyproject.toml): building must not need them.
+    sources = build.sources()
+    assert sources and all("tests" not in p.relative_to(build.CC_DIR).parts for p in sources)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from keras_ring.config import MPI_VARIABLE_PREFIXES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 EXAMPLES = {
@@ -40,8 +42,7 @@ def runs(tmp_path_factory, clean_env_module):
 def clean_env_module():
     import os
 
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_VARIABLE_PREFIXES)}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONPATH"] = str(ROOT)
     return env

@@ -107,9 +107,9 @@ def test_ipv6_rendezvous_with_two_hosts_runs_collectives(env):
 
 
 def test_multi_host_listener_accepts_ipv4_and_ipv6():
-    from keras_ring.bootstrap import _listen
+    from keras_ring.peer_table import listen
 
-    listener = _listen(multi_host=True, backlog=2)
+    listener = listen(multi_host=True, backlog=2)
     port = listener.getsockname()[1]
     try:
         families = [socket.AF_INET, socket.AF_INET6] if socket.has_dualstack_ipv6() else [socket.AF_INET]
@@ -343,6 +343,15 @@ def test_explicit_addresses_are_kept_as_given():
     (peers0, _), (peers1, _) = exchange_all([(0, 2), (1, 2)], offers=offers)
     assert peers0 == peers1
     assert [p.address for p in peers0] == ["192.168.5.1", "192.168.5.2,10.0.0.2"]
+
+
+def test_an_mpi_launch_without_mpi4py_says_what_to_install(monkeypatch):
+    from keras_ring.mpi_exchange import mpi_bootstrap
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as if it were not installed
+    with pytest.raises(kr.InitError, match=r"mpi4py is not installed: pip install "
+                                           r"keras-ring\[mpi\]"):
+        mpi_bootstrap(Config.from_env())
 
 
 def test_check_hosts():

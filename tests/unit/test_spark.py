@@ -179,6 +179,19 @@ def test_importing_keras_ring_does_not_import_pyspark():
             assert not any(n.split(".")[0] == "pyspark" for n in names), path
 
 
+def test_the_launch_side_imports_no_tensorflow():
+    # The launchers, the bootstrap and the rendezvous run before TensorFlow loads (use_gpu
+    # must set the GPUs first) and raise InitError without it. A fresh process: this one
+    # has loaded TensorFlow already.
+    launch_side = ["keras_ring.rendezvous", "keras_ring.bootstrap", "keras_ring.config",
+                   "keras_ring.spark", "keras_ring._errors_base"]
+    probe = (f"import sys, {', '.join(launch_side)}\n"
+             "print(sorted({'tensorflow', 'mpi4py'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 class _FakeContext:
     """Just enough of BarrierTaskContext for the GPU pinning."""
 

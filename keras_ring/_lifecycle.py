@@ -1,0 +1,24 @@
+"""Steps of ``init()`` and ``shutdown()`` that belong to the layers above the runtime.
+
+The runtime and ``keras_ring.init()`` sit below the collectives, the timeline and the Keras
+integration, which are built on them, so they cannot import those. ``keras_ring/__init__.py``
+(which Python runs before any submodule) registers their steps here instead, and the lower
+layers run whatever is registered. Registering imports nothing, so ``import keras_ring`` stays
+free of TensorFlow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keras_ring.config import Config
+    from keras_ring.ops.loader import Library
+    from keras_ring.peer_table import Topology
+
+# Run by keras_ring.init() once the runtime is up.
+AFTER_INIT: list[Callable[[], None]] = []
+# Run by Runtime.shutdown() while the peers are still connected, with the runtime's config,
+# topology and library.
+BEFORE_SHUTDOWN: list[Callable[[Config, Topology, Library], None]] = []
