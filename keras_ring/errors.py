@@ -21,8 +21,9 @@ __all__ = [
     "is_interrupt_clash", "install_tensorflow_hook",
 ]
 
-# TensorFlow's decorations after our message: " [[{{node ...}}]]", " [Op:...] name: ...".
-_TF_SUFFIX = re.compile(r"\s*(?:\[\[\{\{node |\[Op:).*$", re.S)
+# TensorFlow's decorations after our message: " [[{{node ...}}]]", " [[{{function_node
+# ...}}{{node ...}}]]", " [Op:...] name: ...".
+_TF_SUFFIX = re.compile(r"\s*(?:\[\[\{\{|\[Op:).*$", re.S)
 # Where our message starts (in graph errors it follows TensorFlow's "Detected at node"
 # traceback, whose file paths contain "keras_ring" too).
 _OURS = re.compile(r"keras_ring(?:: | has not been initialized)")

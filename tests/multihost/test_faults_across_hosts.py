@@ -16,6 +16,9 @@ FIT = str(ROOT / "tests" / "multihost" / "fit_rank.py")
 PLACEMENT = ["h0", "h0", "h1", "h1"]
 PORT = 29612
 TIMEOUT = 15.0
+# A survivor exits by itself (1, its uncaught error) or, if that takes longer than the failure
+# grace on a loaded machine, keras_ring ends it (70): either way the process ended.
+ENDED = (1, 70)
 
 
 def start(c, env: dict, extra: list[str]) -> list[subprocess.Popen]:
@@ -45,7 +48,7 @@ def test_a_rank_killed_mid_training_ends_the_job_with_errors_naming_it(cluster, 
     for rank in (0, 1, 2):
         rc, out, _ = outputs[rank]
         errors = records(out, "ERROR")
-        assert rc == 1 and len(errors) == 1, describe(outputs)
+        assert rc in ENDED and len(errors) == 1, describe(outputs)
         assert 3 in named_rank(errors[0]["message"]), errors[0]
     assert shm_segments() <= before
 
@@ -72,6 +75,6 @@ def test_a_pulled_cable_ends_every_process_on_both_sides_within_the_timeout(clus
     assert ended < 3 * TIMEOUT + 30, ended
     for rank, (rc, out, err) in enumerate(outputs):
         errors = records(out, "ERROR")
-        assert rc == 1 and len(errors) == 1, describe(outputs)
+        assert rc in ENDED and len(errors) == 1, describe(outputs)
         other_side = {2, 3} if PLACEMENT[rank] == "h0" else {0, 1}
         assert named_rank(errors[0]["message"]) & other_side, (rank, errors[0])

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import keras
 import keras_ring as kr
+from keras_ring import errors
 
 
 def _width(rank: int, size: int) -> int:
@@ -22,6 +23,10 @@ def _width(rank: int, size: int) -> int:
 
 def _check(error: Exception, size: int) -> None:
     assert isinstance(error, kr.CollectiveMismatchError), type(error)
+    # The attributes come from the core's own structure of the error, not from its text.
+    info = errors.error_info(str(error))
+    assert info is not None and info.rank == size - 1, (info, str(error))
+    assert info.collective == error.collective and info.reason == error.reason
     assert isinstance(error, tf.errors.FailedPreconditionError)
     assert error.rank == size - 1, (error.rank, str(error))
     assert error.collective is not None and "mismatch" in error.reason, error.reason
