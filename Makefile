@@ -63,11 +63,7 @@ test-multihost: venv
 test: test-cpp test-unit test-parallel test-multihost
 
 demo: venv
-	@if [ -f examples/keras_fit.py ]; then \
-		$(GUARD) $(MPIRUN) -np 2 $(VPY) examples/keras_fit.py; \
-	else \
-		echo "make demo: not yet (the Keras integration has not landed)"; \
-	fi
+	$(GUARD) $(MPIRUN) -np 2 $(VPY) examples/keras_fit.py
 
 # The memory-bound floor of a 2-rank allreduce on this machine, the yardstick for the tables.
 build/allreduce_floor: benchmarks/allreduce_floor.cc $(CORE_SRC) $(CORE_HDR)
