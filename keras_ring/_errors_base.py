@@ -30,7 +30,6 @@ class ErrorInfo:
     """An error's structure as the core reports it: code, the rank at fault (-1: none), the
     collective (empty: none) and the reason, without the collective's prefix."""
 
-    __module__ = _PUBLIC_MODULE
     code: int
     rank: int
     collective: str
@@ -48,6 +47,10 @@ class ErrorInfo:
             return cls(int(parts[0]), int(parts[1]), parts[2], parts[3])
         except ValueError:
             return None
+
+
+# Set after the class is made: dataclass resolves the annotations in the module it names.
+ErrorInfo.__module__ = _PUBLIC_MODULE
 
 
 class KerasRingError(Exception):
