@@ -324,7 +324,7 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
 }
 
 Status ShmTransport::CheckPeers(const Job& job, bool starting) const {
-  if (aborted_.load()) return Status(Code::kAborted, "keras_ring runtime was aborted");
+  if (abort_.aborted()) return abort_.WaitError();
   KR_RETURN_IF_ERROR(InterruptStatus());
   const int waited_for[2] = {job.receiving() ? job.from : -1, job.sending() ? job.to : -1};
   for (int peer : waited_for) {
@@ -400,7 +400,7 @@ Status ShmTransport::Sleep(const Job& job, Deadline deadline) {
   // Sleep on our doorbell until a peer makes progress for us, or a slice passes.
   const uint32_t seq = own_->doorbell.load(std::memory_order_seq_cst);
   own_->sleepers.fetch_add(1, std::memory_order_seq_cst);
-  if (!job.CanProgress() && !aborted_.load()) {
+  if (!job.CanProgress() && !abort_.aborted()) {
     timespec ts{0, kSleepSliceMs * 1000000L};
     Futex(&own_->doorbell, FUTEX_WAIT, seq, &ts);
   }
@@ -457,7 +457,7 @@ Status ShmTransport::SendRecvPieces(int to, const std::vector<SendPiece>& send, 
 }
 
 void ShmTransport::AbortWith(const Status& cause) {
-  if (aborted_.exchange(true)) return;
+  if (!abort_.Set(cause)) return;
   if (own_ == nullptr) return;
   own_->cause_code = static_cast<int32_t>(cause.code());
   own_->cause_peer = cause.peer() >= 0 ? cause.peer() : rank_;

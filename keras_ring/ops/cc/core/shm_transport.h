@@ -76,7 +76,7 @@ class ShmTransport : public Transport {
   size_t region_bytes_ = 0;
   std::string own_name_;
   std::vector<Peer> peers_;
-  std::atomic<bool> aborted_{false};
+  AbortState abort_;
 };
 
 }  // namespace keras_ring

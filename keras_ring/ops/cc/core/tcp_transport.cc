@@ -315,7 +315,7 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
   char* rp = static_cast<char*>(recv_data);
   size_t sent = 0, received = 0;
   while (sent < send_bytes || received < recv_bytes) {
-    if (aborted_.load()) return Status(Code::kAborted, "keras_ring runtime was aborted");
+    if (abort_.aborted()) return abort_.WaitError();
     KR_RETURN_IF_ERROR(InterruptStatus());
     pollfd fds[2];
     nfds_t n = 0;
@@ -350,6 +350,8 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
     }
     if (recv_idx >= 0 && (fds[recv_idx].revents & (POLLIN | POLLHUP | POLLERR))) {
       ssize_t got = recv(fds[recv_idx].fd, rp + received, recv_bytes - received, MSG_DONTWAIT);
+      // Our own abort shut the sockets down: that is no news about this peer.
+      if (got <= 0 && abort_.aborted()) return abort_.WaitError();
       if (got == 0) return PeerGone(from, "receiving", 0);
       if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         return PeerGone(from, "receiving", errno);
@@ -360,6 +362,7 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
       ssize_t put = send(fds[send_idx].fd, sp + sent, send_bytes - sent,
                          MSG_DONTWAIT | MSG_NOSIGNAL);
       if (put < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        if (abort_.aborted()) return abort_.WaitError();
         return PeerGone(to, "sending", errno);
       }
       if (put > 0) sent += static_cast<size_t>(put);
@@ -369,7 +372,7 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
 }
 
 Status TcpTransport::PollPeerFailure() {
-  if (aborted_.load()) return Status::OK();
+  if (abort_.aborted()) return Status::OK();
   std::vector<pollfd> fds;
   std::vector<int> peers;
   for (int peer = 0; peer < size_; ++peer) {
@@ -401,7 +404,7 @@ Status TcpTransport::PollPeerFailure() {
 }
 
 void TcpTransport::AbortWith(const Status& cause) {
-  if (aborted_.exchange(true)) return;
+  if (!abort_.Set(cause)) return;
   AbortNotice notice{kNoticeMagic, static_cast<int32_t>(cause.code()),
                      cause.peer() >= 0 ? cause.peer() : rank_, {}};
   std::snprintf(notice.message, sizeof notice.message, "%s", cause.message().c_str());

@@ -61,7 +61,7 @@ class TcpTransport : public Transport {
   uint64_t build_hash_;
   std::vector<int> fds_;          // data socket per peer, -1 for self
   std::vector<int> control_fds_;  // abort notices only
-  std::atomic<bool> aborted_{false};
+  AbortState abort_;
 };
 
 }  // namespace keras_ring

@@ -19,6 +19,22 @@ size_t TotalBytes(const std::vector<RecvPiece>& pieces) {
 
 }  // namespace
 
+bool AbortState::Set(const Status& cause) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_.load(std::memory_order_relaxed)) return false;
+  cause_ = cause;
+  aborted_.store(true, std::memory_order_release);
+  return true;
+}
+
+Status AbortState::WaitError() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cause_.ok() || cause_.code() == Code::kCancelled) {
+    return Status(Code::kAborted, "keras_ring runtime was aborted");
+  }
+  return cause_;
+}
+
 Status Transport::SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
                                  const std::vector<RecvPiece>& recv, size_t /*element_bytes*/,
                                  const ReduceFn* reduce, Deadline deadline) {

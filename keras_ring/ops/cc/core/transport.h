@@ -3,8 +3,10 @@
 // local (threads in one process, for tests). The NCCL backend does not use it.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <functional>
+#include <mutex>
 #include <vector>
 
 #include "common.h"
@@ -28,6 +30,22 @@ struct RecvPiece {
   void* dst;
   const void* local;
   size_t bytes;
+};
+
+// A transport's aborted state. Once aborted, every wait ends with WaitError(): the cause
+// when it was a failure (so a collective that the watchdog aborted because a peer failed
+// names that peer, not "aborted"), else a plain "aborted".
+class AbortState {
+ public:
+  // Records the cause; true for the first call only.
+  bool Set(const Status& cause);
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  Status WaitError() const;
+
+ private:
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex mu_;
+  Status cause_;
 };
 
 class Transport {

@@ -83,6 +83,33 @@ TEST(Supervision_AVanishedPeerIsNoticedByIdleRanks) {
   }
 }
 
+TEST(Supervision_AWaitAbortedForAPeersFailureEndsWithThatCause) {
+  // The watchdog aborts this rank's transport when some peer failed, while a collective may
+  // be waiting on another, healthy one: that wait must end with the failed peer's cause (its
+  // rank and reason), not a bare "aborted". Over shm and over TCP.
+  for (const std::vector<int>& hosts : {std::vector<int>{0, 0}, std::vector<int>{0, 1}}) {
+    auto world = ConnectHostWorld(hosts, Mix(17, hosts[1]));
+    Status waited;
+    std::thread waiter([&] {
+      char byte = 0;
+      waited = world[0]->Recv(1, &byte, 1, Deadline::After(60));  // rank 1 never sends
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let it wait (no race:
+    // the abort ends the wait whether it began before or after)
+    world[0]->AbortWith(Status(Code::kUnavailable, "lost rank 5: it vanished", 5));
+    waiter.join();
+    CHECK(waited.code() == Code::kUnavailable) << waited.message();
+    CHECK_EQ(waited.peer(), 5);
+    CHECK_CONTAINS(waited.message(), "lost rank 5: it vanished");
+    // A clean shutdown still reads as one.
+    char byte = 0;
+    auto other = ConnectHostWorld(hosts, Mix(18, hosts[1]));
+    other[0]->AbortWith(Status(Code::kCancelled, "rank 0 shut down", 0));
+    const Status after = other[0]->Recv(1, &byte, 1, Deadline::After(60));
+    CHECK(after.code() == Code::kAborted) << after.message();
+  }
+}
+
 TEST(Supervision_ACleanShutdownIsNoFailure) {
   std::unique_ptr<Transport> unused;
   World w = MakeWorld({0, 1}, &unused, -1);
