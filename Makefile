@@ -49,11 +49,14 @@ test-unit: venv
 	$(TEST_ENV) $(GUARD) $(VPY) -m pytest tests/unit -q
 
 # Each whole module set runs under one mpirun per world size: TensorFlow starts once per rank.
-# The last run forces TCP between ranks of one host: the path of multi-host jobs.
+# Then TCP between ranks of one host (the path of multi-host jobs), and the randomized suite
+# at 4 ranks over TCP with 8 KiB segments, so its large tensors cross segment boundaries.
 test-parallel: venv
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 4 $(VPY) -m pytest tests/parallel -q
 	$(TEST_ENV) KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
+	$(TEST_ENV) KERAS_RING_SHM=0 KERAS_RING_SEGMENT_BYTES=8192 $(GUARD) $(MPIRUN) -np 4 \
+		$(VPY) -m pytest tests/parallel/test_randomized.py -q
 
 # Hosts made of network namespaces (needs root, as in CI): the parallel suite on 2 hosts x 2
 # ranks under mpirun, keras-ring-run -H, uneven hosts, faults and misconfigurations.

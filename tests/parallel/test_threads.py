@@ -8,9 +8,16 @@ import keras_ring as kr
 from keras_ring import threads
 
 
+def _expected_intra_op_threads() -> int:
+    """What init() must have set, from the environment this job runs in (the get_* value
+    0 means TensorFlow chooses)."""
+    requested = os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip()
+    if requested:
+        return int(requested)  # 0: left to TensorFlow
+    if "TF_NUM_INTRAOP_THREADS" in os.environ or kr.local_size() == 1:
+        return 0  # TensorFlow reads its own variable; a rank alone on its host needs no share
+    return max(1, threads.available_cores() // kr.local_size())
+
+
 def test_intra_op_threads_default_to_a_share_of_the_cores(world):
-    rank, size = world
-    expected = max(1, threads.available_cores() // kr.local_size())
-    if os.environ.get("KERAS_RING_INTRA_OP_THREADS") or "TF_NUM_INTRAOP_THREADS" in os.environ:
-        expected = tf.config.threading.get_intra_op_parallelism_threads()
-    assert tf.config.threading.get_intra_op_parallelism_threads() == expected
+    assert tf.config.threading.get_intra_op_parallelism_threads() == _expected_intra_op_threads()

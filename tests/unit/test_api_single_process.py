@@ -197,3 +197,20 @@ def test_errors_of_a_graph_keep_keras_ring_classes_when_tensorflow_replaced_the_
     assert ours.rank == 1 and ours.collective == "grouped_allreduce 'g'"
     assert str(ours).startswith("keras_ring: grouped_allreduce 'g' failed on rank 0: lost rank 1")
     assert "[[{{node" not in str(ours) and "[Op:" not in str(ours)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"KERAS_RING_INTRA_OP_THREADS": "3"}, 3),
+    ({"KERAS_RING_INTRA_OP_THREADS": "0"}, 0),  # 0: TensorFlow's own default
+    ({"TF_NUM_INTRAOP_THREADS": "2"}, 0),  # TensorFlow's variable wins; init() leaves it
+    ({}, 0),  # a world of one has the cores to itself
+])
+def test_intra_op_threads_follow_the_variables(clean_env, env, expected):
+    code = ("import tensorflow as tf, keras_ring\n"
+            "keras_ring.init()\n"
+            "print('THREADS', tf.config.threading.get_intra_op_parallelism_threads())\n")
+    child = {k: v for k, v in clean_env.items()
+             if k not in ("KERAS_RING_INTRA_OP_THREADS", "TF_NUM_INTRAOP_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(child, **env),
+                         capture_output=True, text=True, timeout=300)
+    assert f"THREADS {expected}" in out.stdout, out.stdout + out.stderr[-2000:]

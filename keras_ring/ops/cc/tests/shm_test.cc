@@ -256,9 +256,10 @@ TEST(Shm_TimeoutNamesThePeerAndAbortWakesIt) {
   for (bool yield : {false, true}) {  // an eager caller's yielding wait is bounded alike
     const auto start = Clock::now();
     Status s = At(shm, 0)->Recv(1, &byte, 1, Deadline::After(0.2).Yielding(yield));
+    // Bounded (a hang would never return), not a speed bound.
     CHECK(s.code() == Code::kDeadlineExceeded) << s.message();
     CHECK(s.peer() == 1 && s.message().find("rank 1") != std::string::npos) << s.message();
-    CHECK(SecondsSince(start) < 2.0);
+    CHECK(SecondsSince(start) < 30.0);
   }
   Status s;
   At(shm, 1)->Abort();  // a failure, not a shutdown: the cause travels

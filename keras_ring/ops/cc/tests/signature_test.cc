@@ -198,7 +198,8 @@ TEST(Transport_RecvTimesOutNamingThePeer) {
   CHECK(s.code() == Code::kDeadlineExceeded) << static_cast<int>(s.code());
   CHECK_EQ(s.peer(), 1);
   CHECK_CONTAINS(s.message(), "rank 1");
-  CHECK(took >= 0.19 && took < 1.0) << took << " s";
+  // Not before the deadline; bounded (a hang would never return). Not a speed bound.
+  CHECK(took >= 0.19 && took < 30.0) << took << " s";
   // A message of another size than expected: an error naming both sizes, never a short
   // read or a read that runs into the next message.
   CHECK_OK(world.transport(1).Send(0, "ab", 2, Deadline::After(1)));
@@ -214,7 +215,7 @@ TEST(Transport_AbortUnblocksPendingRecv) {
   std::thread waiter([&] {
     char buf[8];
     const auto start = keras_ring::Clock::now();
-    s = world.transport(0).Recv(1, buf, sizeof buf, Deadline::After(10));
+    s = world.transport(0).Recv(1, buf, sizeof buf, Deadline::After(60));
     took = SecondsSince(start);
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -223,7 +224,7 @@ TEST(Transport_AbortUnblocksPendingRecv) {
   CHECK(s.code() == Code::kUnavailable) << static_cast<int>(s.code()) << " " << s.message();
   CHECK_EQ(s.peer(), 1);
   CHECK(s.fatal());
-  CHECK(took < 1.0) << took << " s";
+  CHECK(took < 30.0) << took << " s";  // the abort, well before the 60 s deadline
   char c = 0;
   CHECK(world.transport(0).Send(1, &c, 1, Deadline::After(1)).code() == Code::kUnavailable);
 }

@@ -34,10 +34,10 @@ MeshResult TwoRankMesh(const std::string builds[2]) {
     threads.emplace_back([&, r] {
       std::unique_ptr<TcpTransport> t;
       result.create[r] = TcpTransport::Create(r, 2, listen_fds[r], peers, /*job_token=*/42,
-                                              Deadline::After(5.0), &t, builds[r]);
+                                              Deadline::After(60.0), &t, builds[r]);
       if (!result.create[r].ok()) return;  // t is destroyed: its sockets close
       char out = static_cast<char>('a' + r), in = 0;
-      result.exchange[r] = t->SendRecv(1 - r, &out, 1, 1 - r, &in, 1, Deadline::After(5.0));
+      result.exchange[r] = t->SendRecv(1 - r, &out, 1, 1 - r, &in, 1, Deadline::After(60.0));
       if (result.exchange[r].ok() && in != 'a' + (1 - r)) {
         result.exchange[r] = Status(Code::kInternal, "received the wrong byte");
       }
@@ -73,7 +73,8 @@ TEST(Tcp_PeerOfAnotherBuildIsRefusedByName) {
       << m.create[0].message();
   // Rank 1 only connects; it must learn of the refusal at its first exchange, not hang.
   CHECK(!m.create[1].ok() || !m.exchange[1].ok()) << "rank 1 went on as if nothing happened";
-  CHECK(SecondsSince(start) < 4.0) << SecondsSince(start) << " s";
+  // The refusal, not the 60 s connect deadline, ends it; bounded, not a speed bound.
+  CHECK(SecondsSince(start) < 30.0) << SecondsSince(start) << " s";
 }
 
 }  // namespace kr_test
