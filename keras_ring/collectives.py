@@ -29,7 +29,8 @@ Max = ReduceOp.Max
 Product = ReduceOp.Product
 
 REDUCE_DTYPES = (
-    tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64,
+    tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.uint16,
+    tf.int32, tf.int64,
 )
 GATHER_DTYPES = REDUCE_DTYPES + (tf.bool,)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-REDUCE_DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64]
+REDUCE_DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16,
+                 tf.uint16, tf.int32, tf.int64]
 GATHER_DTYPES = REDUCE_DTYPES + [tf.bool]
 OP_NAMES = ["Sum", "Average", "Min", "Max", "Product"]
 
@@ -21,17 +22,22 @@ def np_dtype(dtype: tf.DType):
 def rank_input(dtype: tf.DType, shape, rank: int, seed: int, op: str = "Sum") -> np.ndarray:
     """Integer-valued data, so float sums and products are exact in every dtype and order.
 
-    int8/uint8 sums use large values on purpose: they must wrap around like the hardware.
+    8- and 16-bit integer sums use large values on purpose: they must wrap like the hardware.
     """
     rng = np.random.default_rng([seed, rank])
     if dtype == tf.bool:
         return rng.integers(0, 2, size=shape).astype(bool)
     if op == "Product":
-        values = rng.choice([-1, 1, 2], size=shape) if dtype != tf.uint8 else rng.choice([1, 2, 3], size=shape)
-    elif dtype in (tf.int8,):
+        unsigned = dtype in (tf.uint8, tf.uint16)
+        values = rng.choice([1, 2, 3] if unsigned else [-1, 1, 2], size=shape)
+    elif dtype == tf.int8:
         values = rng.integers(-100, 100, size=shape)
     elif dtype == tf.uint8:
         values = rng.integers(0, 200, size=shape)
+    elif dtype == tf.int16:
+        values = rng.integers(-20000, 20000, size=shape)
+    elif dtype == tf.uint16:
+        values = rng.integers(0, 40000, size=shape)
     else:
         values = rng.integers(-8, 9, size=shape)
     return np.asarray(values).astype(np_dtype(dtype))

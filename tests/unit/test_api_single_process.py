@@ -109,8 +109,8 @@ def test_objects_and_barrier(initialized):
 UNSUPPORTED = {
     "string": lambda: tf.constant(["a", "b"]),
     "complex64": lambda: tf.zeros([2], tf.complex64),
-    "uint16": lambda: tf.zeros([2], tf.uint16),
-    "int16": lambda: tf.zeros([2], tf.int16),
+    "uint32": lambda: tf.zeros([2], tf.uint32),
+    "uint64": lambda: tf.zeros([2], tf.uint64),
 }
 
 

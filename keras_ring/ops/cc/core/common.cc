@@ -10,6 +10,8 @@ size_t DataTypeSize(DataType t) {
   switch (t) {
     case DataType::kFloat16:
     case DataType::kBFloat16:
+    case DataType::kInt16:
+    case DataType::kUInt16:
       return 2;
     case DataType::kFloat32:
     case DataType::kInt32:
@@ -36,6 +38,8 @@ const char* DataTypeName(DataType t) {
     case DataType::kInt32: return "int32";
     case DataType::kInt64: return "int64";
     case DataType::kBool: return "bool";
+    case DataType::kInt16: return "int16";
+    case DataType::kUInt16: return "uint16";
   }
   return "unknown";
 }

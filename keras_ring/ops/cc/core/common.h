@@ -90,8 +90,10 @@ enum class DataType : int32_t {
   kInt32 = 6,
   kInt64 = 7,
   kBool = 8,
+  kInt16 = 9,
+  kUInt16 = 10,
 };
-constexpr int kNumDataTypes = 9;
+constexpr int kNumDataTypes = 11;
 
 size_t DataTypeSize(DataType t);
 const char* DataTypeName(DataType t);

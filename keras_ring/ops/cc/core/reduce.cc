@@ -217,8 +217,8 @@ void DivideTyped(T* buf, size_t n, int64_t divisor) {
 }
 
 bool IsInteger(DataType t) {
-  return t == DataType::kInt8 || t == DataType::kUInt8 || t == DataType::kInt32 ||
-         t == DataType::kInt64;
+  return t == DataType::kInt8 || t == DataType::kUInt8 || t == DataType::kInt16 ||
+         t == DataType::kUInt16 || t == DataType::kInt32 || t == DataType::kInt64;
 }
 
 }  // namespace
@@ -232,6 +232,8 @@ void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, doub
     switch (dtype) {
       case DataType::kInt8: DivideTyped(static_cast<int8_t*>(buf), count, divisor); break;
       case DataType::kUInt8: DivideTyped(static_cast<uint8_t*>(buf), count, divisor); break;
+      case DataType::kInt16: DivideTyped(static_cast<int16_t*>(buf), count, divisor); break;
+      case DataType::kUInt16: DivideTyped(static_cast<uint16_t*>(buf), count, divisor); break;
       case DataType::kInt32: DivideTyped(static_cast<int32_t*>(buf), count, divisor); break;
       case DataType::kInt64: DivideTyped(static_cast<int64_t*>(buf), count, divisor); break;
       default: break;
@@ -283,6 +285,8 @@ void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b
     KR_REDUCE_CASE(DataType::kFloat64, double)
     KR_REDUCE_CASE(DataType::kInt8, int8_t)
     KR_REDUCE_CASE(DataType::kUInt8, uint8_t)
+    KR_REDUCE_CASE(DataType::kInt16, int16_t)
+    KR_REDUCE_CASE(DataType::kUInt16, uint16_t)
     KR_REDUCE_CASE(DataType::kInt32, int32_t)
     KR_REDUCE_CASE(DataType::kInt64, int64_t)
     case DataType::kBool:
@@ -304,6 +308,8 @@ void Scale(DataType dtype, void* buf, size_t count, double factor) {
     case DataType::kFloat64: ScaleTyped(static_cast<double*>(buf), count, factor); break;
     case DataType::kInt8: ScaleTyped(static_cast<int8_t*>(buf), count, factor); break;
     case DataType::kUInt8: ScaleTyped(static_cast<uint8_t*>(buf), count, factor); break;
+    case DataType::kInt16: ScaleTyped(static_cast<int16_t*>(buf), count, factor); break;
+    case DataType::kUInt16: ScaleTyped(static_cast<uint16_t*>(buf), count, factor); break;
     case DataType::kInt32: ScaleTyped(static_cast<int32_t*>(buf), count, factor); break;
     case DataType::kInt64: ScaleTyped(static_cast<int64_t*>(buf), count, factor); break;
     case DataType::kBool: break;

@@ -137,6 +137,8 @@ double ExpectedIntAsDouble(const Case& c, int n, size_t i, uint64_t salt) {
   switch (c.dtype) {
     case DataType::kInt8: return ExpectedInt<int8_t>(c, n, i, salt);
     case DataType::kUInt8: return ExpectedInt<uint8_t>(c, n, i, salt);
+    case DataType::kInt16: return ExpectedInt<int16_t>(c, n, i, salt);
+    case DataType::kUInt16: return ExpectedInt<uint16_t>(c, n, i, salt);
     case DataType::kInt32: return ExpectedInt<int32_t>(c, n, i, salt);
     default: return static_cast<double>(ExpectedInt<int64_t>(c, n, i, salt));
   }

@@ -117,6 +117,8 @@ double GetAsDouble(DataType dtype, const void* buf, size_t i) {
     case DataType::kFloat64: return Load<double>(buf, i);
     case DataType::kInt8: return Load<int8_t>(buf, i);
     case DataType::kUInt8: return Load<uint8_t>(buf, i);
+    case DataType::kInt16: return Load<int16_t>(buf, i);
+    case DataType::kUInt16: return Load<uint16_t>(buf, i);
     case DataType::kInt32: return Load<int32_t>(buf, i);
     case DataType::kInt64: return static_cast<double>(Load<int64_t>(buf, i));
     case DataType::kBool: return Load<uint8_t>(buf, i);
@@ -136,6 +138,8 @@ void SetFromDouble(DataType dtype, void* buf, size_t i, double v) {
     case DataType::kFloat64: Store(buf, i, v); break;
     case DataType::kInt8: Store(buf, i, static_cast<int8_t>(v)); break;
     case DataType::kUInt8: Store(buf, i, static_cast<uint8_t>(v)); break;
+    case DataType::kInt16: Store(buf, i, static_cast<int16_t>(v)); break;
+    case DataType::kUInt16: Store(buf, i, static_cast<uint16_t>(v)); break;
     case DataType::kInt32: Store(buf, i, static_cast<int32_t>(v)); break;
     case DataType::kInt64: Store(buf, i, static_cast<int64_t>(v)); break;
     case DataType::kBool: Store(buf, i, static_cast<uint8_t>(v != 0)); break;
@@ -150,7 +154,8 @@ bool IsFloat(DataType dtype) {
 const std::vector<DataType>& AllDataTypes() {
   static const std::vector<DataType> all = {
       DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32, DataType::kFloat64,
-      DataType::kInt8,    DataType::kUInt8,    DataType::kInt32,   DataType::kInt64};
+      DataType::kInt8,    DataType::kUInt8,    DataType::kInt16,   DataType::kUInt16,
+      DataType::kInt32,   DataType::kInt64};
   return all;
 }
 

@@ -28,6 +28,8 @@ kr::DataType ToCore(::tensorflow::DataType t) {
     case ::tensorflow::DT_DOUBLE: return kr::DataType::kFloat64;
     case ::tensorflow::DT_INT8: return kr::DataType::kInt8;
     case ::tensorflow::DT_UINT8: return kr::DataType::kUInt8;
+    case ::tensorflow::DT_INT16: return kr::DataType::kInt16;
+    case ::tensorflow::DT_UINT16: return kr::DataType::kUInt16;
     case ::tensorflow::DT_INT32: return kr::DataType::kInt32;
     case ::tensorflow::DT_INT64: return kr::DataType::kInt64;
     default: return kr::DataType::kBool;  // the op registrations admit nothing else

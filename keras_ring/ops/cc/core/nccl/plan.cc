@@ -32,7 +32,10 @@ Status NcclReduceType(DataType dtype, int* nccl_type) {
     case DataType::kUInt8: *nccl_type = kNcclUint8; return Status::OK();
     case DataType::kInt32: *nccl_type = kNcclInt32; return Status::OK();
     case DataType::kInt64: *nccl_type = kNcclInt64; return Status::OK();
-    case DataType::kBool: break;
+    case DataType::kBool:
+    case DataType::kInt16:   // NCCL has no 16-bit integers: TensorFlow places these
+    case DataType::kUInt16:  // collectives on the CPU (the GPU kernels do not take them)
+      break;
   }
   return Status(Code::kInvalidArgument,
                 std::string("allreduce does not support ") + DataTypeName(dtype) + " tensors");
