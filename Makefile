@@ -21,7 +21,8 @@ CPP_TEST_SRC := $(wildcard keras_ring/ops/cc/tests/*.cc)
 OPS_SRC := $(CORE_SRC) $(CORE_HDR) $(wildcard keras_ring/ops/cc/tf/*)
 OPS_LIB := keras_ring/ops/_keras_ring_ops.so
 
-.PHONY: venv ops test test-cpp test-unit test-parallel test-multihost demo bench bench-multihost clean
+.PHONY: venv ops test test-cpp test-unit test-parallel test-multihost test-oldest demo bench \
+	bench-multihost clean
 
 venv: $(STAMP) $(OPS_LIB)
 
@@ -63,7 +64,28 @@ test-parallel: venv
 test-multihost: venv
 	$(GUARD) $(VPY) -m pytest tests/multihost -q
 
-test: test-cpp test-unit test-parallel test-multihost
+# The oldest supported TensorFlow + Keras (tests/versions/oldest.txt) in a venv of its own,
+# its op library in its own directory: the collectives and the Keras integration at 2 ranks,
+# then switching one library directory between the two TensorFlows.
+OLD_VENV := .venv-oldest
+OLD_STAMP := $(OLD_VENV)/.keras_ring-installed
+OLD_ENV := $(TEST_ENV) KERAS_RING_OPS_DIR=$(CURDIR)/build/ops-oldest
+OLD_TESTS := $(addprefix tests/parallel/,test_collectives.py test_gradients.py \
+	test_keras_equivalence.py test_keras_optimizer.py test_keras_save_load.py \
+	test_keras_lazy_models.py test_keras_callbacks.py test_mismatch.py)
+
+$(OLD_STAMP): pyproject.toml setup.py tests/versions/oldest.txt
+	test -x $(OLD_VENV)/bin/python || $(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLD_VENV)/bin/python -m pip install -q -c tests/versions/oldest.txt -e '.[mpi]' \
+		tensorflow keras pytest hypothesis
+	touch $@
+
+test-oldest: venv $(OLD_STAMP)
+	$(OLD_ENV) $(GUARD) $(OLD_VENV)/bin/mpirun -np 2 $(OLD_VENV)/bin/python -m pytest $(OLD_TESTS) -q
+	KERAS_RING_OTHER_PYTHON=$(CURDIR)/$(OLD_VENV)/bin/python $(GUARD) $(VPY) -m pytest tests/versions -q
+
+test: test-cpp test-unit test-parallel test-multihost test-oldest
 
 demo: venv
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) examples/keras_fit.py
@@ -85,4 +107,4 @@ bench-multihost: venv
 	$(GUARD) $(VPY) benchmarks/multihost.py
 
 clean:
-	rm -rf build $(OPS_LIB) keras_ring/ops/_keras_ring_ops.json
+	rm -rf build $(OPS_LIB) $(OLD_VENV) keras_ring/ops/_keras_ring_ops.json

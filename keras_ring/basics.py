@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from keras_ring import _lifecycle
+from keras_ring import _keras_private, _lifecycle
 from keras_ring.runtime import RUNTIME
 
 
@@ -21,6 +21,7 @@ def init() -> None:
     print(keras_ring.rank(), keras_ring.size())
     ```
     """
+    _keras_private.check_versions()  # before anything starts: a too-old Keras fails here
     RUNTIME.init()
     for step in _lifecycle.AFTER_INIT:  # the Keras integration's, say: see keras_ring/__init__
         step()

@@ -20,7 +20,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_ring import _xla
+from keras_ring import _keras_private, _xla
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, ReduceOptions, reduce_gradients
 from keras_ring.collectives import Average, ReduceOp
 from keras_ring.compression import Compression, Compressor
@@ -100,6 +100,8 @@ def wrap(
     options = ReduceOptions.create("keras_ring.wrap", op, compression, bucket_bytes,
                                    sparse_as_dense, gradient_predivide_factor)
     optimizer = _as_optimizer(optimizer)
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        _keras_private.check_accumulation(optimizer)
     _wrap_in_place(optimizer, options)
     install_compile_hook()
     return optimizer
@@ -205,7 +207,7 @@ def _reduce_once_per_update(optimizer, options: ReduceOptions, grads: list, vari
     if variables is None:
         if not optimizer.built:
             return grads  # Keras's apply raises its own clear error for this.
-        variables = optimizer._trainable_variables
+        variables = _keras_private.built_variables(optimizer)
     else:
         variables = list(variables)
         if not optimizer.built:
@@ -217,9 +219,7 @@ def _reduce_once_per_update(optimizer, options: ReduceOptions, grads: list, vari
     # Keras divides the gradients by a static loss_scale_factor after us; acc is unscaled.
     scale = optimizer.loss_scale_factor or 1.0
     dense = [tf.convert_to_tensor(grads[i]) for i in live]
-    accumulators = [
-        optimizer._accumulated_gradients[optimizer._get_variable_index(variables[i])] for i in live
-    ]
+    accumulators = _keras_private.accumulators(optimizer, [variables[i] for i in live])
 
     def scaled_accumulators():
         return [tf.cast(tf.convert_to_tensor(a), g.dtype) * scale for a, g in zip(accumulators, dense)]
@@ -230,7 +230,8 @@ def _reduce_once_per_update(optimizer, options: ReduceOptions, grads: list, vari
                                   name="gradients.accumulated")
         return [t - a for t, a in zip(totals, acc)]
 
-    is_update = tf.equal(tf.math.floormod(tf.convert_to_tensor(optimizer._iterations) + 1, steps), 0)
+    micro_batch = tf.convert_to_tensor(_keras_private.raw_iterations(optimizer))
+    is_update = tf.equal(tf.math.floormod(micro_batch + 1, steps), 0)
     reduced = tf.cond(is_update, update, lambda: dense)
     out = list(grads)
     for i, r in zip(live, reduced):
@@ -289,18 +290,16 @@ def _build_before_first_step(model: Any) -> None:
     first batch before the first step; a model compiled with a wrapped optimizer does that
     too, so its variables (and the optimizer's) exist when the broadcast runs.
     """
-    if not hasattr(model, "_maybe_symbolic_build") or not hasattr(model, "_symbolic_build"):
+    if not _keras_private.has_symbolic_build(model):
         return  # another Keras: it keeps its own build path
     original = model._maybe_symbolic_build
 
     def maybe_symbolic_build(iterator=None, data_batch=None):
-        built = all(layer.built for layer in model._flatten_layers())
-        if built or getattr(model, "_distribute_strategy", None) is not None:
+        if (not _keras_private.unbuilt_layers(model)
+                or getattr(model, "_distribute_strategy", None) is not None):
             return original(iterator=iterator, data_batch=data_batch)
         if data_batch is None and iterator is not None:
-            for _, _, batches in iterator:  # the TensorFlow iterator hands out iterators
-                data_batch = next(batches)
-                break
+            data_batch = _keras_private.first_batch(iterator)
         model._symbolic_build(data_batch=data_batch)
 
     model._maybe_symbolic_build = maybe_symbolic_build

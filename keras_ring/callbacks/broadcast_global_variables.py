@@ -6,6 +6,7 @@ from typing import Any
 
 import keras
 
+from keras_ring import _keras_private
 from keras_ring.basics import size
 from keras_ring.collectives import broadcast_variables
 
@@ -64,7 +65,7 @@ def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
         ValueError: the model is not built yet (it has no variables to send); the message
             says how to build it.
     """
-    if not model.built or not all(layer.built for layer in model._flatten_layers()):
+    if not model.built or _keras_private.unbuilt_layers(model):
         raise ValueError(
             f"keras_ring: cannot broadcast the variables of model '{model.name}': it is not "
             "built yet, so it has no variables (Keras builds a model without an Input when it "

@@ -70,7 +70,14 @@ def stamp(tf_version: str | None = None) -> dict:
 
 
 def default_output_dir() -> Path:
-    """The package directory when writable (source checkouts, venvs), else a user cache."""
+    """$KERAS_RING_OPS_DIR when set, else the package directory when writable (source
+    checkouts, venvs), else a user cache.
+
+    The variable lets two environments with different TensorFlows share one source checkout
+    (an editable install in each) without rebuilding over each other's library.
+    """
+    if os.environ.get("KERAS_RING_OPS_DIR"):
+        return Path(os.environ["KERAS_RING_OPS_DIR"]).expanduser().resolve()
     pkg = Path(__file__).resolve().parent
     if os.access(pkg, os.W_OK):
         return pkg

@@ -1,0 +1,111 @@
+"""Every private Keras attribute keras_ring reads, in one place, with the versions that have it.
+
+Keras has no public API for an optimizer's raw step counter, its gradient accumulators or a
+model's build-before-the-first-step hook; keras_ring reads them here and nowhere else. The
+supported range starts at the first Keras 3 that has all of them (3.5.0, where the
+TensorFlow trainer gained ``_maybe_symbolic_build`` and optimizers a raw ``_iterations``);
+:func:`check_versions` refuses anything older when keras_ring starts, and
+:func:`check_accumulation` refuses an optimizer that lacks them at ``wrap()`` time, so a
+Keras that renames them fails early with a message, never with an AttributeError mid-fit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MIN_TENSORFLOW = (2, 16)
+MIN_KERAS = (3, 5, 0)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit()) if not piece.isdigit() else piece
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not piece.isdigit():  # "0rc1": the release candidate still counts as its number
+            break
+    return tuple(parts)
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+def version_problem(tf_version: str, keras_version: str) -> str | None:
+    """What is wrong with this TensorFlow/Keras pair for keras_ring, or None when supported."""
+    if _version_tuple(tf_version) < MIN_TENSORFLOW:
+        return (f"keras_ring needs TensorFlow >= {_dotted(MIN_TENSORFLOW)} (the first with "
+                f"Keras 3); this environment has TensorFlow {tf_version}. "
+                f"Upgrade: pip install -U 'tensorflow>={_dotted(MIN_TENSORFLOW)}'")
+    if _version_tuple(keras_version) < MIN_KERAS:
+        return (f"keras_ring needs Keras >= {_dotted(MIN_KERAS)}; this environment has Keras "
+                f"{keras_version} (older Keras 3 builds a model without an Input only inside "
+                "its first traced step, after the initial weights must be broadcast). "
+                f"Upgrade: pip install -U 'keras>={_dotted(MIN_KERAS)}' (it works with every "
+                f"TensorFlow from {_dotted(MIN_TENSORFLOW)})")
+    return None
+
+
+def check_versions() -> None:
+    """Raises ImportError naming the minimum when TensorFlow or Keras is too old."""
+    import keras
+    import tensorflow as tf
+
+    problem = version_problem(tf.__version__, keras.__version__)
+    if problem:
+        raise ImportError(problem)
+
+
+def check_accumulation(optimizer: Any) -> None:
+    """Refuses, at ``wrap()`` time, gradient accumulation on an optimizer whose internals
+    keras_ring cannot read (a Keras that renamed them, or a foreign optimizer class)."""
+    missing = [name for name in ("_iterations", "_get_variable_index")
+               if not hasattr(optimizer, name)]
+    if missing:
+        import keras
+
+        raise ValueError(
+            f"keras_ring: {type(optimizer).__name__}(gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}) cannot be wrapped with this Keras "
+            f"({keras.__version__}): the optimizer has no {', '.join(missing)}, which keras_ring "
+            "reads to communicate once per update. Use Keras "
+            f">= {_dotted(MIN_KERAS)}, or accumulate without gradient_accumulation_steps.")
+
+
+def raw_iterations(optimizer: Any) -> Any:
+    """The optimizer's count of ``apply`` calls (micro-batches), not divided by the
+    accumulation steps as the public ``iterations`` is."""
+    return optimizer._iterations
+
+
+def accumulators(optimizer: Any, variables: list) -> list:
+    """Keras's gradient accumulator for each variable, in the order given."""
+    return [optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
+            for v in variables]
+
+
+def built_variables(optimizer: Any) -> list:
+    """The variables a built optimizer was built for."""
+    return optimizer._trainable_variables
+
+
+def unbuilt_layers(model: Any) -> bool:
+    """Whether any layer of the model (nested ones included) still has no variables."""
+    return not all(layer.built for layer in model._flatten_layers())
+
+
+def first_batch(epoch_iterator: Any) -> Any:
+    """The first batch of a Keras TensorFlow epoch iterator, as Keras's own symbolic build
+    takes it: 3.5-3.x hand out ``(step, iterator)`` from ``enumerate_epoch()``, newer ones
+    ``(begin, end, iterator)`` when iterated."""
+    entries = (epoch_iterator.enumerate_epoch() if hasattr(epoch_iterator, "enumerate_epoch")
+               else epoch_iterator)
+    for entry in entries:
+        return next(entry[-1])
+    return None
+
+
+def has_symbolic_build(model: Any) -> bool:
+    return hasattr(model, "_maybe_symbolic_build") and hasattr(model, "_symbolic_build")

@@ -1,0 +1,44 @@
+"""The supported TensorFlow/Keras range is enforced early, with messages naming the minimum."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+import tensorflow as tf
+
+import keras_ring
+from keras_ring import _keras_private
+
+
+@pytest.mark.parametrize("tf_version, keras_version, says", [
+    ("2.15.1", "2.15.0", "TensorFlow >= 2.16"),
+    ("2.16.2", "3.3.3", "Keras >= 3.5.0; this environment has Keras 3.3.3"),
+    ("2.16.2", "3.4.1", "pip install -U 'keras>=3.5.0'"),
+    ("2.17.0rc1", "3.0.0", "Keras >= 3.5.0"),
+])
+def test_too_old_pairs_are_refused_naming_the_minimum(tf_version, keras_version, says):
+    assert says in _keras_private.version_problem(tf_version, keras_version)
+
+
+@pytest.mark.parametrize("tf_version, keras_version", [
+    ("2.16.2", "3.5.0"), ("2.21.0", "3.15.1"), ("2.22.0rc0", "3.16.0.dev2026"),
+    ("2.16.1", "3.10.0"), (tf.__version__, keras.__version__),
+])
+def test_supported_pairs_pass(tf_version, keras_version):
+    assert _keras_private.version_problem(tf_version, keras_version) is None
+
+
+class _RenamedInternals(keras.optimizers.SGD):
+    """An optimizer as a Keras that renamed its raw step counter would make it."""
+
+    def __getattribute__(self, name):
+        if name == "_iterations":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_wrap_refuses_accumulation_it_cannot_read_before_training():
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*no _iterations"):
+        keras_ring.wrap(_RenamedInternals(0.1, gradient_accumulation_steps=2))
+    # Without accumulation the same optimizer needs nothing private.
+    assert keras_ring.wrap(_RenamedInternals(0.1)) is not None

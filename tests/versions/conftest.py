@@ -1,0 +1,1 @@
+"""Tests run by `make test-oldest` with the oldest supported TensorFlow + Keras pair."""
