@@ -28,7 +28,14 @@ _EXPORTS = {
     **dict.fromkeys(
         ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "allreduce", "grouped_allreduce",
          "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
-         "barrier"], "keras_ring.collectives"),
+         "barrier", "grouped_allgather", "broadcast_", "broadcast_global_variables"],
+        "keras_ring.collectives"),
+    **dict.fromkeys(
+        ["reducescatter", "grouped_reducescatter", "alltoall"], "keras_ring.scatter"),
+    **dict.fromkeys(
+        ["rank_op", "size_op", "local_rank_op", "local_size_op", "is_homogeneous", "mpi_built",
+         "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+         "cuda_built", "rocm_built", "ddl_built", "ccl_built"], "keras_ring.introspection"),
     **dict.fromkeys(
         ["KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
          "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",

@@ -20,7 +20,7 @@ from keras_ring.ops import loader, wrappers
 from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.runtime import RUNTIME
 
-wrappers.register_gradients(basics.rank)
+wrappers.register_gradients(basics.rank, basics.size)
 
 Sum = ReduceOp.Sum
 Average = ReduceOp.Average
@@ -195,17 +195,30 @@ def _scale_integers(values: tf.Tensor, factor: float) -> tf.Tensor:
                     tf.where(scaled <= low, tf.constant(dtype.min, dtype), inside))
 
 
+def _tensor_list(tensors: Any, what: str) -> list:
+    """``tensors`` as a list, refusing what would be iterated wrongly (a tensor, a dict)."""
+    if isinstance(tensors, (tf.Tensor, np.ndarray, tf.IndexedSlices)):
+        raise TypeError(f"{what} takes a list of tensors; use {what.replace('grouped_', '')} "
+                        "for one tensor")
+    if isinstance(tensors, Mapping) or not isinstance(tensors, Iterable):
+        # Iterating a dict would reduce its keys.
+        raise TypeError(f"{what} takes a list or tuple of tensors, got "
+                        f"{type(tensors).__name__}" + ("; pass list(d.values())" if isinstance(tensors, Mapping) else ""))
+    return list(tensors)
+
+
 def grouped_allreduce(
     tensors: Sequence[Any],
     op: ReduceOp = Average,
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> list[tf.Tensor]:
+) -> list[tf.Tensor | tf.IndexedSlices]:
     """Allreduces a list of tensors as one collective: one fused ring pass per dtype.
 
     Args:
-        tensors: tensors of any shapes and supported dtypes, mixed freely.
+        tensors: tensors of any shapes and supported dtypes, mixed freely; ``tf.IndexedSlices``
+            among them are allgathered as by :func:`allreduce` (Sum and Average).
         op, name, prescale_factor, postscale_factor: as for :func:`allreduce`.
 
     Returns:
@@ -219,18 +232,36 @@ def grouped_allreduce(
     """
     op, tensor_name, pre, post = _reduce_args("grouped_allreduce", op, name, prescale_factor,
                                               postscale_factor)
-    if isinstance(tensors, (tf.Tensor, np.ndarray)):
-        raise TypeError("grouped_allreduce takes a list of tensors; use allreduce for one tensor")
-    if isinstance(tensors, Mapping) or not isinstance(tensors, Iterable):
-        # Iterating a dict would reduce its keys.
-        raise TypeError("grouped_allreduce takes a list or tuple of tensors, got "
-                        f"{type(tensors).__name__}" + ("; pass list(d.values())" if isinstance(tensors, Mapping) else ""))
-    tensors = _tensors(tensors, REDUCE_DTYPES, "grouped_allreduce")
-    if not tensors:
-        return []
-    return list(
-        _run(wrappers.grouped_allreduce, tensors, int(op), pre, post, tensor_name)
-    )
+    items = _tensor_list(tensors, "grouped_allreduce")
+    sparse = [i for i, t in enumerate(items) if isinstance(t, tf.IndexedSlices)]
+    dense_at = [i for i in range(len(items)) if i not in set(sparse)]
+    dense = _tensors([items[i] for i in dense_at], REDUCE_DTYPES, "grouped_allreduce")
+    out: list[Any] = list(items)
+    if dense:
+        reduced = _run(wrappers.grouped_allreduce, dense, int(op), pre, post, tensor_name)
+        for i, r in zip(dense_at, reduced):
+            out[i] = r
+    for i in sparse:
+        out[i] = _allreduce_indexed_slices(items[i], op, f"{tensor_name}.sparse{i}" if tensor_name else "",
+                                           pre, post)
+    return out
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None) -> list[tf.Tensor]:
+    """:func:`allgather` of each tensor, in order; each may have its own row count.
+
+    Example:
+
+    ```python
+    features, labels = keras_ring.grouped_allgather([features, labels])
+    ```
+    """
+    RUNTIME.topology("keras_ring.grouped_allgather()")
+    base = _check_name(name)
+    tensors = _tensors(_tensor_list(tensors, "grouped_allgather"), GATHER_DTYPES,
+                       "grouped_allgather")
+    return [_run(wrappers.allgather, t, f"{base}.{i}" if base else "")
+            for i, t in enumerate(tensors)]
 
 
 def allgather(tensor: Any, name: str | None = None) -> tf.Tensor:
@@ -269,6 +300,52 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
     RUNTIME.topology("keras_ring.broadcast_variables()")
     for i, var in enumerate(variables):
         var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=f"broadcast_variables.{i}"))
+
+
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None) -> list[tf.Tensor]:
+    """Horovod's in-place broadcast: assigns the root's values to ``variables`` on every rank
+    and returns their new values. Works eagerly and inside ``tf.function``.
+
+    Example:
+
+    ```python
+    keras_ring.broadcast_(model.trainable_variables, root_rank=0)
+    ```
+    """
+    RUNTIME.topology("keras_ring.broadcast_()")
+    root, base = _check_root(root_rank), _check_name(name) or "broadcast_"
+    values = []
+    for i, var in enumerate(variables):
+        var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i}"))
+        values.append(tf.convert_to_tensor(var))
+    return values
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1-style broadcast of ``tf.compat.v1.global_variables()``: an op that
+    assigns the root's values to them, for graphs built with ``tf.compat.v1``.
+
+    TensorFlow 2 keeps no global variable collection, so eagerly (and in ``tf.function``)
+    this raises, as Horovod's does; broadcast the model's variables instead.
+
+    Example:
+
+    ```python
+    with tf.compat.v1.Session() as sess:
+        sess.run(keras_ring.broadcast_global_variables(0))
+    ```
+    """
+    RUNTIME.topology("keras_ring.broadcast_global_variables()")
+    if tf.executing_eagerly() or tf.inside_function():
+        raise RuntimeError(
+            "keras_ring.broadcast_global_variables() broadcasts TensorFlow 1 global variables "
+            "and works only in tf.compat.v1 graph mode; in TensorFlow 2 use "
+            "keras_ring.broadcast_variables(model.variables, root_rank) or "
+            "keras_ring.callbacks.BroadcastGlobalVariablesCallback(root_rank)")
+    root = _check_root(root_rank)
+    variables = tf.compat.v1.global_variables()
+    return tf.group(*[var.assign(broadcast(var, root, name=f"broadcast_global_variables.{i}"))
+                      for i, var in enumerate(variables)])
 
 
 def _pickle(obj: Any) -> tf.Tensor:

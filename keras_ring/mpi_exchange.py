@@ -53,7 +53,7 @@ def _exchange(comm, config: Config) -> PeerTable:
         raise InitError(problem)
     topology = Topology.from_host_ids(rank, host_ids)
     if size == 1:
-        return PeerTable(topology)
+        return PeerTable(topology, via_mpi=True)
     multi_host = len(set(host_ids)) > 1
     listener = listen(multi_host, size)
     try:
@@ -68,4 +68,4 @@ def _exchange(comm, config: Config) -> PeerTable:
     except BaseException:
         listener.close()
         raise
-    return PeerTable(topology, addresses, token, listener)
+    return PeerTable(topology, addresses, token, listener, via_mpi=True)

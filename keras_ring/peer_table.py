@@ -49,6 +49,7 @@ class PeerTable:
     addresses: list[tuple[str, int]] = field(default_factory=list)
     job_token: int = 0
     listener: socket.socket | None = None
+    via_mpi: bool = False  # found through MPI_COMM_WORLD (mpirun), for mpi_enabled()
 
     def close(self) -> None:
         if self.listener is not None:

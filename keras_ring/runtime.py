@@ -27,6 +27,7 @@ class Runtime:
         self._table: PeerTable | None = None
         self._atexit_registered = False
         self._leaving_with: str | None = None  # an uncaught exception is ending the program
+        self._via_mpi = False
 
     @property
     def initialized(self) -> bool:
@@ -37,6 +38,11 @@ class Runtime:
         if topology is None:
             raise NotInitializedError(what)
         return topology
+
+    @property
+    def via_mpi(self) -> bool:
+        """Whether the running job found its peers through MPI."""
+        return self._via_mpi
 
     def library(self, what: str = "this function") -> Library:
         self.topology(what)
@@ -71,6 +77,7 @@ class Runtime:
             errors.install_tensorflow_hook()
             self._start_native(lib, table, config, failure_exit)
             self._topology = table.topology
+            self._via_mpi = table.via_mpi
             self._config = config
             self._leaving_with = None
             if not self._atexit_registered:

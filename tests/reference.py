@@ -72,8 +72,8 @@ def reduce_reference(inputs: list[np.ndarray], op: str, dtype: tf.DType,
         out = np.min(stack, axis=0)
     else:
         out = np.max(stack, axis=0)
-    if op == "Average":
-        out = out / n
+    if op == "Average":  # keras_ring scales by postscale / n in one multiplication
+        return (out * (postscale / n)).astype(nd)
     return (out * postscale).astype(nd)
 
 

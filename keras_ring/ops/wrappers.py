@@ -61,6 +61,17 @@ def broadcast(tensor, root_rank: int, tensor_name: str):
                                               **_common("Broadcast", tensor_name))
 
 
+def reducescatter(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str):
+    return library().ops.keras_ring_reducescatter(
+        tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
+        postscale_factor=_factor_attr(postscale), **_common("Reducescatter", tensor_name))
+
+
+def alltoall(tensor, splits, tensor_name: str):
+    """(output, received_splits); ``splits`` an int32 vector, empty for equal parts."""
+    return library().ops.keras_ring_alltoall(tensor, splits, **_common("Alltoall", tensor_name))
+
+
 def _grad_name(op) -> str:
     name = op.get_attr("tensor_name")
     name = name.decode() if isinstance(name, bytes) else name
@@ -106,15 +117,33 @@ def _broadcast_grad(op, grad, rank: Callable[[], int]):
     return tf.zeros_like(summed)
 
 
+def _reducescatter_grad(op, grad, size: Callable[[], int]):
+    """The allgather of the upstream gradient, scaled as Horovod scales it: by the number
+    of ranks for Sum (not for Average), and by both scale factors."""
+    factor = _factor(op, "prescale_factor") * _factor(op, "postscale_factor")
+    if op.get_attr("reduce_op") == int(ReduceOp.Sum):
+        factor *= size()
+    if factor != 1.0:
+        grad = grad * tf.cast(factor, grad.dtype)
+    return allgather(grad, _grad_name(op))
+
+
+def _alltoall_grad(op, grad, _received_splits_grad):
+    """Sends every row's gradient back where the row came from."""
+    back, _ = alltoall(grad, op.outputs[1], _grad_name(op))
+    return [back, None]
+
+
 _registered = False
 
 
-def register_gradients(rank: Callable[[], int]) -> None:
+def register_gradients(rank: Callable[[], int], size: Callable[[], int]) -> None:
     """Registers the ops' gradients with TensorFlow; later calls do nothing.
 
     Args:
         rank: returns this process's rank, when a gradient is built (the allgather and
             broadcast gradients depend on it).
+        size: returns the number of ranks, when a gradient is built (reducescatter's).
     """
     global _registered
     if _registered:
@@ -123,4 +152,7 @@ def register_gradients(rank: Callable[[], int]) -> None:
     tf.RegisterGradient("KerasRingGroupedAllreduce")(_grouped_allreduce_grad)
     tf.RegisterGradient("KerasRingAllgather")(functools.partial(_allgather_grad, rank=rank))
     tf.RegisterGradient("KerasRingBroadcast")(functools.partial(_broadcast_grad, rank=rank))
+    tf.RegisterGradient("KerasRingReducescatter")(
+        functools.partial(_reducescatter_grad, size=size))
+    tf.RegisterGradient("KerasRingAlltoall")(_alltoall_grad)
     _registered = True

@@ -25,6 +25,13 @@ CALLS_BEFORE_INIT = [
     ("broadcast_object", lambda: kr.broadcast_object(1, 0)),
     ("allgather_object", lambda: kr.allgather_object(1)),
     ("barrier", lambda: kr.barrier()),
+    ("reducescatter", lambda: kr.reducescatter(tf.ones([2]))),
+    ("grouped_reducescatter", lambda: kr.grouped_reducescatter([tf.ones([2])])),
+    ("alltoall", lambda: kr.alltoall(tf.ones([2]))),
+    ("grouped_allgather", lambda: kr.grouped_allgather([tf.ones([2])])),
+    ("broadcast_", lambda: kr.broadcast_([tf.Variable(1.0)], 0)),
+    ("rank_op", lambda: kr.rank_op()),
+    ("mpi_enabled", lambda: kr.mpi_enabled()),
 ]
 
 
@@ -214,3 +221,16 @@ def test_intra_op_threads_follow_the_variables(clean_env, env, expected):
     out = subprocess.run([sys.executable, "-c", code], env=dict(child, **env),
                          capture_output=True, text=True, timeout=300)
     assert f"THREADS {expected}" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_reducescatter_and_alltoall_world_of_one(initialized, op):
+    x = rank_input(tf.float32, (5, 2), 0, seed=1, op=op)
+    assert_same(kr.reducescatter(tf.constant(x), op=getattr(kr, op)).numpy(),
+                reduce_reference([x], op, tf.float32))
+    out, received = kr.alltoall(tf.constant(x), splits=[5])
+    assert_same(out.numpy(), x)
+    assert received.numpy().tolist() == [5]
+    assert_same(kr.alltoall(tf.constant(x)).numpy(), x)
+    assert int(kr.rank_op()) == 0 and int(kr.size_op()) == 1
+    assert kr.mpi_enabled() is False  # a plain python process found no peers through MPI

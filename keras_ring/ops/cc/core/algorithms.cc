@@ -239,6 +239,99 @@ Status DirectAllgather(Transport& t, const AlgoConfig& cfg, void* out, size_t bl
   return Status::OK();
 }
 
+namespace {
+
+std::vector<size_t> Offsets(const std::vector<size_t>& sizes) {
+  std::vector<size_t> offsets(sizes.size() + 1, 0);
+  for (size_t i = 0; i < sizes.size(); ++i) offsets[i + 1] = offsets[i] + sizes[i];
+  return offsets;
+}
+
+// One step between two peers: `send_len` bytes to `to` while `recv_len` arrive from `from`,
+// cut into segments; at least one (possibly empty) exchange keeps both ends in lock step.
+// With `reduce`, received bytes are combined with `local` into `dst`.
+Status SegmentedStep(Transport& t, const AlgoConfig& cfg, size_t esize, int to,
+                     const char* send, size_t send_len, int from, char* dst, const char* local,
+                     size_t recv_len, const ReduceFn* reduce) {
+  const size_t seg = std::max<size_t>(esize, cfg.segment_bytes / esize * esize);
+  std::vector<SendPiece> sp(1);
+  std::vector<RecvPiece> rp(1);
+  size_t off = 0;
+  do {
+    const size_t sc = off < send_len ? std::min(seg, send_len - off) : 0;
+    const size_t vc = off < recv_len ? std::min(seg, recv_len - off) : 0;
+    sp[0] = SendPiece{send + off, sc};
+    rp[0] = RecvPiece{dst + off, local == nullptr ? nullptr : local + off, vc};
+    KR_RETURN_IF_ERROR(t.SendRecvPieces(to, sp, from, rp, esize, reduce, cfg.NextDeadline()));
+    off += seg;
+  } while (off < std::max(send_len, recv_len));
+  return Status::OK();
+}
+
+}  // namespace
+
+Status RingReduceScatter(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
+                         const void* input, void* output, const std::vector<size_t>& counts,
+                         double prescale, double postscale) {
+  const int n = t.size();
+  const int r = t.rank();
+  const size_t esize = DataTypeSize(dtype);
+  const std::vector<size_t> at = Offsets(counts);  // in elements
+  const char* in = static_cast<const char*>(input);
+  std::vector<char> scaled;
+  if (prescale != 1.0 && at.back() > 0) {
+    scaled.assign(in, in + at.back() * esize);
+    Scale(dtype, scaled.data(), at.back(), prescale);
+    in = scaled.data();
+  }
+  const size_t mine = counts[static_cast<size_t>(r)];
+  if (n == 1) {
+    if (mine > 0) std::memmove(output, in, mine * esize);
+    FinishReduction(dtype, op, output, mine, n, postscale);
+    return Status::OK();
+  }
+  // Step k sends span r-k-1 (the input's at k = 0, else what arrived at step k-1) and
+  // combines span r-k-2 arriving from the left with the input's; the last step (k = n-2)
+  // receives span r, finished into the output.
+  const size_t largest = *std::max_element(counts.begin(), counts.end()) * esize;
+  std::vector<char> buf[2];
+  for (auto& b : buf) b.resize(n > 2 ? largest : 0);
+  const ReduceFn partial = Combiner{dtype, op, esize, false, /*finish=*/false, n, postscale};
+  const ReduceFn last = Combiner{dtype, op, esize, false, /*finish=*/true, n, postscale};
+  for (int step = 0; step < n - 1; ++step) {
+    const size_t s = static_cast<size_t>(Mod(r - step - 1, n));
+    const size_t v = static_cast<size_t>(Mod(r - step - 2, n));
+    const bool final_step = step == n - 2;
+    const char* send = step == 0 ? in + at[s] * esize : buf[(step - 1) % 2].data();
+    char* dst = final_step ? static_cast<char*>(output) : buf[step % 2].data();
+    KR_RETURN_IF_ERROR(SegmentedStep(t, cfg, esize, Mod(r + 1, n), send, counts[s] * esize,
+                                     Mod(r - 1, n), dst, in + at[v] * esize, counts[v] * esize,
+                                     final_step ? &last : &partial));
+  }
+  return Status::OK();
+}
+
+Status PairwiseAlltoall(Transport& t, const AlgoConfig& cfg, const void* input,
+                        const std::vector<size_t>& send_bytes, void* output,
+                        const std::vector<size_t>& recv_bytes) {
+  const int n = t.size();
+  const int r = t.rank();
+  const std::vector<size_t> send_at = Offsets(send_bytes);
+  const std::vector<size_t> recv_at = Offsets(recv_bytes);
+  const char* in = static_cast<const char*>(input);
+  char* out = static_cast<char*>(output);
+  const size_t self = static_cast<size_t>(r);
+  if (recv_bytes[self] > 0) std::memcpy(out + recv_at[self], in + send_at[self], recv_bytes[self]);
+  for (int k = 1; k < n; ++k) {
+    const size_t to = static_cast<size_t>(Mod(r + k, n));
+    const size_t from = static_cast<size_t>(Mod(r - k, n));
+    KR_RETURN_IF_ERROR(SegmentedStep(t, cfg, 1, static_cast<int>(to), in + send_at[to],
+                                     send_bytes[to], static_cast<int>(from), out + recv_at[from],
+                                     nullptr, recv_bytes[from], nullptr));
+  }
+  return Status::OK();
+}
+
 Status ChainBroadcast(Transport& t, const AlgoConfig& cfg, void* buf, size_t bytes, int root) {
   const int n = t.size();
   if (n == 1 || bytes == 0) return Status::OK();

@@ -63,6 +63,21 @@ Status RingAllgatherv(Transport& t, const AlgoConfig& cfg, void* out,
 Status DirectAllgather(Transport& t, const AlgoConfig& cfg, void* out, size_t block_bytes,
                        std::atomic<int>* steps_done = nullptr);
 
+// Ring reduce-scatter: every rank holds `counts` summed elements at `input` (the spans of
+// ranks 0..n-1, back to back); rank r gets the reduction of its span, scaled like
+// RingAllreduce's chunks, in `output` (counts[r] elements). The input is only read; the scratch
+// is two of the largest span (three with a prescale, which needs a scaled copy of the input).
+Status RingReduceScatter(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
+                         const void* input, void* output, const std::vector<size_t>& counts,
+                         double prescale, double postscale);
+
+// Personalized all-to-all in n-1 pairwise rounds (round k: send to rank+k, receive from
+// rank-k). Block p of `input` (send_bytes[p] bytes, blocks back to back in rank order) goes to
+// rank p; block p of `output` (recv_bytes[p]) comes from rank p. The own block is copied.
+Status PairwiseAlltoall(Transport& t, const AlgoConfig& cfg, const void* input,
+                        const std::vector<size_t>& send_bytes, void* output,
+                        const std::vector<size_t>& recv_bytes);
+
 // Pipelined chain broadcast: root -> root+1 -> ... in segments. `buf` holds the data on the
 // root and receives it elsewhere.
 Status ChainBroadcast(Transport& t, const AlgoConfig& cfg, void* buf, size_t bytes, int root);

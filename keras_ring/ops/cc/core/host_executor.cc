@@ -59,6 +59,8 @@ Status HostExecutor::Execute(Request& request, uint64_t seq, ExecutionStats* sta
     case Kind::kAllgather: return ExecuteAllgather(request, sigs);
     case Kind::kBroadcast: return ExecuteBroadcast(request);
     case Kind::kBarrier: return Status::OK();
+    case Kind::kReducescatter: return ExecuteReducescatter(request);
+    case Kind::kAlltoall: return ExecuteAlltoall(request, sigs);
   }
   return Status::OK();
 }
@@ -79,6 +81,14 @@ Status HostExecutor::BlameForExchangeTimeout(const Request& request, uint64_t se
 
 bool HostExecutor::PackInline(const Request& r, Slot* slot) const {
   if (r.placement != Placement::kHost) return false;  // pointers into device memory
+  if (r.kind == Kind::kAlltoall) {
+    // Not the data but the splits ride along: [count][splits...], checked after the exchange.
+    const size_t room = kInlineCapacity / sizeof(int64_t) - 1;
+    const int64_t n = r.splits.size() <= room ? static_cast<int64_t>(r.splits.size()) : -1;
+    std::memcpy(slot->payload, &n, sizeof n);
+    if (n > 0) std::memcpy(slot->payload + sizeof n, r.splits.data(), r.splits.size() * sizeof n);
+    return false;
+  }
   size_t bytes = 0;
   for (const TensorRef& t : r.tensors) bytes += t.num_bytes();
   if (bytes > kInlineCapacity) return false;
@@ -144,7 +154,17 @@ Status HostExecutor::ExecuteInline(Request& r, const std::vector<Signature>& sig
       }
       return Status::OK();
     }
+    case Kind::kReducescatter: {
+      const std::vector<size_t> counts = ReducescatterCounts(r);
+      size_t first = 0;
+      for (int i = 0; i < rank_; ++i) first += counts[static_cast<size_t>(i)];
+      const TensorRef& t = r.tensors[0];
+      ReduceInline(r, t.dtype, first * DataTypeSize(t.dtype), counts[static_cast<size_t>(rank_)],
+                   t.output);
+      return Status::OK();
+    }
     case Kind::kBarrier:
+    case Kind::kAlltoall:  // never inlined
       return Status::OK();
   }
   return Status::OK();
@@ -201,6 +221,96 @@ Status HostExecutor::ExecuteBroadcast(Request& r) {
   TensorRef& t = r.tensors[0];
   if (rank_ == r.root) CopyIfDistinct(t.output, t.input, t.num_bytes());
   return ChainBroadcast(transport_, ConfigFor(r), t.output, t.num_bytes(), r.root);
+}
+
+std::vector<size_t> HostExecutor::ReducescatterCounts(const Request& r) const {
+  const TensorRef& t = r.tensors[0];
+  const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+  const int64_t row_elems = rows == 0 ? 0 : t.num_elements() / rows;
+  std::vector<size_t> counts;
+  for (int64_t n : ReducescatterRows(rows, size_)) {
+    counts.push_back(static_cast<size_t>(n * row_elems));
+  }
+  return counts;
+}
+
+Status HostExecutor::ExecuteReducescatter(Request& r) {
+  const TensorRef& t = r.tensors[0];
+  return RingReduceScatter(transport_, ConfigFor(r), t.dtype, r.op, t.input, t.output,
+                           ReducescatterCounts(r), r.prescale, r.postscale);
+}
+
+namespace {
+
+std::string Join(const std::vector<int64_t>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return "[" + out + "]";
+}
+
+}  // namespace
+
+Status HostExecutor::AlltoallSplits(const std::vector<Signature>& sigs,
+                                    std::vector<std::vector<int64_t>>* splits) const {
+  const std::string label = sigs[0].Label();
+  splits->assign(static_cast<size_t>(size_), {});
+  for (int p = 0; p < size_; ++p) {
+    const char* payload = slots_[static_cast<size_t>(p)].payload;
+    const int64_t rows = sigs[static_cast<size_t>(p)].count;
+    int64_t n = 0;
+    std::memcpy(&n, payload, sizeof n);
+    auto& mine = (*splits)[static_cast<size_t>(p)];
+    auto fail = [&](const std::string& why) {
+      return Status(Code::kInvalidArgument, label + ": rank " + std::to_string(p) + " " + why, p);
+    };
+    if (n < 0) return fail("passed more splits than fit in a signature slot");
+    if (n == 0) {
+      if (rows % size_ != 0) {
+        return fail("has " + std::to_string(rows) + " rows, which do not split evenly over " +
+                    std::to_string(size_) + " ranks; pass splits");
+      }
+      mine.assign(static_cast<size_t>(size_), rows / size_);
+      continue;
+    }
+    mine.resize(static_cast<size_t>(n));
+    std::memcpy(mine.data(), payload + sizeof n, mine.size() * sizeof n);
+    int64_t sum = 0;
+    bool negative = false;
+    for (int64_t s : mine) {
+      sum += s;
+      negative = negative || s < 0;
+    }
+    if (n != size_ || negative || sum != rows) {
+      return fail("passed splits " + Join(mine) + " for a tensor of " + std::to_string(rows) +
+                  " rows; splits need one non-negative entry per rank (" +
+                  std::to_string(size_) + ") summing to the rows");
+    }
+  }
+  return Status::OK();
+}
+
+Status HostExecutor::ExecuteAlltoall(Request& r, const std::vector<Signature>& sigs) {
+  std::vector<std::vector<int64_t>> splits;
+  KR_RETURN_IF_ERROR(AlltoallSplits(sigs, &splits));
+  const TensorRef& t = r.tensors[0];
+  const size_t row_bytes = static_cast<size_t>(sigs[0].row_elems) * DataTypeSize(t.dtype);
+  const size_t me = static_cast<size_t>(rank_);
+  std::vector<size_t> send_bytes, recv_bytes;
+  int64_t total_rows = 0;
+  for (size_t p = 0; p < splits.size(); ++p) {
+    send_bytes.push_back(static_cast<size_t>(splits[me][p]) * row_bytes);
+    recv_bytes.push_back(static_cast<size_t>(splits[p][me]) * row_bytes);
+    if (r.received_splits != nullptr) {
+      r.received_splits[p] = static_cast<int32_t>(splits[p][me]);
+    }
+    total_rows += splits[p][me];
+  }
+  void* out = nullptr;
+  Status alloc = r.allocate_output(total_rows, &out);
+  if (!alloc.ok()) {
+    return Status(Code::kAborted, "could not allocate the alltoall output: " + alloc.message());
+  }
+  return PairwiseAlltoall(transport_, ConfigFor(r), t.input, send_bytes, out, recv_bytes);
 }
 
 }  // namespace keras_ring

@@ -39,6 +39,13 @@ class HostExecutor : public Executor {
   Status ExecuteGrouped(Request& request);
   Status ExecuteAllgather(Request& request, const std::vector<Signature>& sigs);
   Status ExecuteBroadcast(Request& request);
+  // Reducescatter: elements of each rank's part, in rank order.
+  std::vector<size_t> ReducescatterCounts(const Request& request) const;
+  Status ExecuteReducescatter(Request& request);
+  // Alltoall: every rank's splits, read from the slots and checked (same verdict everywhere).
+  Status AlltoallSplits(const std::vector<Signature>& sigs,
+                        std::vector<std::vector<int64_t>>* splits) const;
+  Status ExecuteAlltoall(Request& request, const std::vector<Signature>& sigs);
   Status BlameForExchangeTimeout(const Request& request, uint64_t seq, int steps) const;
 
   const int rank_;

@@ -8,6 +8,12 @@ int64_t TensorRef::num_elements() const {
   return n;
 }
 
+std::vector<int64_t> ReducescatterRows(int64_t rows, int size) {
+  std::vector<int64_t> out(static_cast<size_t>(size), rows / size);
+  for (int64_t i = 0; i < rows % size; ++i) ++out[static_cast<size_t>(i)];
+  return out;
+}
+
 namespace {
 
 // Grouped: the tensors' dtypes and sizes, hashed (equal counts can hide another layout).
@@ -39,7 +45,7 @@ void DescribeTensor(const Request& r, Signature* s) {
     }
   }
   s->layout_hash = t.shape.size() > kMaxSignatureDims ? h : 0;
-  if (r.kind == Kind::kAllgather) {
+  if (r.kind == Kind::kAllgather || r.kind == Kind::kAlltoall) {
     s->count = t.shape.empty() ? 1 : t.shape[0];
     s->row_elems = 1;
     for (size_t i = 1; i < t.shape.size(); ++i) s->row_elems *= t.shape[i];

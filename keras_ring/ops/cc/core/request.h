@@ -40,8 +40,12 @@ struct Request {
   double prescale = 1.0;
   double postscale = 1.0;
   std::vector<TensorRef> tensors;
-  // Allgather only: allocates the output for `total_rows` rows; sets tensors[0].output.
+  // Allgather and alltoall: allocates the output for `total_rows` rows; sets tensors[0].output.
   std::function<Status(int64_t total_rows, void** output)> allocate_output;
+  // Alltoall: rows of tensors[0] for each rank in rank order (empty: equal parts), and where
+  // the rows received from each rank are written (size() entries).
+  std::vector<int64_t> splits;
+  int32_t* received_splits = nullptr;
   Placement placement = Placement::kHost;
   std::shared_ptr<DeviceTicket> device_ticket;  // with kDevice: the device executor's
   bool may_yield = false;                       // waits may yield the core (an eager call)
@@ -50,6 +54,10 @@ struct Request {
   std::function<void(const Status&)> done;
   Clock::time_point submitted{};  // set by Submit, for the timeline
 };
+
+// Reducescatter: how many of `rows` rows each of `size` ranks gets, in rank order (the first
+// rows % size ranks one more, as Horovod splits them).
+std::vector<int64_t> ReducescatterRows(int64_t rows, int size);
 
 // `request`'s signature as the `seq`-th collective: what every rank must agree on.
 Signature SignatureOf(const Request& request, uint64_t seq);

@@ -16,6 +16,8 @@ const char* KindName(Kind k) {
     case Kind::kAllgather: return "allgather";
     case Kind::kBroadcast: return "broadcast";
     case Kind::kBarrier: return "barrier";
+    case Kind::kReducescatter: return "reducescatter";
+    case Kind::kAlltoall: return "alltoall";
   }
   return "collective";
 }
@@ -138,7 +140,8 @@ std::vector<Field> FieldsFor(Kind kind) {
                }});
   f.push_back({"dtype", [](auto& a, auto& b) { return a.dtype == b.dtype; },
                [](auto& s) { return std::string(DataTypeName(static_cast<DataType>(s.dtype))); }});
-  if (kind == Kind::kAllreduce || kind == Kind::kGroupedAllreduce) {
+  if (kind == Kind::kAllreduce || kind == Kind::kGroupedAllreduce ||
+      kind == Kind::kReducescatter) {
     f.push_back({"reduce op", [](auto& a, auto& b) { return a.reduce_op == b.reduce_op; },
                  [](auto& s) { return std::string(ReduceOpName(static_cast<ReduceOp>(s.reduce_op))); }});
     f.push_back({"prescale factor", [](auto& a, auto& b) { return a.prescale == b.prescale; },
@@ -150,7 +153,7 @@ std::vector<Field> FieldsFor(Kind kind) {
     f.push_back({"root rank", [](auto& a, auto& b) { return a.root == b.root; },
                  [](auto& s) { return "root " + std::to_string(s.root); }});
   }
-  if (kind == Kind::kAllgather) {
+  if (kind == Kind::kAllgather || kind == Kind::kAlltoall) {
     f.push_back({"shape", SameRowShape,
                  [](auto& s) { return "rows of shape " + RowShapeString(s); }});
   } else {

@@ -18,6 +18,8 @@ enum class Kind : int32_t {
   kAllgather = 2,
   kBroadcast = 3,
   kBarrier = 4,
+  kReducescatter = 5,
+  kAlltoall = 6,
 };
 const char* KindName(Kind k);
 
@@ -30,8 +32,8 @@ struct Signature {
   int32_t dtype = 0;
   int32_t reduce_op = 0;
   int32_t root = -1;
-  int64_t count = 0;      // elements; for allgather the first dimension (rows)
-  int64_t row_elems = 0;  // allgather: elements per row
+  int64_t count = 0;      // elements; for allgather and alltoall the first dimension (rows)
+  int64_t row_elems = 0;  // allgather, alltoall: elements per row
   int32_t ndims = 0;      // rank of the shape; for grouped, number of tensors
   int32_t inlined = 0;    // 1 if this rank's data rides along in its Slot's payload
   int32_t device = 0;     // 1 if the data is in device (GPU) memory: NCCL moves it, not the ring

@@ -160,26 +160,35 @@ bool Close(DataType dtype, double got, double want) {
   return std::fabs(got - want) <= rel * std::fabs(want) + abs;
 }
 
-// Checks rank 0's result element by element (reporting the first wrong one) and every other
-// rank's result for bitwise identity with rank 0's.
-void CheckResult(const Case& c, int n, uint64_t salt, const std::vector<std::vector<char>>& out) {
+// Checks `count` result elements, the reduction of elements first.. of the inputs, one by
+// one (reporting the first wrong one).
+void CheckElements(const Case& c, int n, uint64_t salt, size_t first, size_t count,
+                   const char* got_data, const std::string& who) {
   const bool exact = !IsFloat(c.dtype) || (c.post == 1.0 && c.op != ReduceOp::kAverage);
-  for (size_t i = 0; i < c.count; ++i) {
-    const double got = GetAsDouble(c.dtype, out[0].data(), i);
+  for (size_t j = 0; j < count; ++j) {
+    const size_t i = first + j;
+    const double got = GetAsDouble(c.dtype, got_data, j);
     bool ok;
     double want;
     if (c.dtype == DataType::kInt64) {
       want = static_cast<double>(ExpectedInt<int64_t>(c, n, i, salt));
-      ok = Int64Matches(c, n, i, salt, out[0].data());
+      ok = Int64Matches(c, n, i, salt, got_data - first * DataTypeSize(c.dtype));
     } else {
       want = IsFloat(c.dtype) ? ExpectedFloat(c, n, i, salt) : ExpectedIntAsDouble(c, n, i, salt);
       ok = exact ? got == want : Close(c.dtype, got, want);
     }
     if (!ok) {
-      CHECK(ok) << Describe(c, n) << " element " << i << ": got " << got << ", expected " << want;
+      CHECK(ok) << Describe(c, n) << who << " element " << i << ": got " << got << ", expected "
+                << want;
       break;
     }
   }
+}
+
+// Checks rank 0's result element by element and every other rank's result for bitwise
+// identity with rank 0's.
+void CheckResult(const Case& c, int n, uint64_t salt, const std::vector<std::vector<char>>& out) {
+  CheckElements(c, n, salt, 0, c.count, out[0].data(), "");
   for (int r = 1; r < n; ++r) {
     CHECK(At(out, r) == out[0])
         << Describe(c, n) << ": rank " << r << " differs from rank 0";
@@ -313,6 +322,78 @@ TEST(RingAllreduce_IntegerAverageTruncates) {
     CHECK(bufs[r] == want) << "rank " << r << ": " << bufs[r][0] << " " << bufs[r][1] << " "
                            << bufs[r][2] << " " << bufs[r][3] << " " << bufs[r][4];
   }
+}
+
+// ---- reduce-scatter ----
+
+// The parts of `count` elements over n ranks: Horovod's rows rule (the first count % n one
+// more), or everything on the last rank (every other part empty).
+std::vector<size_t> Parts(size_t count, int n, bool skewed) {
+  std::vector<size_t> parts(static_cast<size_t>(n), 0);
+  if (skewed) {
+    parts.back() = count;
+    return parts;
+  }
+  for (int r = 0; r < n; ++r) {
+    At(parts, r) = count / static_cast<size_t>(n) + (static_cast<size_t>(r) < count % n ? 1 : 0);
+  }
+  return parts;
+}
+
+// Every case as a reduce-scatter: rank r's output must be the reduction of its part of the
+// inputs (checked against the same independent expectation as the allreduce), and the
+// inputs must be left untouched.
+void RunReduceScatter(int n, const std::vector<Case>& cases, const AlgoConfig& cfg, bool skewed) {
+  LocalWorld world(n);
+  std::vector<std::vector<std::vector<char>>> in(cases.size()), out(cases.size());
+  std::vector<std::vector<size_t>> parts;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    parts.push_back(Parts(cases[k].count, n, skewed));
+    for (int r = 0; r < n; ++r) {
+      in[k].push_back(MakeInput(cases[k], r, k));
+      out[k].emplace_back(At(parts[k], r) * DataTypeSize(cases[k].dtype), '\xEE');
+    }
+  }
+  std::vector<std::vector<Status>> status(cases.size(), std::vector<Status>(n));
+  world.Run([&](int r, Transport& t) {
+    const size_t ur = static_cast<size_t>(r);
+    for (size_t k = 0; k < cases.size(); ++k) {
+      const Case& c = cases[k];
+      status[k][ur] = keras_ring::RingReduceScatter(t, cfg, c.dtype, c.op, in[k][ur].data(),
+                                                    out[k][ur].data(), parts[k], c.pre, c.post);
+      if (!status[k][ur].ok()) return;
+    }
+  });
+  for (size_t k = 0; k < cases.size(); ++k) {
+    size_t first = 0;
+    for (int r = 0; r < n; ++r) {
+      CHECK_OK(At(status[k], r)) << Describe(cases[k], n) << " on rank " << r;
+      if (!At(status[k], r).ok()) return;
+      CHECK(At(in[k], r) == MakeInput(cases[k], r, k))
+          << Describe(cases[k], n) << ": rank " << r << "'s input changed";
+      CheckElements(cases[k], n, k, first, At(parts[k], r), At(out[k], r).data(),
+                    " reduce-scatter rank " + std::to_string(r));
+      first += At(parts[k], r);
+    }
+  }
+  world.CheckDrained(__FILE__, __LINE__);
+}
+
+TEST(RingReduceScatter_1To8Ranks) {
+  for (int n = 1; n <= 8; ++n) {
+    RunReduceScatter(n, AllCases({0, 1, 7, static_cast<size_t>(5 * n + 1), 517}), Config(64),
+                     /*skewed=*/false);
+  }
+}
+
+// Empty parts on every rank but one, and segments smaller than an element.
+TEST(RingReduceScatter_EmptyPartsAndOddSegments) {
+  for (int n : {2, 3, 5}) RunReduceScatter(n, AllCases({13}), Config(64), /*skewed=*/true);
+  std::vector<Case> cases;
+  for (DataType dtype : {DataType::kFloat16, DataType::kFloat64, DataType::kInt16}) {
+    cases.push_back(Case{dtype, ReduceOp::kAverage, 41, 2.0, 0.5});
+  }
+  for (size_t seg : {1, 3, 20}) RunReduceScatter(4, cases, Config(seg), /*skewed=*/false);
 }
 
 }  // namespace kr_test

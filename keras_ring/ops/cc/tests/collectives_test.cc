@@ -1,4 +1,5 @@
-// RingAllgatherv and ChainBroadcast over the local transport, 1-8 ranks as threads.
+// RingAllgatherv, ChainBroadcast and PairwiseAlltoall over the local transport, 1-8 ranks as
+// threads.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -174,6 +175,80 @@ TEST(Collectives_MixedSequence) {
     CHECK_EQ(std::string(gathered[r].begin(), gathered[r].end()), std::string("aaacccccd"));
   }
   world.CheckDrained(__FILE__, __LINE__);
+}
+
+namespace {
+
+// Bytes rank `from` sends to rank `to` in layout `kind`: uneven with empty blocks, all empty,
+// or one large block per rank that spans many segments.
+size_t AlltoallBytes(int from, int to, int n, int kind) {
+  if (kind == 0) return (from + 2 * to) % 3 == 0 ? 0 : static_cast<size_t>((from * 7 + to * 3) % 23 + 1);
+  if (kind == 1) return 0;
+  return to == (from + 1) % n ? 1000 : static_cast<size_t>(from % 2);
+}
+
+void AlltoallSweep(int n) {
+  struct Run {
+    int kind;
+    size_t segment;
+    std::vector<std::vector<char>> out;
+    std::vector<Status> status;
+  };
+  std::vector<Run> runs;
+  for (int kind = 0; kind < 3; ++kind) {
+    for (size_t seg : {1, 64, 1 << 20}) runs.push_back(Run{kind, seg, {}, {}});
+  }
+  auto sizes = [n](int kind, bool sending, int me) {
+    std::vector<size_t> v;
+    for (int p = 0; p < n; ++p) v.push_back(sending ? AlltoallBytes(me, p, n, kind) : AlltoallBytes(p, me, n, kind));
+    return v;
+  };
+  // Block from rank `from` to rank `to`: byte j of it is PatternByte(from * n + to, j, salt).
+  auto input = [&](int kind, int me, uint64_t salt) {
+    std::vector<char> in;
+    for (int to = 0; to < n; ++to) {
+      for (size_t j = 0; j < AlltoallBytes(me, to, n, kind); ++j) in.push_back(PatternByte(me * n + to, j, salt));
+    }
+    return in;
+  };
+  LocalWorld world(n);
+  for (Run& run : runs) {
+    run.out.resize(static_cast<size_t>(n));
+    run.status.resize(static_cast<size_t>(n));
+  }
+  world.Run([&](int r, Transport& t) {
+    for (size_t k = 0; k < runs.size(); ++k) {
+      Run& run = runs[k];
+      const std::vector<size_t> recv = sizes(run.kind, false, r);
+      size_t total = 0;
+      for (size_t b : recv) total += b;
+      At(run.out, r).assign(total, kUnset);
+      const std::vector<char> in = input(run.kind, r, k);
+      Status& s = At(run.status, r);
+      s = keras_ring::PairwiseAlltoall(t, Config(run.segment), in.data(), sizes(run.kind, true, r),
+                                       At(run.out, r).data(), recv);
+      if (!s.ok()) return;
+    }
+  });
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const Run& run = runs[k];
+    for (int r = 0; r < n; ++r) {
+      CHECK_OK(At(run.status, r)) << "ranks=" << n << " run " << k << " rank " << r;
+      std::vector<char> want;
+      for (int from = 0; from < n; ++from) {
+        for (size_t j = 0; j < AlltoallBytes(from, r, n, run.kind); ++j) want.push_back(PatternByte(from * n + r, j, k));
+      }
+      CHECK(At(run.out, r) == want) << "ranks=" << n << " layout " << run.kind << " segment "
+                                    << run.segment << ": rank " << r << " received wrong data";
+    }
+  }
+  world.CheckDrained(__FILE__, __LINE__);
+}
+
+}  // namespace
+
+TEST(PairwiseAlltoall_1To8Ranks) {
+  for (int n = 1; n <= 8; ++n) AlltoallSweep(n);
 }
 
 }  // namespace kr_test

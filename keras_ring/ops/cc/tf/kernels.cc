@@ -3,6 +3,8 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -139,15 +141,13 @@ absl::Status GroupedAllreduceKernel::Build(OpKernelContext* ctx, kr::Request* r)
   return absl::OkStatus();
 }
 
-absl::Status AllgatherKernel::Build(OpKernelContext* ctx, kr::Request* r) {
-  const Tensor& in = ctx->input(0);
-  r->kind = kr::Kind::kAllgather;
-  r->tensors.push_back(Ref(in, nullptr));
-  if (in.dims() == 0) r->tensors[0].shape = {1};  // a scalar is one row
-  TensorShape row_shape = in.shape();
-  if (row_shape.dims() > 0) row_shape.RemoveDim(0);
-  // Runs on the worker once every rank's row count is known.
-  r->allocate_output = [ctx, row_shape](int64_t rows, void** output) -> kr::Status {
+namespace {
+
+// Allocates output 0 with `rows` rows of `row_shape`, once the runtime knows how many: on
+// the worker, after every rank's signature arrived.
+std::function<kr::Status(int64_t, void**)> AllocateRows(OpKernelContext* ctx,
+                                                        const TensorShape& row_shape) {
+  return [ctx, row_shape](int64_t rows, void** output) -> kr::Status {
     TensorShape shape({rows});
     shape.AppendShape(row_shape);
     Tensor* out = nullptr;
@@ -156,6 +156,55 @@ absl::Status AllgatherKernel::Build(OpKernelContext* ctx, kr::Request* r) {
     *output = const_cast<char*>(out->tensor_data().data());
     return kr::Status::OK();
   };
+}
+
+TensorShape RowShape(const Tensor& in) {
+  TensorShape row_shape = in.shape();
+  if (row_shape.dims() > 0) row_shape.RemoveDim(0);
+  return row_shape;
+}
+
+}  // namespace
+
+absl::Status AllgatherKernel::Build(OpKernelContext* ctx, kr::Request* r) {
+  const Tensor& in = ctx->input(0);
+  r->kind = kr::Kind::kAllgather;
+  r->tensors.push_back(Ref(in, nullptr));
+  if (in.dims() == 0) r->tensors[0].shape = {1};  // a scalar is one row
+  r->allocate_output = AllocateRows(ctx, RowShape(in));
+  return absl::OkStatus();
+}
+
+absl::Status ReducescatterKernel::Build(OpKernelContext* ctx, kr::Request* r) {
+  const Tensor& in = ctx->input(0);
+  if (in.dims() == 0) return absl::InvalidArgumentError("reducescatter needs a tensor of rank >= 1");
+  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get();  // ComputeAsync checked it
+  const int64_t rows = kr::ReducescatterRows(in.dim_size(0), runtime->size())
+                           [static_cast<size_t>(runtime->rank())];
+  TensorShape shape({rows});
+  shape.AppendShape(RowShape(in));
+  Tensor* out = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
+  r->kind = kr::Kind::kReducescatter;
+  SetReduction(r);
+  r->tensors.push_back(Ref(in, out));
+  return absl::OkStatus();
+}
+
+absl::Status AlltoallKernel::Build(OpKernelContext* ctx, kr::Request* r) {
+  const Tensor& in = ctx->input(0);
+  const Tensor& splits = ctx->input(1);
+  if (in.dims() == 0) return absl::InvalidArgumentError("alltoall needs a tensor of rank >= 1");
+  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get();  // ComputeAsync checked it
+  Tensor* received = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({runtime->size()}), &received));
+  r->kind = kr::Kind::kAlltoall;
+  r->tensors.push_back(Ref(in, nullptr));
+  // Checked against the rows on every rank after the signatures (one verdict everywhere).
+  const auto flat = splits.flat<int32_t>();
+  r->splits.assign(flat.data(), flat.data() + flat.size());
+  r->received_splits = received->flat<int32_t>().data();
+  r->allocate_output = AllocateRows(ctx, RowShape(in));
   return absl::OkStatus();
 }
 
@@ -183,5 +232,9 @@ REGISTER_KERNEL_BUILDER(Name("KerasRingAllgather").Device(::tensorflow::DEVICE_C
                         AllgatherKernel);
 REGISTER_KERNEL_BUILDER(Name("KerasRingBroadcast").Device(::tensorflow::DEVICE_CPU),
                         BroadcastKernel);
+REGISTER_KERNEL_BUILDER(Name("KerasRingReducescatter").Device(::tensorflow::DEVICE_CPU),
+                        ReducescatterKernel);
+REGISTER_KERNEL_BUILDER(Name("KerasRingAlltoall").Device(::tensorflow::DEVICE_CPU),
+                        AlltoallKernel);
 
 }  // namespace keras_ring_tf

@@ -78,6 +78,22 @@ class AllgatherKernel : public CollectiveKernel {
   absl::Status Build(::tensorflow::OpKernelContext* ctx, ::keras_ring::Request* r) override;
 };
 
+class ReducescatterKernel : public ReduceKernel {
+ public:
+  using ReduceKernel::ReduceKernel;
+
+ protected:
+  absl::Status Build(::tensorflow::OpKernelContext* ctx, ::keras_ring::Request* r) override;
+};
+
+class AlltoallKernel : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+
+ protected:
+  absl::Status Build(::tensorflow::OpKernelContext* ctx, ::keras_ring::Request* r) override;
+};
+
 class BroadcastKernel : public CollectiveKernel {
  public:
   explicit BroadcastKernel(::tensorflow::OpKernelConstruction* c);

@@ -75,4 +75,51 @@ REGISTER_OP("KerasRingBroadcast")
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Every rank receives the root rank's tensor.");
 
+// The first dimension of both outputs depends on the rank; the Python wrappers set it.
+absl::Status RowsUnknown(InferenceContext* c) {
+  ShapeHandle in = c->input(0);
+  if (!c->RankKnown(in)) {
+    c->set_output(0, c->UnknownShape());
+    return absl::OkStatus();
+  }
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(in, 1, &in));
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
+  c->set_output(0, out);
+  return absl::OkStatus();
+}
+
+REGISTER_OP("KerasRingReducescatter")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64}")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: string = '1.0'")  // a double, written exactly (repr)
+    .Attr("postscale_factor: string = '1.0'")
+    .Attr("tensor_name: string = ''")
+    .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
+    .SetIsStateful()
+    .SetShapeFn(RowsUnknown)
+    .Doc("Reduces `tensor` across all ranks; rank r gets its share of the first dimension "
+         "(the first rows % size ranks one row more).");
+
+REGISTER_OP("KerasRingAlltoall")
+    .Input("tensor: T")
+    .Input("splits: int32")  // rows for each rank; empty: equal parts
+    .Output("output: T")
+    .Output("received_splits: int32")
+    .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64, bool}")
+    .Attr("tensor_name: string = ''")
+    .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle splits;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
+      TF_RETURN_IF_ERROR(RowsUnknown(c));
+      c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc("Sends splits[p] rows of `tensor` to rank p (in order) and concatenates the rows "
+         "received from every rank in rank order; received_splits[p] counts rank p's.");
+
 }  // namespace keras_ring_tf

@@ -425,6 +425,10 @@ Status NcclBackend::Launch(const std::vector<Signature>& sigs, Request& c,
     }
     case Kind::kBarrier:
       break;
+    case Kind::kReducescatter:
+    case Kind::kAlltoall:  // their ops have CPU kernels only: TensorFlow stages GPU tensors
+      return Status(Code::kInvalidArgument,
+                    std::string(KindName(c.kind)) + " has no NCCL implementation yet");
   }
   return Status::OK();
 }

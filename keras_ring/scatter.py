@@ -1,0 +1,173 @@
+"""Collectives that give each rank a different part: reducescatter and alltoall.
+
+Both split along the first dimension, work eagerly and inside ``tf.function``, have
+gradients (Horovod's), and are checked across ranks like every collective: dtypes and
+shapes before any data moves, and the splits of an alltoall on every rank alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_ring import collectives as _c
+from keras_ring.compression import Compression, Compressor
+from keras_ring.ops import wrappers
+from keras_ring.ops.reduce_op import ReduceOp
+from keras_ring.runtime import RUNTIME
+
+
+def _check_rows(tensor: tf.Tensor, what: str) -> None:
+    if tensor.shape.rank == 0:
+        raise ValueError(f"keras_ring.{what} splits the first dimension, so it needs a tensor of "
+                         "rank >= 1; got a scalar")
+
+
+def _set_rows(out: tf.Tensor, tensor: tf.Tensor, rows: int | None) -> tf.Tensor:
+    # The op cannot know this rank's rows; with static input shapes Python can.
+    if rows is not None and tensor.shape.rank is not None:
+        out.set_shape([rows, *tensor.shape[1:]])
+    return out
+
+
+def reducescatter_rows(rows: int, size: int, rank: int) -> int:
+    """How many of ``rows`` rows rank ``rank`` of ``size`` gets: the first ``rows % size``
+    ranks one more than the others (Horovod's rule)."""
+    return rows // size + (1 if rank < rows % size else 0)
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: Compressor = Compression.none,
+    op: ReduceOp = _c.Average,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduces ``tensor`` over all ranks and gives each rank its part of the first dimension.
+
+    Rank ``r`` gets rows ``[start_r, start_r + rows_r)`` of the reduction, where the first
+    ``rows % size()`` ranks get one row more than the others (Horovod's split). It moves
+    about half the data of an allreduce of the same tensor.
+
+    Args:
+        tensor: a tensor of rank >= 1 and a supported dtype, of the same shape on every rank.
+        device_dense, ignore_name_scope: accepted for Horovod compatibility; TensorFlow's
+            placement and the explicit ``name`` decide instead.
+        compression: compresses the tensor for the wire (``Compression.fp16``) and restores
+            its dtype afterwards.
+        op: ``Sum``, ``Average``, ``Min``, ``Max`` or ``Product``.
+        name: a name shared by all ranks; it is checked across ranks and used in errors.
+        prescale_factor, postscale_factor: as for :func:`keras_ring.allreduce`.
+
+    Returns:
+        This rank's part: the input's shape with ``rows_r`` rows.
+
+    Example:
+
+    ```python
+    shard = keras_ring.reducescatter(grads, op=keras_ring.Sum)
+    ```
+    """
+    del device_dense, ignore_name_scope
+    op, tensor_name, pre, post = _c._reduce_args("reducescatter", op, name, prescale_factor,
+                                                 postscale_factor)
+    (tensor,) = _c._tensors([tensor], _c.REDUCE_DTYPES, "reducescatter")
+    _check_rows(tensor, "reducescatter")
+    compressed = compression.compress(tensor)
+    # Horovod's compressors return (tensor, ctx); keras_ring's own restore from the dtype.
+    compressed, ctx = compressed if isinstance(compressed, tuple) else (compressed, tensor.dtype)
+    out = _c._run(wrappers.reducescatter, compressed, int(op), pre, post, tensor_name)
+    topo = RUNTIME.topology()
+    rows = tensor.shape[0] if tensor.shape.rank else None
+    out = _set_rows(out, compressed,
+                    None if rows is None else reducescatter_rows(rows, topo.size, topo.rank))
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    device_dense: str = "",
+    compression: Compressor = Compression.none,
+    op: ReduceOp = _c.Average,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[tf.Tensor]:
+    """:func:`reducescatter` of each tensor, in order (one collective each).
+
+    Example:
+
+    ```python
+    shards = keras_ring.grouped_reducescatter([w_grad, b_grad], op=keras_ring.Sum)
+    ```
+    """
+    tensors = _c._tensor_list(tensors, "grouped_reducescatter")
+    base = _c._check_name(name)
+    return [reducescatter(t, device_dense, compression, op,
+                          f"{base}.{i}" if base else None, ignore_name_scope,
+                          prescale_factor, postscale_factor)
+            for i, t in enumerate(tensors)]
+
+
+def _splits_tensor(splits: Any) -> tf.Tensor:
+    if isinstance(splits, (tf.Tensor, tf.Variable)):
+        if not splits.dtype.is_integer:
+            raise TypeError(f"keras_ring.alltoall: splits must be integers, got {splits.dtype.name}")
+        if splits.shape.rank not in (None, 1):
+            raise ValueError("keras_ring.alltoall: splits must be a vector (one entry per rank), "
+                             f"got shape {splits.shape}")
+        return tf.cast(splits, tf.int32)
+    array = np.asarray(splits)
+    if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+        raise TypeError("keras_ring.alltoall: splits must be a vector of integers (one per rank), "
+                        f"got {splits!r}")
+    if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"keras_ring.alltoall: splits must be non-negative int32 counts, got {splits!r}")
+    return tf.constant(array, tf.int32)
+
+
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
+    """Sends ``splits[p]`` rows of ``tensor`` to rank ``p`` and concatenates what every rank
+    sent here, in rank order.
+
+    Every rank splits its own first dimension: ``splits`` has one entry per rank and sums to
+    this rank's rows; without it the rows are split equally (they must divide by
+    ``size()``). The other dimensions and the dtype must match across ranks. Splits that do
+    not fit are an error on every rank, naming the rank.
+
+    Args:
+        tensor: a tensor of rank >= 1 and a supported dtype (bool too).
+        splits: rows for each rank, in rank order (a list or an integer tensor), or None.
+        name: a name shared by all ranks; it is checked across ranks and used in errors.
+        ignore_name_scope: accepted for Horovod compatibility.
+
+    Returns:
+        The received rows; with ``splits`` given, also ``received_splits``: how many rows came
+        from each rank (an int32 vector), as Horovod returns them.
+
+    Example:
+
+    ```python
+    tokens, counts = keras_ring.alltoall(tokens, splits=tokens_per_expert)
+    ```
+    """
+    del ignore_name_scope
+    topo = RUNTIME.topology("keras_ring.alltoall()")
+    (tensor,) = _c._tensors([tensor], _c.GATHER_DTYPES, "alltoall")
+    _check_rows(tensor, "alltoall")
+    split_tensor = tf.constant([], tf.int32) if splits is None else _splits_tensor(splits)
+    out, received = _c._run(wrappers.alltoall, tensor, split_tensor, _c._check_name(name))
+    received.set_shape([topo.size])
+    return out if splits is None else (out, received)
