@@ -48,6 +48,9 @@ LAYERS = {
     "keras_ring._xla": 7,
     "keras_ring.compression": 7,
     "keras_ring._buckets": 7,
+    "keras_ring._accumulation": 7,
+    "keras_ring._local": 7,
+    "keras_ring.sync_batch_normalization": 7,
     "keras_ring.optimizer": 7,
     "keras_ring.gradient_tape": 7,
     "keras_ring.callbacks": 7,
@@ -57,6 +60,7 @@ LAYERS = {
     "keras_ring.callbacks.learning_rate_warmup": 7,
     "keras_ring.callbacks.metric_average": 7,
     "keras_ring.callbacks.rank_zero": 7,
+    "keras_ring.saving": 7,
     # 8. Launchers on top of the runtime, and the package's own namespace.
     "keras_ring.spark": 8,
     "keras_ring": 8,
