@@ -349,11 +349,15 @@ def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: in
 # --- Model.compile integration -----------------------------------------------------------
 
 def install_compile_hook() -> None:
-    """Wraps ``keras.Model.compile`` once, to fix up models compiled with wrapped optimizers."""
+    """Wraps ``Model.compile`` once, to fix up models compiled with wrapped optimizers."""
     global _compile_hook_installed
     if _compile_hook_installed:
         return
-    original = keras.Model.compile
+    # Patched on the class that defines compile, not on keras.Model: Keras's load_model
+    # compiles a loaded model only when its class's compile is that one (a model class
+    # that overrides compile gets a warning and no optimizer).
+    owner = next(klass for klass in keras.Model.__mro__ if "compile" in vars(klass))
+    original = owner.compile
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -366,7 +370,7 @@ def install_compile_hook() -> None:
         after_compile(self, requested)
         return result
 
-    keras.Model.compile = compile
+    owner.compile = compile
     _compile_hook_installed = True
 
 
