@@ -72,9 +72,11 @@ def test_equals_batch_norm_on_the_concatenated_uneven_batch(world, traced, axis)
     # The input gradient includes every rank's loss through the shared statistics.
     np.testing.assert_allclose(grads[0], _my_rows(ref_grads[0].numpy(), rank, size),
                                rtol=2e-4, atol=2e-4)
-    for g, ref in zip(grads[1:], ref_grads[1:]):  # gamma, beta: the ranks' parts add up
+    # gamma, beta: the ranks' parts add up. Each is a sum of up to 36 terms of size ~1 made
+    # from x ~ 100 in float32 (1e-5 each), summed in another order than the reference's.
+    for g, ref in zip(grads[1:], ref_grads[1:]):
         np.testing.assert_allclose(keras_ring.allreduce(g, op=keras_ring.Sum), ref,
-                                   rtol=1e-4, atol=1e-4)
+                                   rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(sync.moving_mean, plain.moving_mean, rtol=1e-6)
     np.testing.assert_allclose(sync.moving_variance, plain.moving_variance, rtol=1e-4)
     np.testing.assert_allclose(out, _my_rows(ref_out.numpy(), rank, size), rtol=1e-4, atol=1e-4)
