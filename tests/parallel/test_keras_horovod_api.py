@@ -75,6 +75,27 @@ def test_tape_backward_passes_return_the_reduced_sum_every_nth_pass(world, avera
     assert flags == [False, True] * updates
 
 
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+def test_backward_passes_under_a_loss_scale_optimizer_sum_the_passes(world, monkeypatch, average):
+    # As Model.compile arranges it under mixed_float16: the outer LossScaleOptimizer reduces
+    # every pass (so all ranks agree on overflows), the inner one accumulates the passes.
+    rank, size = world
+    log = CollectiveLog(monkeypatch)
+    model = ks.mlp(ks.rank_seed(0))
+    inner = keras_ring.wrap(keras.optimizers.SGD(1.0), backward_passes_per_step=2,
+                            average_aggregated_gradients=average)
+    optimizer = keras_ring.wrap(keras.optimizers.LossScaleOptimizer(inner))
+    optimizer.build(model.trainable_variables)
+    before, scale = ks.weights(model), float(optimizer.dynamic_scale.numpy())
+    for step in range(2):
+        optimizer.apply([tf.ones_like(v) * scale * (rank + step) for v in model.trainable_variables],
+                        model.trainable_variables)
+    total = sum(np.mean([r + step for r in range(size)]) for step in range(2))
+    for w0, w1 in zip(before, ks.weights(model)):
+        np.testing.assert_allclose(w1, w0 - total / (2 if average else 1), rtol=1e-6)
+    assert int(log.executed.numpy()) == 2 and int(inner.iterations.numpy()) == 1
+
+
 # --- local gradients ------------------------------------------------------------------------
 
 def _two_layer_model():
