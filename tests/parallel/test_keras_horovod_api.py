@@ -63,7 +63,8 @@ def test_tape_backward_passes_return_the_reduced_sum_every_nth_pass(world, avera
     mine_x, mine_y = ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH)
     flags = []
     for k in range(passes * updates):
-        grads, update = one_pass(mine_x[k * BATCH:(k + 1) * BATCH], mine_y[k * BATCH:(k + 1) * BATCH])
+        rows = slice(k * BATCH, (k + 1) * BATCH)
+        grads, update = one_pass(mine_x[rows], mine_y[rows])
         flags.append(bool(update))
         if not update:
             assert all(not np.any(g) for g in grads)
@@ -88,8 +89,8 @@ def test_backward_passes_under_a_loss_scale_optimizer_sum_the_passes(world, monk
     optimizer.build(model.trainable_variables)
     before, scale = ks.weights(model), float(optimizer.dynamic_scale.numpy())
     for step in range(2):
-        optimizer.apply([tf.ones_like(v) * scale * (rank + step) for v in model.trainable_variables],
-                        model.trainable_variables)
+        variables = model.trainable_variables
+        optimizer.apply([tf.ones_like(v) * scale * (rank + step) for v in variables], variables)
     total = sum(np.mean([r + step for r in range(size)]) for step in range(2))
     for w0, w1 in zip(before, ks.weights(model)):
         np.testing.assert_allclose(w1, w0 - total / (2 if average else 1), rtol=1e-6)

@@ -91,3 +91,19 @@ def test_sync_batch_norm_is_batch_norm_in_a_world_of_one():
     sync, plain = keras_ring.SyncBatchNormalization(), keras.layers.BatchNormalization()
     np.testing.assert_array_equal(sync(x, training=True), plain(x, training=True))
     np.testing.assert_array_equal(sync.moving_variance, plain.moving_variance)
+
+
+def test_load_model_of_a_mixed_precision_model_communicates_in_the_loss_scale_optimizer(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _model()
+        model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+        model.fit(np.ones((4, 4), "float32"), np.zeros((4, 2), "float32"), verbose=0)
+        model.save(tmp_path / "mixed.keras")
+        loaded = keras_ring.load_model(tmp_path / "mixed.keras")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    outer = loaded.optimizer
+    assert isinstance(outer, keras.optimizers.LossScaleOptimizer)
+    assert is_wrapped(outer) and is_wrapped(outer.inner_optimizer)
+    assert int(outer.iterations.numpy()) == 1
