@@ -43,8 +43,12 @@ _EXPORTS = {
     # Keras integration: wrap(optimizer), DistributedGradientTape, compression and callbacks.
     "wrap": "keras_ring.optimizer",
     "DistributedOptimizer": "keras_ring.optimizer",
+    "PartialDistributedOptimizer": "keras_ring.optimizer",
     "DistributedGradientTape": "keras_ring.gradient_tape",
+    "PartialDistributedGradientTape": "keras_ring.gradient_tape",
     "Compression": "keras_ring.compression",
+    "SyncBatchNormalization": "keras_ring.sync_batch_normalization",
+    "load_model": "keras_ring.saving",
     "callbacks": "keras_ring.callbacks",
 }
 
@@ -100,7 +104,9 @@ if TYPE_CHECKING:
     from keras_ring.errors import (CollectiveAbortedError, CollectiveArgumentError,
                                    CollectiveMismatchError, CollectiveTimeoutError, InitError,
                                    KerasRingError, NotInitializedError, PeerFailureError)
-    from keras_ring.gradient_tape import DistributedGradientTape
+    from keras_ring.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
     from keras_ring.ops.loader import Library
-    from keras_ring.optimizer import DistributedOptimizer, wrap
+    from keras_ring.optimizer import DistributedOptimizer, PartialDistributedOptimizer, wrap
+    from keras_ring.saving import load_model
+    from keras_ring.sync_batch_normalization import SyncBatchNormalization
     from keras_ring.peer_table import Topology

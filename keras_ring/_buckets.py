@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from keras_ring import _xla
 from keras_ring.collectives import Average, ReduceOp, Sum, allreduce, grouped_allreduce
-from keras_ring.compression import Compression, Compressor
+from keras_ring.compression import Compression, casts_only, check_compression
 
 # 32 MiB: large enough that a bucket's fixed cost (one signature exchange, one ring pass)
 # is small next to its transfer time, small enough that a model of a few hundred MiB is
@@ -31,7 +31,7 @@ class ReduceOptions:
     """Validated options of a gradient reduction (see ``keras_ring.wrap``)."""
 
     op: ReduceOp = Average
-    compression: Compressor = Compression.none
+    compression: Any = Compression.none  # a Compressor, or any object of Horovod's shape
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
     sparse_as_dense: bool = False
     gradient_predivide_factor: float = 1.0
@@ -44,9 +44,7 @@ class ReduceOptions:
             raise ValueError(f"{who}: op must be keras_ring.Sum or keras_ring.Average, "
                              f"got {op!r}")
         op = ReduceOp(op)
-        if not isinstance(compression, Compressor):
-            raise TypeError(f"{who}: compression must be one of keras_ring.Compression.none, "
-                            f".fp16 or .bf16, got {compression!r}")
+        compression = check_compression(compression, who)
         if bucket_bytes is not None and (
             isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0
         ):
@@ -91,30 +89,38 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int | None) -> list[list[in
     return buckets
 
 
-def _wire_bytes(grad: tf.Tensor, compression: Compressor) -> int:
-    elements = grad.shape.num_elements()
+def map_gradient(grad: Any, fn: Any) -> Any:
+    """``fn`` applied to a gradient's values: a tensor's, or a ``tf.IndexedSlices``'s rows."""
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
+def _wire_bytes(wire: tf.Tensor) -> int:
+    elements = wire.shape.num_elements()
     # An unknown shape cannot be sized here; it then simply joins the open bucket.
-    return (elements or 0) * compression.wire_dtype_for(grad.dtype).size
+    return (elements or 0) * wire.dtype.size
 
 
-def _reduce_dense(grads: list[tf.Tensor], options: ReduceOptions, name: str) -> list[tf.Tensor]:
-    compression = options.compression
+def _reduce_dense(wire: list[tf.Tensor], options: ReduceOptions, name: str) -> list[tf.Tensor]:
     prescale, postscale = options.scale_factors
-    wire = [compression.compress(g) for g in grads]
-    reduced = grouped_allreduce(wire, op=options.op, name=name, prescale_factor=prescale,
-                                postscale_factor=postscale)
-    return [compression.decompress(r, g.dtype) for r, g in zip(reduced, grads)]
+    return grouped_allreduce(wire, op=options.op, name=name, prescale_factor=prescale,
+                             postscale_factor=postscale)
 
 
 def _reduce_sparse(grad: tf.IndexedSlices, options: ReduceOptions, name: str) -> tf.IndexedSlices:
     # Allgather of values and indices: rows that several ranks touch then appear once per
     # rank, and the optimizers sum duplicates, which is what a dense allreduce would give.
-    compression = options.compression
+    # Only keras_ring's casts apply here (Horovod compresses no sparse values): a user's
+    # compressor's context describes this rank's values, not the rows gathered from all.
     prescale, postscale = options.scale_factors
-    wire = tf.IndexedSlices(compression.compress(grad.values), grad.indices, grad.dense_shape)
-    reduced = allreduce(wire, op=options.op, name=name, prescale_factor=prescale,
-                        postscale_factor=postscale)
-    values = compression.decompress(reduced.values, grad.values.dtype)
+    compression = options.compression if casts_only(options.compression) else Compression.none
+    values, ctx = compression.compress(grad.values)
+    reduced = allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape), op=options.op,
+                        name=name, prescale_factor=prescale, postscale_factor=postscale)
+    values = compression.decompress(reduced.values, ctx)
     return tf.IndexedSlices(values, reduced.indices, reduced.dense_shape)
 
 
@@ -132,7 +138,8 @@ def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
     _xla.check_not_xla_compiled("reducing gradients")
     out: list[Any] = [None] * len(grads)
     dense_positions: list[int] = []
-    dense: list[tf.Tensor] = []
+    wire: list[tf.Tensor] = []
+    contexts: list[Any] = []
     for i in reversed(range(len(grads))):
         grad = grads[i]
         if grad is None:
@@ -140,11 +147,15 @@ def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
         if isinstance(grad, tf.IndexedSlices) and not options.sparse_as_dense:
             out[i] = _reduce_sparse(grad, options, f"{name}.sparse{len(grads) - 1 - i}")
             continue
+        # Compressed first, so that buckets are sized by what travels, whatever the
+        # compressor does to dtypes and shapes.
+        tensor, ctx = options.compression.compress(tf.convert_to_tensor(grad))
         dense_positions.append(i)
-        dense.append(tf.convert_to_tensor(grad))
-    sizes = [_wire_bytes(g, options.compression) for g in dense]
+        wire.append(tf.convert_to_tensor(tensor))
+        contexts.append(ctx)
+    sizes = [_wire_bytes(w) for w in wire]
     for k, bucket in enumerate(plan_buckets(sizes, options.bucket_bytes)):
-        reduced = _reduce_dense([dense[j] for j in bucket], options, f"{name}.bucket{k}")
+        reduced = _reduce_dense([wire[j] for j in bucket], options, f"{name}.bucket{k}")
         for j, r in zip(bucket, reduced):
-            out[dense_positions[j]] = r
+            out[dense_positions[j]] = options.compression.decompress(r, contexts[j])
     return out

@@ -7,6 +7,9 @@ TensorFlow trainer gained ``_maybe_symbolic_build`` and optimizers a raw ``_iter
 :func:`check_versions` refuses anything older when keras_ring starts, and
 :func:`check_accumulation` refuses an optimizer that lacks them at ``wrap()`` time, so a
 Keras that renames them fails early with a message, never with an AttributeError mid-fit.
+(``SyncBatchNormalization`` overrides BatchNormalization's private ``_moments``; it checks in
+every training call that Keras called it, so a Keras that stops doing so is an error there,
+never local statistics.)
 """
 
 from __future__ import annotations

@@ -1,11 +1,18 @@
-"""Gradient compression: what dtype gradients travel in between the ranks.
+"""Gradient compression: what gradients look like on the wire between the ranks.
 
 Compression trades precision for bandwidth: a float32 gradient sent as float16 moves half the
 bytes. The reduction itself then runs in the wire dtype, so an ``Average`` of float16 values is
 computed in float16 (with float32 accumulation inside the reduce kernels where they have it).
+
+A compressor has Horovod's shape: ``compress(tensor) -> (wire_tensor, ctx)`` and
+``decompress(reduced_wire_tensor, ctx) -> tensor``. ``wrap`` and ``DistributedGradientTape``
+take keras_ring's :class:`Compression` members or any object (or class with static methods)
+of that shape, so a compressor written for Horovod works unchanged.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import tensorflow as tf
 
@@ -35,14 +42,14 @@ class Compressor:
             return self.wire_dtype
         return dtype
 
-    def compress(self, tensor: tf.Tensor) -> tf.Tensor:
-        """Returns ``tensor`` in its wire dtype."""
+    def compress(self, tensor: tf.Tensor) -> tuple[tf.Tensor, tf.DType]:
+        """Returns ``tensor`` in its wire dtype, and its own dtype as the context."""
         wire = self.wire_dtype_for(tensor.dtype)
-        return tensor if wire == tensor.dtype else tf.cast(tensor, wire)
+        return (tensor if wire == tensor.dtype else tf.cast(tensor, wire)), tensor.dtype
 
-    def decompress(self, tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-        """Returns a reduced ``tensor`` in the gradient's own ``dtype`` again."""
-        return tensor if tensor.dtype == dtype else tf.cast(tensor, dtype)
+    def decompress(self, tensor: tf.Tensor, ctx: tf.DType) -> tf.Tensor:
+        """Returns a reduced ``tensor`` in the gradient's own dtype ``ctx`` again."""
+        return tensor if tensor.dtype == ctx else tf.cast(tensor, ctx)
 
     def __repr__(self) -> str:
         return f"keras_ring.Compression.{self.name}"
@@ -58,14 +65,47 @@ class Compression:
     - ``Compression.bf16``: float32/float64 gradients travel as bfloat16: half the bytes,
       float32's range, about two significant digits.
 
+    Any object with ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) ->
+    tensor`` is accepted too (Horovod's ``Compressor`` interface).
+
     Example:
 
     ```python
     optimizer = keras_ring.wrap(keras.optimizers.SGD(0.1),
                                 compression=keras_ring.Compression.fp16)
+
+    class Scaled:  # a compressor in Horovod's shape
+        @staticmethod
+        def compress(tensor):
+            return tensor * 1024.0, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor / 1024.0
+
+    optimizer = keras_ring.wrap(keras.optimizers.SGD(0.1), compression=Scaled)
     ```
     """
 
     none = Compressor("none", None)
     fp16 = Compressor("fp16", tf.float16)
     bf16 = Compressor("bf16", tf.bfloat16)
+
+
+def check_compression(compression: Any, who: str) -> Any:
+    """Returns ``compression`` if it has Horovod's compressor shape; a ``TypeError`` otherwise."""
+    if not isinstance(compression, str) and all(
+            callable(getattr(compression, method, None)) for method in ("compress", "decompress")):
+        return compression
+    raise TypeError(f"{who}: compression must be one of keras_ring.Compression.none, .fp16 or "
+                    ".bf16, or a compressor with compress(tensor) -> (tensor, ctx) and "
+                    f"decompress(tensor, ctx) -> tensor, got {compression!r}")
+
+
+def casts_only(compression: Any) -> bool:
+    """True for keras_ring's own members, whose context is just the dtype.
+
+    Those may also compress the values of sparse gradients, which are allgathered: a user's
+    compressor's context describes this rank's tensor, not the rows gathered from every rank.
+    """
+    return type(compression) is Compressor

@@ -11,6 +11,7 @@ would write and a process that never imports keras_ring loads it as e.g. ``Adam`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -21,7 +22,10 @@ import keras
 import tensorflow as tf
 
 from keras_ring import _keras_private, _xla
-from keras_ring._buckets import DEFAULT_BUCKET_BYTES, ReduceOptions, reduce_gradients
+from keras_ring._accumulation import Passes
+from keras_ring._buckets import DEFAULT_BUCKET_BYTES, ReduceOptions, map_gradient
+from keras_ring._local import (LocalSources, check_local_layers, check_scale, check_variable,
+                               reduce_partially)
 from keras_ring.collectives import Average, ReduceOp
 from keras_ring.compression import Compression, Compressor
 
@@ -37,16 +41,21 @@ _reduced = threading.local()
 class _WrapState:
     base: type  # the optimizer's original class
     options: ReduceOptions
+    passes: Passes  # backward_passes_per_step, average_aggregated_gradients
+    local: LocalSources  # variables whose gradients stay on this rank (mutable)
 
 
 def wrap(
     optimizer: keras.optimizers.Optimizer | str,
     *,
     op: ReduceOp = Average,
-    compression: Compressor = Compression.none,
+    compression: Compressor | Any = Compression.none,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     sparse_as_dense: bool = False,
     gradient_predivide_factor: float = 1.0,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
     """Makes ``optimizer`` average (or sum) its gradients over all ranks before each update.
 
@@ -71,7 +80,9 @@ def wrap(
         optimizer: a ``keras.optimizers.Optimizer`` (a ``LossScaleOptimizer`` too), or a
             name such as ``"adam"``.
         op: ``keras_ring.Average`` (the default) or ``keras_ring.Sum``.
-        compression: a ``keras_ring.Compression`` member: the dtype gradients travel in.
+        compression: a ``keras_ring.Compression`` member (the dtype gradients travel in), or
+            a compressor in Horovod's shape: ``compress(tensor) -> (tensor, ctx)`` and
+            ``decompress(tensor, ctx) -> tensor``.
         bucket_bytes: the size of one fused collective in bytes (of the wire dtype);
             default 32 MiB. ``None`` sends all dense gradients in one collective.
         sparse_as_dense: if True, ``tf.IndexedSlices`` gradients (e.g. from ``Embedding``)
@@ -80,14 +91,25 @@ def wrap(
         gradient_predivide_factor: with ``op=Average``, gradients are divided by this
             factor before the sum and multiplied by ``factor / size()`` after it, which
             keeps float16 sums in range.
+        backward_passes_per_step: backward passes (``apply`` calls) per update. Above 1,
+            each rank adds up the passes' gradients locally (Keras's
+            ``gradient_accumulation_steps``, set to this value) and the ranks communicate
+            once, on the pass that updates; the others apply nothing. The optimizer must
+            not be built yet.
+        average_aggregated_gradients: with ``backward_passes_per_step > 1``, update with
+            the sum of the passes' gradients divided by their number; by default (as in
+            Horovod) with their sum.
+        scale_local_gradients: divide the gradients of local variables (see
+            :func:`PartialDistributedOptimizer` and ``register_local_var``) by ``size()``,
+            as Horovod does. Default True.
 
     Returns:
         ``optimizer`` itself, now distributed.
 
     Raises:
-        ValueError: ``op`` is not Sum or Average, an option is out of range, or the
-            optimizer is already wrapped.
-        TypeError: ``optimizer`` is not a Keras 3 optimizer.
+        ValueError: ``op`` is not Sum or Average, an option is out of range, the
+            optimizer is already wrapped, or accumulation cannot be set up on it.
+        TypeError: ``optimizer`` is not a Keras 3 optimizer, or an option has the wrong type.
 
     Example:
 
@@ -97,18 +119,64 @@ def wrap(
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     ```
     """
-    options = ReduceOptions.create("keras_ring.wrap", op, compression, bucket_bytes,
-                                   sparse_as_dense, gradient_predivide_factor)
+    who = "keras_ring.wrap"
+    options = ReduceOptions.create(who, op, compression, bucket_bytes, sparse_as_dense,
+                                   gradient_predivide_factor)
+    passes = Passes.create(who, backward_passes_per_step, average_aggregated_gradients)
+    local = LocalSources(scale=check_scale(scale_local_gradients, who))
     optimizer = _as_optimizer(optimizer)
+    _accumulate_passes(optimizer, passes, who)
     if getattr(optimizer, "gradient_accumulation_steps", None):
         _keras_private.check_accumulation(optimizer)
-    _wrap_in_place(optimizer, options)
+    _wrap_in_place(optimizer, _WrapState(type(optimizer), options, passes, local))
     install_compile_hook()
     return optimizer
 
 
 # Horovod's name for the same thing, so that migrating is an import swap.
 DistributedOptimizer = wrap
+
+
+def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: keras.optimizers.Optimizer | str,
+    *,
+    local_layers: keras.layers.Layer | list[keras.layers.Layer] | None = None,
+    **options: Any,
+) -> keras.optimizers.Optimizer:
+    """:func:`wrap`, except that the gradients of ``local_layers`` are not reduced.
+
+    Each rank updates those layers' trainable weights with its own gradients (divided by
+    ``size()`` unless ``scale_local_gradients=False``), so they may differ between ranks:
+    e.g. a per-rank head, or embeddings sharded by hand. The layers' weights are looked up
+    at every update, so a layer built later (a model without an ``Input``) counts too.
+
+    Args:
+        optimizer: as for :func:`wrap`.
+        local_layers: a ``keras.layers.Layer`` or a list of them, or None (then this is
+            :func:`wrap`).
+        **options: :func:`wrap`'s keyword arguments.
+
+    Returns:
+        ``optimizer`` itself, now distributed.
+
+    Example:
+
+    ```python
+    head = keras.layers.Dense(10)
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), head])
+    optimizer = keras_ring.PartialDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                       local_layers=[head])
+    ```
+    """
+    layers = check_local_layers(local_layers, "keras_ring.PartialDistributedOptimizer")
+    optimizer = wrap(optimizer, **options)
+    optimizer.__dict__[_STATE].local.layers.extend(layers)
+    return optimizer
+
+
+def _register_local_var(self, var: Any) -> None:
+    """Keeps ``var``'s gradient on this rank: it is not reduced (Horovod's method)."""
+    self.__dict__[_STATE].local.register(check_variable(var, "register_local_var"))
 
 
 def is_wrapped(optimizer: Any) -> bool:
@@ -141,6 +209,7 @@ def _distributed_class(base: type) -> type:
             "__qualname__": base.__qualname__,
             "__doc__": f"{base.__name__}, with gradients reduced over ranks by keras_ring.",
             "apply": _apply,
+            "register_local_var": _register_local_var,
             # Serialization (and anything else) that asks for __class__ sees the plain
             # optimizer class, so saved models carry no trace of keras_ring.
             # type(optimizer) is still this subclass, and isinstance works either way.
@@ -154,10 +223,31 @@ def _distributed_class(base: type) -> type:
 _set_class = object.__dict__["__class__"].__set__
 
 
-def _wrap_in_place(optimizer: keras.optimizers.Optimizer, options: ReduceOptions) -> None:
-    base = type(optimizer)
-    setattr(optimizer, _STATE, _WrapState(base, options))
-    _set_class(optimizer, _distributed_class(base))
+def _wrap_in_place(optimizer: keras.optimizers.Optimizer, state: _WrapState) -> None:
+    setattr(optimizer, _STATE, state)
+    _set_class(optimizer, _distributed_class(state.base))
+
+
+def _accumulate_passes(optimizer: keras.optimizers.Optimizer, passes: Passes, who: str) -> None:
+    """Turns Keras's gradient accumulation on for ``backward_passes_per_step``."""
+    if passes.steps == 1:
+        return
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(f"{who}: backward_passes_per_step={passes.steps} with a "
+                         "LossScaleOptimizer: wrap its inner optimizer instead (Keras adds the "
+                         "LossScaleOptimizer itself under the mixed_float16 policy)")
+    current = optimizer.gradient_accumulation_steps
+    if current == passes.steps:
+        return
+    if current:
+        raise ValueError(f"{who}: backward_passes_per_step={passes.steps}, but the optimizer "
+                         f"has gradient_accumulation_steps={current}; set only one of them")
+    if optimizer.built:
+        raise ValueError(f"{who}: backward_passes_per_step={passes.steps} needs an optimizer "
+                         f"that is not built yet (its {type(optimizer).__name__} already has its "
+                         "variables, and accumulation needs its own); wrap it before the first "
+                         "step or optimizer.build()")
+    optimizer.gradient_accumulation_steps = passes.steps
 
 
 @contextlib.contextmanager
@@ -176,13 +266,20 @@ def _apply(self, grads, trainable_variables=None):
     state: _WrapState = self.__dict__[_STATE]
     grads = list(grads)
     if grads and not getattr(_reduced, "depth", 0):
-        grads = _communicate(self, state.options, grads, trainable_variables)
+        grads = _communicate(self, state, grads, trainable_variables)
+    elif grads and state.passes.sum_factor != 1:
+        # An outer wrapped LossScaleOptimizer reduced every pass; Keras will average the
+        # passes we accumulate, and backward_passes_per_step asks for their sum.
+        grads = [map_gradient(g, lambda v: v * state.passes.sum_factor) for g in grads]
     # Tracing is synchronous, so this also holds while tf.function traces the inner apply.
     with _already_reduced():
         return state.base.apply(self, grads, trainable_variables)
 
 
-def _communicate(optimizer, options: ReduceOptions, grads: list, variables) -> list:
+def _communicate(optimizer, state: _WrapState, grads: list, variables) -> list:
+    def reduce(grads: list, variables: list | None, name: str = "gradients") -> list:
+        return reduce_partially(grads, variables, state.options, state.local, name)
+
     # A LossScaleOptimizer has no accumulation of its own (its inner one may: then the
     # averaged gradients are accumulated, which costs one allreduce per micro-batch but
     # keeps every rank's skip-on-overflow decision the same).
@@ -190,19 +287,30 @@ def _communicate(optimizer, options: ReduceOptions, grads: list, variables) -> l
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         steps = optimizer.gradient_accumulation_steps
     if not steps:
-        return reduce_gradients(grads, options)
-    return _reduce_once_per_update(optimizer, options, grads, variables, steps)
+        return reduce(grads, _variables(optimizer, variables))
+    return _reduce_once_per_update(optimizer, reduce, grads, variables, steps,
+                                   state.passes.sum_factor)
 
 
-def _reduce_once_per_update(optimizer, options: ReduceOptions, grads: list, variables,
-                            steps: int) -> list:
+def _variables(optimizer, variables) -> list | None:
+    """The variables ``apply`` updates, in the order of the gradients (None if unknown yet)."""
+    if variables is not None:
+        return list(variables)
+    return _keras_private.built_variables(optimizer) if optimizer.built else None
+
+
+def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: int,
+                            factor: int = 1) -> list:
     """With gradient accumulation: communicate only on the micro-batch that updates.
 
     Keras accumulates locally and on the update step applies ``(g + acc) / steps``. On that
-    step we hand it ``g' = allreduce(g + acc) - acc`` instead of ``g``, so it applies the
-    ranks' average of the accumulated sums, and on other steps the local ``g`` unchanged.
-    Every rank counts the same iterations, so all take the same branch. This reads the
-    accumulators Keras keeps (``_accumulated_gradients``); Keras has no public accessor.
+    step we hand it ``g' = factor * allreduce(g + acc) - acc`` instead of ``g``, so it applies
+    the ranks' average of the accumulated sums times ``factor / steps`` (``factor`` is
+    ``steps`` for Horovod's ``backward_passes_per_step``, which applies the sum), and on
+    other steps the local ``g`` unchanged. Every rank counts the same iterations, so all
+    take the same branch. This reads the accumulators Keras keeps
+    (``_accumulated_gradients``); Keras has no public accessor. ``reduce(grads, variables,
+    name)`` is the reduction.
     """
     if variables is None:
         if not optimizer.built:
@@ -226,9 +334,9 @@ def _reduce_once_per_update(optimizer, options: ReduceOptions, grads: list, vari
 
     def update():
         acc = scaled_accumulators()
-        totals = reduce_gradients([g + a for g, a in zip(dense, acc)], options,
-                                  name="gradients.accumulated")
-        return [t - a for t, a in zip(totals, acc)]
+        totals = reduce([g + a for g, a in zip(dense, acc)], [variables[i] for i in live],
+                        name="gradients.accumulated")
+        return [t * factor - a if factor != 1 else t - a for t, a in zip(totals, acc)]
 
     micro_batch = tf.convert_to_tensor(_keras_private.raw_iterations(optimizer))
     is_update = tf.equal(tf.math.floormod(micro_batch + 1, steps), 0)
@@ -242,11 +350,15 @@ def _reduce_once_per_update(optimizer, options: ReduceOptions, grads: list, vari
 # --- Model.compile integration -----------------------------------------------------------
 
 def install_compile_hook() -> None:
-    """Wraps ``keras.Model.compile`` once, to fix up models compiled with wrapped optimizers."""
+    """Wraps ``Model.compile`` once, to fix up models compiled with wrapped optimizers."""
     global _compile_hook_installed
     if _compile_hook_installed:
         return
-    original = keras.Model.compile
+    # Patched on the class that defines compile, not on keras.Model: Keras's load_model
+    # compiles a loaded model only when its class's compile is that one (a model class
+    # that overrides compile gets a warning and no optimizer).
+    owner = next(klass for klass in keras.Model.__mro__ if "compile" in vars(klass))
+    original = owner.compile
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -256,14 +368,15 @@ def install_compile_hook() -> None:
             requested = signature.bind(self, *args, **kwargs).arguments.get("jit_compile", "auto")
         except TypeError:
             requested = "auto"
-        _after_compile(self, requested)
+        after_compile(self, requested)
         return result
 
-    keras.Model.compile = compile
+    owner.compile = compile
     _compile_hook_installed = True
 
 
-def _after_compile(model: Any, requested_jit: Any) -> None:
+def after_compile(model: Any, requested_jit: Any) -> None:
+    """Fixes up a model compiled with a wrapped optimizer (also after ``load_model`` wraps it)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return
@@ -274,7 +387,10 @@ def _after_compile(model: Any, requested_jit: Any) -> None:
         # must see averaged gradients, or ranks would disagree on which steps to skip and
         # only some would enter the collectives: communicate in the outer one (the inner
         # one then sees already-reduced gradients and passes them through).
-        _wrap_in_place(optimizer, inner.__dict__[_STATE].options)
+        # It takes the inner one's reduction and local variables; the inner one keeps the
+        # accumulation (the LossScaleOptimizer has none).
+        state = dataclasses.replace(inner.__dict__[_STATE], base=type(optimizer), passes=Passes())
+        _wrap_in_place(optimizer, state)
     if is_wrapped(optimizer):
         _xla.turn_off_model_jit(model, requested_jit)
         _build_before_first_step(model)

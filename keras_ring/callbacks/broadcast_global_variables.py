@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import keras
 
 from keras_ring import _keras_private
+from keras_ring._local import check_variable, is_variable, variable_keys
 from keras_ring.basics import size
 from keras_ring.collectives import broadcast_variables
 
@@ -30,6 +32,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     Args:
         root_rank: the rank whose variables everybody gets. Default 0.
+        local_variables: a variable or a list of variables (``keras.Variable`` or
+            ``tf.Variable``) that keep each rank's own value: they are not broadcast, like
+            those named later with :meth:`register_local_var`. Typically the weights of
+            the ``local_layers`` of a ``PartialDistributedOptimizer``.
 
     Example:
 
@@ -38,10 +44,22 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, root_rank: int = 0) -> None:
+    def __init__(self, root_rank: int = 0, *, local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = _check_root(root_rank)
         self._pending = True
+        self._local_variables: list[Any] = []
+        if local_variables is None:
+            local_variables = []
+        elif is_variable(local_variables) or not isinstance(local_variables, Iterable):
+            local_variables = [local_variables]  # one variable (variables are iterable too)
+        for variable in local_variables:
+            self.register_local_var(variable)
+
+    def register_local_var(self, var: Any) -> None:
+        """Leaves ``var`` out of the broadcast: each rank keeps its own value (Horovod's method)."""
+        self._local_variables.append(
+            check_variable(var, "BroadcastGlobalVariablesCallback: local_variables"))
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.root_rank >= size():
@@ -51,15 +69,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._pending:
-            broadcast_model(self.model, self.root_rank)
+            broadcast_model(self.model, self.root_rank, local_variables=self._local_variables)
             self._pending = False
 
 
-def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
+def broadcast_model(model: keras.Model, root_rank: int = 0,
+                    local_variables: Iterable[Any] = ()) -> None:
     """Assigns the root rank's model and optimizer variables on every rank (eagerly).
 
     The optimizer's variables are built first when needed, so slots such as Adam's moments
-    exist on every rank and are broadcast too.
+    exist on every rank and are broadcast too. ``local_variables`` are left out.
 
     Raises:
         ValueError: the model is not built yet (it has no variables to send); the message
@@ -78,4 +97,8 @@ def broadcast_model(model: keras.Model, root_rank: int = 0) -> None:
         if not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)
         variables += list(optimizer.variables)
-    broadcast_variables(variables, root_rank=root_rank)
+    local: set[int] = set()
+    for variable in local_variables:
+        local |= variable_keys(variable)
+    broadcast_variables([v for v in variables if not variable_keys(v) & local],
+                        root_rank=root_rank)

@@ -103,10 +103,13 @@ def test_compression_narrows_only_wide_floats():
     assert bf16.wire_dtype_for(tf.float16) == tf.float16
     assert none.wire_dtype_for(tf.float64) == tf.float64
     x = tf.constant([1.0, 2.5], tf.float64)
-    wire = fp16.compress(x)
-    assert wire.dtype == tf.float16
-    back = fp16.decompress(wire, x.dtype)
+    # Horovod's compressor shape: compress -> (wire tensor, context), decompress(wire, context).
+    wire, ctx = fp16.compress(x)
+    assert wire.dtype == tf.float16 and ctx == tf.float64
+    back = fp16.decompress(wire, ctx)
     assert back.dtype == tf.float64 and back.numpy().tolist() == [1.0, 2.5]
+    same, ctx = none.compress(x)
+    assert same is x and none.decompress(same, ctx) is x
     assert repr(bf16) == "keras_ring.Compression.bf16"
 
 

@@ -36,6 +36,7 @@ LAYERS = {
     "keras_ring.ops.wrappers": 4,
     "keras_ring.errors": 4,
     "keras_ring._lifecycle": 4,
+    "keras_ring._keras_private": 4,  # the version check init() runs; Keras read lazily
     # 5. The runtime and what init() configures.
     "keras_ring.gpu": 5,
     "keras_ring.threads": 5,
@@ -44,10 +45,15 @@ LAYERS = {
     "keras_ring.basics": 6,
     "keras_ring.collectives": 6,
     "keras_ring.timeline": 6,
+    "keras_ring.introspection": 6,
     # 7. The Keras integration.
     "keras_ring._xla": 7,
     "keras_ring.compression": 7,
+    "keras_ring.scatter": 7,  # reducescatter takes a compressor, as Horovod's
     "keras_ring._buckets": 7,
+    "keras_ring._accumulation": 7,
+    "keras_ring._local": 7,
+    "keras_ring.sync_batch_normalization": 7,
     "keras_ring.optimizer": 7,
     "keras_ring.gradient_tape": 7,
     "keras_ring.callbacks": 7,
@@ -57,6 +63,7 @@ LAYERS = {
     "keras_ring.callbacks.learning_rate_warmup": 7,
     "keras_ring.callbacks.metric_average": 7,
     "keras_ring.callbacks.rank_zero": 7,
+    "keras_ring.saving": 7,
     # 8. Launchers on top of the runtime, and the package's own namespace.
     "keras_ring.spark": 8,
     "keras_ring": 8,

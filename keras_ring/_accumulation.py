@@ -1,0 +1,123 @@
+"""Local gradient accumulation: Horovod's ``backward_passes_per_step``.
+
+Each rank adds up the gradients of ``backward_passes_per_step`` backward passes locally and
+the ranks communicate once, on the last pass. With ``average_aggregated_gradients=False``
+(Horovod's default) the update gets the sum of the passes' gradients (reduced over ranks by
+``op``); with True, that sum divided by the number of passes, i.e. the gradient of the
+global batch of ``size() * passes * batch`` samples.
+
+``wrap`` lets Keras accumulate (``gradient_accumulation_steps``, see ``keras_ring.optimizer``);
+``DistributedGradientTape`` has no optimizer to lean on and keeps its own sums here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Validated ``backward_passes_per_step`` and ``average_aggregated_gradients``."""
+
+    steps: int = 1
+    average: bool = False
+
+    @classmethod
+    def create(cls, who: str, backward_passes_per_step: Any,
+               average_aggregated_gradients: Any) -> "Passes":
+        steps = backward_passes_per_step
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"{who}: backward_passes_per_step must be an int >= 1, got "
+                             f"{steps!r}")
+        if not isinstance(average_aggregated_gradients, bool):
+            raise TypeError(f"{who}: average_aggregated_gradients must be a bool, got "
+                            f"{average_aggregated_gradients!r}")
+        return cls(steps, average_aggregated_gradients)
+
+    @property
+    def sum_factor(self) -> int:
+        """What Keras's average over accumulated passes must be multiplied by to give ours."""
+        return self.steps if self.steps > 1 and not self.average else 1
+
+
+def _ref(source: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(source)
+    except TypeError:  # not weakly referenceable: hold it
+        return lambda: source
+
+
+class Accumulator:
+    """Per-source sums of gradients over passes, and the pass counter, for one list of sources.
+
+    The variables are made outside any ``tf.function`` (``tf.init_scope``), so a step function
+    that is traced again reuses them.
+    """
+
+    def __init__(self, sources: Sequence[Any], grads: Sequence[Any], steps: int) -> None:
+        self.steps = steps
+        self._refs = [_ref(s) for s in sources]
+        with tf.init_scope():
+            self.sums = [None if g is None else _zeros_variable(g, i) for i, g in enumerate(grads)]
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name="keras_ring_backward_passes")
+
+    def alive(self) -> bool:
+        return all(r() is not None for r in self._refs)
+
+    def serves(self, sources: Sequence[Any]) -> bool:
+        return len(sources) == len(self._refs) and all(
+            r() is s for r, s in zip(self._refs, sources))
+
+    def add(self, grads: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
+        """Adds this pass's gradients; returns the sums so far and whether this pass updates."""
+        totals: list[Any] = []
+        for i, (total, grad) in enumerate(zip(self.sums, grads)):
+            if total is None:
+                if grad is not None:
+                    raise ValueError(
+                        f"keras_ring: source {i} had no gradient in the first backward pass "
+                        "but has one now; with backward_passes_per_step every pass must "
+                        "produce the same gradients")
+                totals.append(None)
+                continue
+            if grad is not None:
+                total.assign_add(tf.cast(tf.convert_to_tensor(grad), total.dtype))
+            totals.append(total)
+        count = tf.convert_to_tensor(self.count.assign_add(1))
+        return totals, tf.equal(tf.math.floormod(count, self.steps), 0)
+
+    def reset(self) -> list[Any]:
+        return [total.assign(tf.zeros_like(total)) for total in self.sums if total is not None]
+
+
+def _zeros_variable(grad: Any, position: int) -> tf.Variable:
+    shape = grad.dense_shape if isinstance(grad, tf.IndexedSlices) else grad.shape
+    shape = tf.TensorShape(tf.get_static_value(shape) if isinstance(shape, tf.Tensor) else shape)
+    if not shape.is_fully_defined():
+        raise ValueError(f"keras_ring: backward_passes_per_step needs gradients of known shape, "
+                         f"but source {position}'s gradient has shape {shape}")
+    return tf.Variable(tf.zeros(shape, grad.dtype), trainable=False,
+                       name="keras_ring_accumulated_gradient")
+
+
+# (steps, ids of the sources) -> Accumulator. A tape is usually made anew in every step, so
+# the sums live here, found again by the sources the gradients are taken for.
+_ACCUMULATORS: dict[tuple, Accumulator] = {}
+
+
+def accumulator_for(sources: Sequence[Any], grads: Sequence[Any], steps: int) -> Accumulator:
+    """The accumulator of these sources (the same objects, in this order), made on first use."""
+    key = (steps, tuple(id(s) for s in sources))
+    found = _ACCUMULATORS.get(key)
+    if found is None or not found.serves(sources):
+        # Dead entries (sources garbage collected) would only hold memory: drop them too.
+        for stale in [k for k, a in _ACCUMULATORS.items() if not a.alive()]:
+            del _ACCUMULATORS[stale]
+        found = _ACCUMULATORS[key] = Accumulator(sources, grads, steps)
+    return found

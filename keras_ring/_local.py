@@ -1,0 +1,115 @@
+"""Gradients that stay on their rank: Horovod's local variables and local layers.
+
+``PartialDistributedOptimizer`` and ``PartialDistributedGradientTape`` (and the
+``register_local_var`` / ``register_local_source`` methods) name variables whose gradients
+are not reduced: each rank applies its own. As in Horovod, those gradients are divided by
+``size()`` by default (``scale_local_gradients=True``), so that they are the gradient of the
+ranks' average loss, as the reduced ones are with ``op=Average``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_ring._buckets import ReduceOptions, map_gradient, reduce_gradients
+from keras_ring.basics import size
+
+
+def variable_keys(variable: Any) -> set[int]:
+    """Identities that name ``variable``: the object, and for a Keras variable its TF variable.
+
+    Keras 3 variables are not hashable, so variables are compared by ``id``; a user may name
+    either the ``keras.Variable`` or the ``tf.Variable`` behind it.
+    """
+    keys = {id(variable)}
+    if isinstance(variable, keras.Variable):
+        keys.add(id(variable.value))
+    return keys
+
+
+def check_local_layers(local_layers: Any, who: str) -> list[keras.layers.Layer]:
+    """``local_layers`` (None, one layer or an iterable of layers) as a list of layers."""
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        return [local_layers]
+    if isinstance(local_layers, (str, bytes)) or not isinstance(local_layers, Iterable):
+        raise TypeError(f"{who}: local_layers must be a keras.layers.Layer or a list of them, "
+                        f"got {type(local_layers).__name__}: {local_layers!r}")
+    layers = list(local_layers)
+    wrong = [layer for layer in layers if not isinstance(layer, keras.layers.Layer)]
+    if wrong:
+        raise TypeError(f"{who}: local_layers must all be keras.layers.Layer instances, got "
+                        f"{type(wrong[0]).__module__}.{type(wrong[0]).__qualname__}: {wrong[0]!r}")
+    return layers
+
+
+def is_variable(value: Any) -> bool:
+    return isinstance(value, (tf.Variable, keras.Variable))
+
+
+def check_variable(variable: Any, who: str) -> Any:
+    if not is_variable(variable):
+        raise TypeError(f"{who} takes a tf.Variable or keras.Variable, got "
+                        f"{type(variable).__module__}.{type(variable).__qualname__}: {variable!r}")
+    return variable
+
+
+class LocalSources:
+    """The variables (or tape sources) whose gradients each rank keeps for itself.
+
+    Layers are read each time gradients are reduced, not when they are named, so a layer
+    that is built later (a model without an ``Input``) counts as soon as it has weights.
+
+    Args:
+        layers: layers whose trainable weights are local.
+        scale: divide local gradients by ``size()`` (Horovod's ``scale_local_gradients``).
+    """
+
+    def __init__(self, layers: Sequence[keras.layers.Layer] = (), scale: bool = True) -> None:
+        self.layers = list(layers)
+        self.sources: list[Any] = []
+        self.scale = scale
+
+    def register(self, source: Any) -> None:
+        self.sources.append(source)
+
+    def keys(self) -> set[int]:
+        keys: set[int] = set()
+        for source in self.sources:
+            keys |= variable_keys(source)
+        for layer in self.layers:
+            for weight in layer.trainable_weights:
+                keys |= variable_keys(weight)
+        return keys
+
+
+def check_scale(scale_local_gradients: Any, who: str) -> bool:
+    if not isinstance(scale_local_gradients, bool):
+        raise TypeError(f"{who}: scale_local_gradients must be a bool, got "
+                        f"{scale_local_gradients!r}")
+    return scale_local_gradients
+
+
+def reduce_partially(grads: Sequence[Any], sources: Sequence[Any] | None, options: ReduceOptions,
+                     local: LocalSources | None, name: str = "gradients") -> list[Any]:
+    """``reduce_gradients``, except for the gradients of ``local`` sources: those stay here.
+
+    ``sources`` are the variables (or tensors) in the order of ``grads``; with no local
+    sources they are not needed and may be None.
+    """
+    keys = local.keys() if local is not None else set()
+    if not keys or sources is None:
+        return reduce_gradients(grads, options, name)
+    is_local = [bool(variable_keys(s) & keys) for s in sources]
+    # The local positions become None, which reduce_gradients skips: buckets and their
+    # names stay those of the shared gradients alone, the same on every rank.
+    shared = reduce_gradients([None if mine else g for g, mine in zip(grads, is_local)],
+                              options, name)
+    n = size() if local.scale else 1
+    return [(map_gradient(g, lambda v: v / n) if n != 1 else g) if mine else r
+            for g, mine, r in zip(grads, is_local, shared)]

@@ -1,0 +1,109 @@
+"""Horovod's Keras API in one process: argument checks, load_model, SyncBatchNormalization at size 1."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ring
+from keras_ring.callbacks import BroadcastGlobalVariablesCallback
+from keras_ring.optimizer import is_wrapped
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    keras_ring.init()
+    yield
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+
+
+class _NoDecompress:
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step must be an int >= 1, got 0"),
+    ({"backward_passes_per_step": 2.0}, ValueError, "got 2.0"),
+    ({"average_aggregated_gradients": "yes"}, TypeError, "average_aggregated_gradients must be a bool, got 'yes'"),
+    ({"scale_local_gradients": 1}, TypeError, "scale_local_gradients must be a bool, got 1"),
+    ({"compression": _NoDecompress}, TypeError, "decompress\\(tensor, ctx\\) -> tensor, got <class"),
+])
+def test_new_wrap_options_say_what_they_got(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        keras_ring.wrap(keras.optimizers.SGD(0.1), **kwargs)
+    with pytest.raises(error, match=message):
+        keras_ring.DistributedGradientTape(tf.GradientTape(), **kwargs)
+
+
+def test_backward_passes_need_an_optimizer_keras_can_accumulate_in():
+    built = keras.optimizers.SGD(0.1)
+    built.build(_model().trainable_variables)
+    with pytest.raises(ValueError, match="needs an optimizer that is not built yet"):
+        keras_ring.wrap(built, backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="has gradient_accumulation_steps=3; set only one"):
+        keras_ring.wrap(keras.optimizers.SGD(0.1, gradient_accumulation_steps=3),
+                        backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="LossScaleOptimizer: wrap its inner optimizer"):
+        keras_ring.wrap(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+                        backward_passes_per_step=2)
+    optimizer = keras_ring.wrap(keras.optimizers.SGD(0.1), backward_passes_per_step=4)
+    assert optimizer.gradient_accumulation_steps == 4
+
+
+def test_local_layers_and_variables_must_be_layers_and_variables():
+    with pytest.raises(TypeError, match="local_layers must be a keras.layers.Layer .*got str"):
+        keras_ring.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers="dense")
+    with pytest.raises(TypeError, match="must all be keras.layers.Layer instances, got builtins.int"):
+        keras_ring.PartialDistributedGradientTape(tf.GradientTape(),
+                                                  local_layers=[keras.layers.Dense(1), 3])
+    with pytest.raises(TypeError, match="takes a tf.Variable or keras.Variable, got builtins.str"):
+        BroadcastGlobalVariablesCallback(0, local_variables=["kernel"])
+    with pytest.raises(TypeError, match="got builtins.float"):
+        keras_ring.wrap(keras.optimizers.SGD(0.1)).register_local_var(1.0)
+
+
+def test_keras_load_model_still_compiles_in_a_keras_ring_process(tmp_path):
+    # The compile hook must not look like a model class's own compile to Keras, which
+    # then skips compiling a loaded model and drops its optimizer.
+    model = _model()
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    model.fit(np.ones((4, 4), "float32"), np.zeros((4, 2), "float32"), verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert loaded.compiled and type(loaded.optimizer) is keras.optimizers.Adam
+    assert int(loaded.optimizer.iterations.numpy()) == 1
+    assert not is_wrapped(loaded.optimizer)  # plain Keras loading leaves it plain
+
+
+def test_load_model_refuses_legacy_optimizers(tmp_path):
+    with pytest.raises(ValueError, match="legacy_opts=True .*Keras 3 does not have"):
+        keras_ring.load_model(tmp_path / "absent.keras", legacy_opts=True)
+
+
+def test_sync_batch_norm_is_batch_norm_in_a_world_of_one():
+    x = np.random.default_rng(0).normal(3.0, 2.0, size=(8, 5)).astype("float32")
+    sync, plain = keras_ring.SyncBatchNormalization(), keras.layers.BatchNormalization()
+    np.testing.assert_array_equal(sync(x, training=True), plain(x, training=True))
+    np.testing.assert_array_equal(sync.moving_variance, plain.moving_variance)
+
+
+def test_load_model_of_a_mixed_precision_model_communicates_in_the_loss_scale_optimizer(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _model()
+        model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+        model.fit(np.ones((4, 4), "float32"), np.zeros((4, 2), "float32"), verbose=0)
+        model.save(tmp_path / "mixed.keras")
+        loaded = keras_ring.load_model(tmp_path / "mixed.keras")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    outer = loaded.optimizer
+    assert isinstance(outer, keras.optimizers.LossScaleOptimizer)
+    assert is_wrapped(outer) and is_wrapped(outer.inner_optimizer)
+    assert int(outer.iterations.numpy()) == 1
