@@ -115,23 +115,57 @@ def _run(fn, *args):
         raise
 
 
+def resolve_op(op: Any, average: bool | None, what: str) -> Any:
+    """Horovod's deprecated ``average=`` argument, mapped to ``op`` (Average by default)."""
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"keras_ring.{what}: pass op or the older average, not both "
+                             f"(got op={op!r}, average={average!r})")
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+def compress(compression: Any, tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
+    """``(wire tensor, ctx)`` from a compressor of Horovod's shape (``compress`` returns
+    ``(tensor, ctx)``), or of the older one that returns the tensor (ctx: its dtype)."""
+    if compression is None:
+        return tensor, None
+    compressed = compression.compress(tensor)
+    return compressed if isinstance(compressed, tuple) else (compressed, tensor.dtype)
+
+
+def decompress(compression: Any, tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
+    return tensor if compression is None else compression.decompress(tensor, ctx)
+
+
 def allreduce(
     tensor: Any,
-    op: ReduceOp = Average,
+    op: ReduceOp | None = None,
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    *,
+    average: bool | None = None,
+    compression: Any = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    ignore_name_scope: bool = False,
 ) -> tf.Tensor | tf.IndexedSlices:
     """Reduces ``tensor`` over all ranks and returns the result on every rank.
 
     Args:
         tensor: a tensor (or anything convertible) of a supported dtype. ``tf.IndexedSlices``
             are allgathered (values and indices) for ``Sum`` and ``Average``.
-        op: ``Sum``, ``Average``, ``Min``, ``Max`` or ``Product``. Average of integers
-            divides the sum exactly, truncating toward zero.
+        op: ``Sum``, ``Average`` (the default), ``Min``, ``Max`` or ``Product``. Average of
+            integers divides the sum exactly, truncating toward zero.
         name: a name shared by all ranks; it is checked across ranks and used in errors.
         prescale_factor: multiplies the input before the reduction.
         postscale_factor: multiplies the result after it.
+        average: Horovod's older spelling of ``op`` (True: Average, False: Sum).
+        compression: a compressor (``Compression.fp16``, or Horovod's shape) for a dense
+            tensor on the wire; sparse ones are not compressed, as in Horovod.
+        device_dense, device_sparse, ignore_name_scope: accepted for Horovod compatibility;
+            TensorFlow's placement and the explicit ``name`` decide instead.
 
     Example:
 
@@ -139,12 +173,15 @@ def allreduce(
     mean_loss = keras_ring.allreduce(loss, op=keras_ring.Average, name="loss")
     ```
     """
-    op, tensor_name, pre, post = _reduce_args("allreduce", op, name, prescale_factor,
-                                              postscale_factor)
+    del device_dense, device_sparse, ignore_name_scope
+    op, tensor_name, pre, post = _reduce_args("allreduce", resolve_op(op, average, "allreduce"),
+                                              name, prescale_factor, postscale_factor)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_indexed_slices(tensor, op, tensor_name, pre, post)
     (tensor,) = _tensors([tensor], REDUCE_DTYPES, "allreduce")
-    return _run(wrappers.allreduce, tensor, int(op), pre, post, tensor_name)
+    wire, ctx = compress(compression, tensor)
+    out = _run(wrappers.allreduce, wire, int(op), pre, post, tensor_name)
+    return decompress(compression, out, ctx)
 
 
 def _allreduce_indexed_slices(slices, op, name, prescale, postscale):
@@ -209,17 +246,24 @@ def _tensor_list(tensors: Any, what: str) -> list:
 
 def grouped_allreduce(
     tensors: Sequence[Any],
-    op: ReduceOp = Average,
+    op: ReduceOp | None = None,
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    *,
+    average: bool | None = None,
+    compression: Any = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    ignore_name_scope: bool = False,
 ) -> list[tf.Tensor | tf.IndexedSlices]:
     """Allreduces a list of tensors as one collective: one fused ring pass per dtype.
 
     Args:
         tensors: tensors of any shapes and supported dtypes, mixed freely; ``tf.IndexedSlices``
             among them are allgathered as by :func:`allreduce` (Sum and Average).
-        op, name, prescale_factor, postscale_factor: as for :func:`allreduce`.
+        op, name, prescale_factor, postscale_factor, average, compression, device_dense,
+            device_sparse, ignore_name_scope: as for :func:`allreduce`.
 
     Returns:
         The reduced tensors, in the order given.
@@ -230,17 +274,21 @@ def grouped_allreduce(
     grads = keras_ring.grouped_allreduce(grads, op=keras_ring.Average)
     ```
     """
-    op, tensor_name, pre, post = _reduce_args("grouped_allreduce", op, name, prescale_factor,
-                                              postscale_factor)
+    del device_dense, device_sparse, ignore_name_scope
+    op, tensor_name, pre, post = _reduce_args(
+        "grouped_allreduce", resolve_op(op, average, "grouped_allreduce"), name,
+        prescale_factor, postscale_factor)
     items = _tensor_list(tensors, "grouped_allreduce")
     sparse = [i for i, t in enumerate(items) if isinstance(t, tf.IndexedSlices)]
     dense_at = [i for i in range(len(items)) if i not in set(sparse)]
     dense = _tensors([items[i] for i in dense_at], REDUCE_DTYPES, "grouped_allreduce")
     out: list[Any] = list(items)
     if dense:
-        reduced = _run(wrappers.grouped_allreduce, dense, int(op), pre, post, tensor_name)
-        for i, r in zip(dense_at, reduced):
-            out[i] = r
+        wire = [compress(compression, t) for t in dense]
+        reduced = _run(wrappers.grouped_allreduce, [w for w, _ in wire], int(op), pre, post,
+                       tensor_name)
+        for i, r, (_, ctx) in zip(dense_at, reduced, wire):
+            out[i] = decompress(compression, r, ctx)
     for i in sparse:
         out[i] = _allreduce_indexed_slices(items[i], op, f"{tensor_name}.sparse{i}" if tensor_name else "",
                                            pre, post)

@@ -79,15 +79,13 @@ def reducescatter(
                                                  postscale_factor)
     (tensor,) = _c._tensors([tensor], _c.REDUCE_DTYPES, "reducescatter")
     _check_rows(tensor, "reducescatter")
-    compressed = compression.compress(tensor)
-    # Horovod's compressors return (tensor, ctx); keras_ring's own restore from the dtype.
-    compressed, ctx = compressed if isinstance(compressed, tuple) else (compressed, tensor.dtype)
+    compressed, ctx = _c.compress(compression, tensor)
     out = _c._run(wrappers.reducescatter, compressed, int(op), pre, post, tensor_name)
     topo = RUNTIME.topology()
     rows = tensor.shape[0] if tensor.shape.rank else None
     out = _set_rows(out, compressed,
                     None if rows is None else reducescatter_rows(rows, topo.size, topo.rank))
-    return compression.decompress(out, ctx)
+    return _c.decompress(compression, out, ctx)
 
 
 def grouped_reducescatter(

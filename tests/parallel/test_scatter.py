@@ -255,3 +255,21 @@ def test_introspection_answers_for_keras_ring(world):
     assert kr.cuda_built() == tf.test.is_built_with_cuda()
     assert kr.nccl_built() == 0  # no NCCL on the CI machines
     assert kr.is_homogeneous() is True
+
+
+def test_horovod_spellings_of_allreduce(world):
+    rank, size = world
+    x = tf.constant([rank + 1.0, 2.0])
+    total = [size * (size + 1) / 2, 2.0 * size]
+    assert kr.allreduce(x, average=False).numpy().tolist() == total
+    assert kr.allreduce(x, average=True).numpy().tolist() == [t / size for t in total]
+    with pytest.raises(ValueError, match="not both"):
+        kr.allreduce(x, op=kr.Sum, average=True)
+    out = kr.allreduce(x, op=kr.Sum, compression=kr.Compression.fp16, device_dense="/cpu:0",
+                       ignore_name_scope=True)
+    assert out.dtype == tf.float32 and out.numpy().tolist() == total
+    outs = kr.grouped_allreduce([x, x * 2], average=False, compression=kr.Compression.fp16)
+    assert [o.numpy().tolist() for o in outs] == [total, [2 * t for t in total]]
+    part = kr.reducescatter(tf.reshape(tf.tile(x, [size]), [size, 2]), op=kr.Sum,
+                            compression=kr.Compression.fp16)
+    assert part.dtype == tf.float32 and part.numpy().tolist() == [total]
