@@ -32,8 +32,11 @@ _EXPORTS = {
         "keras_ring.collectives"),
     **dict.fromkeys(
         ["reducescatter", "grouped_reducescatter", "alltoall"], "keras_ring.scatter"),
+    **dict.fromkeys(["ProcessSet", "global_process_set"], "keras_ring.process_sets"),
+    **dict.fromkeys(["add_process_set", "remove_process_set"], "keras_ring.process_set_setup"),
     **dict.fromkeys(
-        ["rank_op", "size_op", "local_rank_op", "local_size_op", "is_homogeneous", "mpi_built",
+        ["rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op",
+         "is_homogeneous", "mpi_built",
          "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
          "cuda_built", "rocm_built", "ddl_built", "ccl_built"], "keras_ring.introspection"),
     **dict.fromkeys(
@@ -88,7 +91,14 @@ def _write_timeline(config: Config, topology: Topology, lib: Library) -> None:
         timeline.write(config.timeline_path, topology, lib)
 
 
+def _add_process_sets(process_sets: list) -> None:
+    from keras_ring.process_set_setup import add_at_init
+
+    add_at_init(process_sets)
+
+
 _lifecycle.AFTER_INIT.append(_install_keras_compile_hook)
+_lifecycle.ADD_PROCESS_SETS.append(_add_process_sets)
 _lifecycle.BEFORE_SHUTDOWN.append(_write_timeline)
 
 

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from keras_ring import _keras_private, _lifecycle
 from keras_ring.runtime import RUNTIME
 
 
-def init() -> None:
+def init(process_sets: Sequence[Any] | None = None) -> None:
     """Starts keras_ring in this process.
 
     Under ``mpirun -np N`` (or ``keras-ring-run``) it bootstraps through mpi4py and connects
     the ranks; a plain ``python train.py`` is a world of size 1 and needs no MPI. Calling it
     again is harmless; after ``shutdown()`` it starts afresh.
+
+    Args:
+        process_sets: ``keras_ring.ProcessSet`` objects to add right away (every rank passes
+            the same ones), as ``add_process_set`` would.
 
     Example:
 
@@ -25,6 +32,9 @@ def init() -> None:
     RUNTIME.init()
     for step in _lifecycle.AFTER_INIT:  # the Keras integration's, say: see keras_ring/__init__
         step()
+    if process_sets:
+        for add in _lifecycle.ADD_PROCESS_SETS:
+            add(list(process_sets))
 
 
 def shutdown() -> None:

@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import basics, errors
+from keras_ring import errors
 from keras_ring.ops import loader, wrappers
 from keras_ring.ops.reduce_op import ReduceOp
+from keras_ring.process_sets import (ProcessSet, global_process_set, resolve, root_in_set,
+                                     set_rank, set_size)
 from keras_ring.runtime import RUNTIME
 
-wrappers.register_gradients(basics.rank, basics.size)
+wrappers.register_gradients(set_rank, set_size)
 
 Sum = ReduceOp.Sum
 Average = ReduceOp.Average
@@ -84,11 +86,13 @@ def _tensors(values: Iterable[Any], allowed: tuple, what: str) -> list[tf.Tensor
 
 
 def _reduce_args(what: str, op: Any, name: str | None, prescale_factor: Any,
-                 postscale_factor: Any) -> tuple[ReduceOp, str, float, float]:
-    """The checked arguments every allreduce takes, once the runtime is known to run."""
-    RUNTIME.topology(f"keras_ring.{what}()")
+                 postscale_factor: Any, process_set: ProcessSet | None = None,
+                 ) -> tuple[ReduceOp, str, float, float, int]:
+    """The checked arguments every reduction takes, once the runtime (of ``process_set``,
+    which this rank must belong to) is known to run; the last is the process set's id."""
+    set_id = resolve(process_set, what)
     return (_check_op(op), _check_name(name), _check_factor(prescale_factor, "prescale_factor"),
-            _check_factor(postscale_factor, "postscale_factor"))
+            _check_factor(postscale_factor, "postscale_factor"), set_id)
 
 
 def _check_root(root_rank: Any) -> int:
@@ -150,6 +154,7 @@ def allreduce(
     device_dense: str = "",
     device_sparse: str = "",
     ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
 ) -> tf.Tensor | tf.IndexedSlices:
     """Reduces ``tensor`` over all ranks and returns the result on every rank.
 
@@ -166,6 +171,7 @@ def allreduce(
             tensor on the wire; sparse ones are not compressed, as in Horovod.
         device_dense, device_sparse, ignore_name_scope: accepted for Horovod compatibility;
             TensorFlow's placement and the explicit ``name`` decide instead.
+        process_set: the ranks that reduce (``keras_ring.ProcessSet``); all by default.
 
     Example:
 
@@ -174,21 +180,22 @@ def allreduce(
     ```
     """
     del device_dense, device_sparse, ignore_name_scope
-    op, tensor_name, pre, post = _reduce_args("allreduce", resolve_op(op, average, "allreduce"),
-                                              name, prescale_factor, postscale_factor)
+    op, tensor_name, pre, post, set_id = _reduce_args(
+        "allreduce", resolve_op(op, average, "allreduce"), name, prescale_factor,
+        postscale_factor, process_set)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_indexed_slices(tensor, op, tensor_name, pre, post)
+        return _allreduce_indexed_slices(tensor, op, tensor_name, pre, post, process_set)
     (tensor,) = _tensors([tensor], REDUCE_DTYPES, "allreduce")
     wire, ctx = compress(compression, tensor)
-    out = _run(wrappers.allreduce, wire, int(op), pre, post, tensor_name)
+    out = _run(wrappers.allreduce, wire, int(op), pre, post, tensor_name, set_id)
     return decompress(compression, out, ctx)
 
 
-def _allreduce_indexed_slices(slices, op, name, prescale, postscale):
+def _allreduce_indexed_slices(slices, op, name, prescale, postscale, process_set=None):
     if op not in (Sum, Average):
         raise ValueError(f"allreduce of IndexedSlices supports Sum and Average, got {op.name}")
     _check_dtype(slices.values, REDUCE_DTYPES, "allreduce")
-    size = RUNTIME.topology().size
+    size = set_size(resolve(process_set, "allreduce"))
     values, indices = slices.values, slices.indices
     # Scaling integers truncates, so it must see each row's sum, as the dense allreduce does:
     # rows are combined before and after the gather; single contributions are never scaled.
@@ -197,8 +204,9 @@ def _allreduce_indexed_slices(slices, op, name, prescale, postscale):
     if exact:
         values, indices = _combine_rows(values, indices)
         values = _scale_integers(values, prescale)
-    values = allgather(values, name=f"{name}.values" if name else None)
-    indices = allgather(indices, name=f"{name}.indices" if name else None)
+    values = allgather(values, name=f"{name}.values" if name else None, process_set=process_set)
+    indices = allgather(indices, name=f"{name}.indices" if name else None,
+                        process_set=process_set)
     if exact:
         values, indices = _combine_rows(values, indices)
         if op == Average:
@@ -256,6 +264,7 @@ def grouped_allreduce(
     device_dense: str = "",
     device_sparse: str = "",
     ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
 ) -> list[tf.Tensor | tf.IndexedSlices]:
     """Allreduces a list of tensors as one collective: one fused ring pass per dtype.
 
@@ -263,7 +272,7 @@ def grouped_allreduce(
         tensors: tensors of any shapes and supported dtypes, mixed freely; ``tf.IndexedSlices``
             among them are allgathered as by :func:`allreduce` (Sum and Average).
         op, name, prescale_factor, postscale_factor, average, compression, device_dense,
-            device_sparse, ignore_name_scope: as for :func:`allreduce`.
+            device_sparse, ignore_name_scope, process_set: as for :func:`allreduce`.
 
     Returns:
         The reduced tensors, in the order given.
@@ -275,9 +284,9 @@ def grouped_allreduce(
     ```
     """
     del device_dense, device_sparse, ignore_name_scope
-    op, tensor_name, pre, post = _reduce_args(
+    op, tensor_name, pre, post, set_id = _reduce_args(
         "grouped_allreduce", resolve_op(op, average, "grouped_allreduce"), name,
-        prescale_factor, postscale_factor)
+        prescale_factor, postscale_factor, process_set)
     items = _tensor_list(tensors, "grouped_allreduce")
     sparse = [i for i, t in enumerate(items) if isinstance(t, tf.IndexedSlices)]
     dense_at = [i for i in range(len(items)) if i not in set(sparse)]
@@ -286,16 +295,17 @@ def grouped_allreduce(
     if dense:
         wire = [compress(compression, t) for t in dense]
         reduced = _run(wrappers.grouped_allreduce, [w for w, _ in wire], int(op), pre, post,
-                       tensor_name)
+                       tensor_name, set_id)
         for i, r, (_, ctx) in zip(dense_at, reduced, wire):
             out[i] = decompress(compression, r, ctx)
     for i in sparse:
         out[i] = _allreduce_indexed_slices(items[i], op, f"{tensor_name}.sparse{i}" if tensor_name else "",
-                                           pre, post)
+                                           pre, post, process_set)
     return out
 
 
-def grouped_allgather(tensors: Sequence[Any], name: str | None = None) -> list[tf.Tensor]:
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """:func:`allgather` of each tensor, in order; each may have its own row count.
 
     Example:
@@ -304,15 +314,16 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None) -> list[t
     features, labels = keras_ring.grouped_allgather([features, labels])
     ```
     """
-    RUNTIME.topology("keras_ring.grouped_allgather()")
+    set_id = resolve(process_set, "grouped_allgather")
     base = _check_name(name)
     tensors = _tensors(_tensor_list(tensors, "grouped_allgather"), GATHER_DTYPES,
                        "grouped_allgather")
-    return [_run(wrappers.allgather, t, f"{base}.{i}" if base else "")
+    return [_run(wrappers.allgather, t, f"{base}.{i}" if base else "", set_id)
             for i, t in enumerate(tensors)]
 
 
-def allgather(tensor: Any, name: str | None = None) -> tf.Tensor:
+def allgather(tensor: Any, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenates every rank's tensor along the first dimension, in rank order.
 
     The first dimension may differ between ranks; the others must match. A scalar counts as
@@ -324,13 +335,16 @@ def allgather(tensor: Any, name: str | None = None) -> tf.Tensor:
     all_labels = keras_ring.allgather(labels)  # shape [sum of every rank's batch, ...]
     ```
     """
-    RUNTIME.topology("keras_ring.allgather()")
+    set_id = resolve(process_set, "allgather")
     (tensor,) = _tensors([tensor], GATHER_DTYPES, "allgather")
-    return _run(wrappers.allgather, tensor, _check_name(name))
+    return _run(wrappers.allgather, tensor, _check_name(name), set_id)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Returns the root rank's ``tensor`` on every rank (shapes and dtypes must match).
+
+    With a ``process_set``, on its ranks; ``root_rank`` is still the root's global rank.
 
     Example:
 
@@ -338,19 +352,23 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor
     w = keras_ring.broadcast(w, root_rank=0)
     ```
     """
-    RUNTIME.topology("keras_ring.broadcast()")
+    set_id = resolve(process_set, "broadcast")
     (tensor,) = _tensors([tensor], GATHER_DTYPES, "broadcast")
-    return _run(wrappers.broadcast, tensor, _check_root(root_rank), _check_name(name))
+    root = root_in_set(_check_root(root_rank), set_id, "broadcast")
+    return _run(wrappers.broadcast, tensor, root, _check_name(name), set_id)
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
+def broadcast_variables(variables: Sequence[Any], root_rank: int,
+                        process_set: ProcessSet = global_process_set) -> None:
     """Assigns the root rank's values to ``variables`` (tf or Keras variables) on every rank."""
-    RUNTIME.topology("keras_ring.broadcast_variables()")
+    resolve(process_set, "broadcast_variables")
     for i, var in enumerate(variables):
-        var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=f"broadcast_variables.{i}"))
+        var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=f"broadcast_variables.{i}",
+                             process_set=process_set))
 
 
-def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None) -> list[tf.Tensor]:
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Horovod's in-place broadcast: assigns the root's values to ``variables`` on every rank
     and returns their new values. Works eagerly and inside ``tf.function``.
 
@@ -360,11 +378,12 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     keras_ring.broadcast_(model.trainable_variables, root_rank=0)
     ```
     """
-    RUNTIME.topology("keras_ring.broadcast_()")
+    resolve(process_set, "broadcast_")
     root, base = _check_root(root_rank), _check_name(name) or "broadcast_"
     values = []
     for i, var in enumerate(variables):
-        var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i}"))
+        var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i}",
+                             process_set=process_set))
         values.append(tf.convert_to_tensor(var))
     return values
 
@@ -402,23 +421,30 @@ def _pickle(obj: Any) -> tf.Tensor:
     return tf.constant(np.frombuffer(buf.getvalue(), dtype=np.uint8))
 
 
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Returns the root rank's ``obj`` (any picklable object) on every rank. Eager only."""
-    topo = RUNTIME.topology("keras_ring.broadcast_object()")
-    payload = _pickle(obj) if topo.rank == root_rank else tf.zeros([0], tf.uint8)
-    length = broadcast(tf.constant([int(payload.shape[0])], tf.int64), root_rank, name="broadcast_object.length")
-    if topo.rank != root_rank:
+    resolve(process_set, "broadcast_object")
+    mine = RUNTIME.topology().rank == root_rank
+    base = _check_name(name) or "broadcast_object"
+    payload = _pickle(obj) if mine else tf.zeros([0], tf.uint8)
+    length = broadcast(tf.constant([int(payload.shape[0])], tf.int64), root_rank,
+                       name=f"{base}.length", process_set=process_set)
+    if not mine:
         payload = tf.zeros([int(length[0])], tf.uint8)
-    data = broadcast(payload, root_rank, name="broadcast_object.data")
-    return obj if topo.rank == root_rank else pickle.loads(data.numpy().tobytes())
+    data = broadcast(payload, root_rank, name=f"{base}.data", process_set=process_set)
+    return obj if mine else pickle.loads(data.numpy().tobytes())
 
 
-def allgather_object(obj: Any) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
     """Returns a list with every rank's ``obj`` (any picklable object), in rank order."""
-    RUNTIME.topology("keras_ring.allgather_object()")
+    resolve(process_set, "allgather_object")
+    base = _check_name(name) or "allgather_object"
     payload = _pickle(obj)
-    lengths = allgather(tf.constant([int(payload.shape[0])], tf.int64), name="allgather_object.lengths").numpy()
-    data = allgather(payload, name="allgather_object.data").numpy().tobytes()
+    lengths = allgather(tf.constant([int(payload.shape[0])], tf.int64), name=f"{base}.lengths",
+                        process_set=process_set).numpy()
+    data = allgather(payload, name=f"{base}.data", process_set=process_set).numpy().tobytes()
     out, offset = [], 0
     for n in lengths:
         out.append(pickle.loads(data[offset:offset + int(n)]))
@@ -426,10 +452,12 @@ def allgather_object(obj: Any) -> list[Any]:
     return out
 
 
-def barrier() -> None:
-    """Returns once every rank has called it (bounded by ``KERAS_RING_TIMEOUT_SECONDS``)."""
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Returns once every rank (of ``process_set``) has called it (bounded by
+    ``KERAS_RING_TIMEOUT_SECONDS``)."""
+    set_id = resolve(process_set, "barrier")
     lib = RUNTIME.library("keras_ring.barrier()")
     err = ctypes.create_string_buffer(4096)
-    rc = lib.c.keras_ring_barrier(b"barrier", err, len(err))
+    rc = lib.c.keras_ring_barrier(set_id, b"barrier", err, len(err))
     if rc != 0:
         raise errors.for_status_code(rc, err.value.decode(errors="replace"))

@@ -56,6 +56,29 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
     return _graph_value(basics.local_size, "local_size_op")
 
 
+# Horovod's codes for process_set_included_op.
+PROCESS_SET_ERROR_INIT = -1
+PROCESS_SET_ERROR_UNKNOWN_SET = -3
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 if this process belongs to process set ``process_set_id``, 0 if not, read when the
+    graph runs; Horovod's error codes -1 (not initialized) and -3 (unknown set)."""
+    del name
+
+    def included() -> tf.Tensor:
+        if not RUNTIME.initialized:
+            return tf.constant(PROCESS_SET_ERROR_INIT, tf.int32)
+        sets = RUNTIME.process_set_ids()
+        if process_set_id not in sets:
+            return tf.constant(PROCESS_SET_ERROR_UNKNOWN_SET, tf.int32)
+        return tf.constant(int(RUNTIME.topology().rank in sets[process_set_id]), tf.int32)
+
+    value = tf.py_function(included, [], tf.int32, name="process_set_included_op")
+    value.set_shape([])
+    return value
+
+
 def is_homogeneous() -> bool:
     """True when every host runs the same number of processes."""
     topo = RUNTIME.topology("keras_ring.is_homogeneous()")

@@ -28,6 +28,14 @@ class Runtime:
         self._atexit_registered = False
         self._leaving_with: str | None = None  # an uncaught exception is ending the program
         self._via_mpi = False
+        self._addresses: list[tuple[str, int]] = []  # every rank's, as the job connected
+        self._job_token = 0
+        # Process sets by id (0: all ranks): their ranks, and this rank's place in each it
+        # belongs to (None where it does not).
+        self._sets: dict[int, tuple[tuple[int, ...], Topology | None]] = {}
+        # Ids are never reused in this process (not even after shutdown and init): a stale
+        # ProcessSet object is refused, never taken for a newer set.
+        self._last_set_id = 0
 
     @property
     def initialized(self) -> bool:
@@ -78,6 +86,9 @@ class Runtime:
             self._start_native(lib, table, config, failure_exit)
             self._topology = table.topology
             self._via_mpi = table.via_mpi
+            self._addresses = list(table.addresses)
+            self._job_token = table.job_token
+            self._sets = {0: (tuple(range(table.topology.size)), table.topology)}
             self._config = config
             self._leaving_with = None
             if not self._atexit_registered:
@@ -85,9 +96,49 @@ class Runtime:
                 _chain_excepthook(self)
                 self._atexit_registered = True
 
+    # --- process sets: runtimes of their own among a subset of the ranks ------------------
+
+    def process_set(self, set_id: int, what: str = "this function") -> tuple[tuple[int, ...], Topology | None]:
+        """The ranks of a registered process set and this rank's place in it (None if not in)."""
+        self.topology(what)
+        entry = self._sets.get(set_id)
+        if entry is None:
+            raise ValueError(f"{what}: process set {set_id} is not registered (add it with "
+                             "keras_ring.add_process_set, on every rank)")
+        return entry
+
+    def process_set_ids(self) -> dict[int, tuple[int, ...]]:
+        return {i: ranks for i, (ranks, _) in self._sets.items()}
+
+    def next_process_set_id(self) -> int:
+        """The id the next added set gets (every rank adds sets in the same order)."""
+        return self._last_set_id + 1
+
+    def start_process_set(self, set_id: int, ranks: tuple[int, ...],
+                          table: PeerTable | None) -> None:
+        """Registers a process set; with ``table`` (a member's), starts its native runtime."""
+        with self._lock:
+            self._last_set_id = set_id
+            if table is not None:
+                self._start_native(library(), table, self.config, True, set_id)
+            self._sets[set_id] = (ranks, None if table is None else table.topology)
+
+    def stop_process_set(self, set_id: int) -> None:
+        with self._lock:
+            if self._sets.pop(set_id, None) is not None:
+                library().c.keras_ring_shutdown_process_set(set_id)
+
+    def member_address(self, rank: int) -> str:
+        """The address other ranks reach ``rank`` at (its host's, as the job connected)."""
+        return self._addresses[rank][0] if self._addresses else "127.0.0.1"
+
+    @property
+    def job_token(self) -> int:
+        return self._job_token
+
     @staticmethod
     def _start_native(lib: Library, table: PeerTable, config: Config,
-                      failure_exit: bool) -> None:
+                      failure_exit: bool, process_set_id: int = 0) -> None:
         topo = table.topology
         n = topo.size
         host_names = list(dict.fromkeys(topo.host_ids))
@@ -104,8 +155,9 @@ class Runtime:
             segment_bytes=config.segment_bytes,
             use_shm=int(config.use_shm),
             shm_channel_bytes=config.shm_channel_bytes,
-            timeline=int(config.timeline_path is not None),
+            timeline=int(config.timeline_path is not None and process_set_id == 0),
             failure_exit_seconds=config.failure_exit_seconds if failure_exit else 0.0,
+            process_set_id=process_set_id,
         )
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))
@@ -131,10 +183,11 @@ class Runtime:
                 for step in _lifecycle.BEFORE_SHUTDOWN:  # the timeline's, say: see there
                     step(self._config, self._topology, library())
             if error is None:
-                library().c.keras_ring_shutdown()
+                library().c.keras_ring_shutdown()  # process sets' runtimes too
             else:
                 library().c.keras_ring_shutdown_with_error(error.encode(errors="replace")[:300])
             self._topology = None
+            self._sets = {}
 
     def _at_exit(self) -> None:
         leaving_with = self._leaving_with

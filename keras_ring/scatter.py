@@ -17,7 +17,7 @@ from keras_ring import collectives as _c
 from keras_ring.compression import Compression, Compressor
 from keras_ring.ops import wrappers
 from keras_ring.ops.reduce_op import ReduceOp
-from keras_ring.runtime import RUNTIME
+from keras_ring.process_sets import ProcessSet, global_process_set, resolve, set_rank, set_size
 
 
 def _check_rows(tensor: tf.Tensor, what: str) -> None:
@@ -48,6 +48,7 @@ def reducescatter(
     ignore_name_scope: bool = False,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> tf.Tensor:
     """Reduces ``tensor`` over all ranks and gives each rank its part of the first dimension.
 
@@ -64,6 +65,7 @@ def reducescatter(
         op: ``Sum``, ``Average``, ``Min``, ``Max`` or ``Product``.
         name: a name shared by all ranks; it is checked across ranks and used in errors.
         prescale_factor, postscale_factor: as for :func:`keras_ring.allreduce`.
+        process_set: the ranks that take part (and split the rows); all by default.
 
     Returns:
         This rank's part: the input's shape with ``rows_r`` rows.
@@ -75,16 +77,15 @@ def reducescatter(
     ```
     """
     del device_dense, ignore_name_scope
-    op, tensor_name, pre, post = _c._reduce_args("reducescatter", op, name, prescale_factor,
-                                                 postscale_factor)
+    op, tensor_name, pre, post, set_id = _c._reduce_args(
+        "reducescatter", op, name, prescale_factor, postscale_factor, process_set)
     (tensor,) = _c._tensors([tensor], _c.REDUCE_DTYPES, "reducescatter")
     _check_rows(tensor, "reducescatter")
     compressed, ctx = _c.compress(compression, tensor)
-    out = _c._run(wrappers.reducescatter, compressed, int(op), pre, post, tensor_name)
-    topo = RUNTIME.topology()
+    out = _c._run(wrappers.reducescatter, compressed, int(op), pre, post, tensor_name, set_id)
     rows = tensor.shape[0] if tensor.shape.rank else None
-    out = _set_rows(out, compressed,
-                    None if rows is None else reducescatter_rows(rows, topo.size, topo.rank))
+    out = _set_rows(out, compressed, None if rows is None else
+                    reducescatter_rows(rows, set_size(set_id), set_rank(set_id)))
     return _c.decompress(compression, out, ctx)
 
 
@@ -97,6 +98,7 @@ def grouped_reducescatter(
     ignore_name_scope: bool = False,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> list[tf.Tensor]:
     """:func:`reducescatter` of each tensor, in order (one collective each).
 
@@ -110,7 +112,7 @@ def grouped_reducescatter(
     base = _c._check_name(name)
     return [reducescatter(t, device_dense, compression, op,
                           f"{base}.{i}" if base else None, ignore_name_scope,
-                          prescale_factor, postscale_factor)
+                          prescale_factor, postscale_factor, process_set)
             for i, t in enumerate(tensors)]
 
 
@@ -136,6 +138,7 @@ def alltoall(
     splits: Any = None,
     name: str | None = None,
     ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
 ) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
     """Sends ``splits[p]`` rows of ``tensor`` to rank ``p`` and concatenates what every rank
     sent here, in rank order.
@@ -150,6 +153,7 @@ def alltoall(
         splits: rows for each rank, in rank order (a list or an integer tensor), or None.
         name: a name shared by all ranks; it is checked across ranks and used in errors.
         ignore_name_scope: accepted for Horovod compatibility.
+        process_set: the ranks that exchange (``splits`` has one entry per rank of the set).
 
     Returns:
         The received rows; with ``splits`` given, also ``received_splits``: how many rows came
@@ -162,10 +166,11 @@ def alltoall(
     ```
     """
     del ignore_name_scope
-    topo = RUNTIME.topology("keras_ring.alltoall()")
+    set_id = resolve(process_set, "alltoall")
     (tensor,) = _c._tensors([tensor], _c.GATHER_DTYPES, "alltoall")
     _check_rows(tensor, "alltoall")
     split_tensor = tf.constant([], tf.int32) if splits is None else _splits_tensor(splits)
-    out, received = _c._run(wrappers.alltoall, tensor, split_tensor, _c._check_name(name))
-    received.set_shape([topo.size])
+    out, received = _c._run(wrappers.alltoall, tensor, split_tensor, _c._check_name(name),
+                            set_id)
+    received.set_shape([set_size(set_id)])
     return out if splits is None else (out, received)

@@ -45,6 +45,7 @@ class NativeConfig(ctypes.Structure):
         ("shm_channel_bytes", ctypes.c_size_t),
         ("timeline", ctypes.c_int),
         ("failure_exit_seconds", ctypes.c_double),
+        ("process_set_id", ctypes.c_int),
     ]
 
 
@@ -59,9 +60,12 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_shutdown_with_error.restype = ctypes.c_int
     c.keras_ring_shutdown.argtypes = []
     c.keras_ring_shutdown.restype = ctypes.c_int
+    c.keras_ring_shutdown_process_set.argtypes = [ctypes.c_int]
+    c.keras_ring_shutdown_process_set.restype = ctypes.c_int
     c.keras_ring_is_initialized.argtypes = []
     c.keras_ring_is_initialized.restype = ctypes.c_int
-    c.keras_ring_barrier.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    c.keras_ring_barrier.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
+                                     ctypes.c_size_t]
     c.keras_ring_barrier.restype = ctypes.c_int
     c.keras_ring_install_signal_handlers.argtypes = []
     c.keras_ring_install_signal_handlers.restype = None

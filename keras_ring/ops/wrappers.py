@@ -33,43 +33,52 @@ def _factor(op, attr: str) -> float:
     return float(value.decode() if isinstance(value, bytes) else value)
 
 
-def _common(kind: str, tensor_name: str) -> dict:
+def _common(kind: str, tensor_name: str, process_set_id: int) -> dict:
     # `eager`: called eagerly, the waiting thread is the user's, so waits may yield the core
     # to the peers (the kernel's Request::may_yield); graphs' pool threads sleep at once.
     return dict(eager=tf.executing_eagerly(), tensor_name=tensor_name,
-                name=_node_name(kind, tensor_name))
+                process_set_id=process_set_id, name=_node_name(kind, tensor_name))
 
 
-def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str):
+def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str,
+              process_set_id: int = 0):
     return library().ops.keras_ring_allreduce(
         tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
-        postscale_factor=_factor_attr(postscale), **_common("Allreduce", tensor_name))
+        postscale_factor=_factor_attr(postscale),
+        **_common("Allreduce", tensor_name, process_set_id))
 
 
-def grouped_allreduce(tensors, reduce_op: int, prescale: float, postscale: float, tensor_name: str):
+def grouped_allreduce(tensors, reduce_op: int, prescale: float, postscale: float,
+                      tensor_name: str, process_set_id: int = 0):
     return library().ops.keras_ring_grouped_allreduce(
         tensors, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
-        postscale_factor=_factor_attr(postscale), **_common("GroupedAllreduce", tensor_name))
+        postscale_factor=_factor_attr(postscale),
+        **_common("GroupedAllreduce", tensor_name, process_set_id))
 
 
-def allgather(tensor, tensor_name: str):
-    return library().ops.keras_ring_allgather(tensor, **_common("Allgather", tensor_name))
+def allgather(tensor, tensor_name: str, process_set_id: int = 0):
+    return library().ops.keras_ring_allgather(
+        tensor, **_common("Allgather", tensor_name, process_set_id))
 
 
-def broadcast(tensor, root_rank: int, tensor_name: str):
-    return library().ops.keras_ring_broadcast(tensor, root_rank=root_rank,
-                                              **_common("Broadcast", tensor_name))
+def broadcast(tensor, root_rank: int, tensor_name: str, process_set_id: int = 0):
+    """``root_rank`` is the root's rank within the process set."""
+    return library().ops.keras_ring_broadcast(
+        tensor, root_rank=root_rank, **_common("Broadcast", tensor_name, process_set_id))
 
 
-def reducescatter(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str):
+def reducescatter(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str,
+                  process_set_id: int = 0):
     return library().ops.keras_ring_reducescatter(
         tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
-        postscale_factor=_factor_attr(postscale), **_common("Reducescatter", tensor_name))
+        postscale_factor=_factor_attr(postscale),
+        **_common("Reducescatter", tensor_name, process_set_id))
 
 
-def alltoall(tensor, splits, tensor_name: str):
+def alltoall(tensor, splits, tensor_name: str, process_set_id: int = 0):
     """(output, received_splits); ``splits`` an int32 vector, empty for equal parts."""
-    return library().ops.keras_ring_alltoall(tensor, splits, **_common("Alltoall", tensor_name))
+    return library().ops.keras_ring_alltoall(
+        tensor, splits, **_common("Alltoall", tensor_name, process_set_id))
 
 
 def _grad_name(op) -> str:
@@ -78,11 +87,15 @@ def _grad_name(op) -> str:
     return f"{name}_grad" if name else ""
 
 
+def _set(op) -> int:
+    return op.get_attr("process_set_id")
+
+
 def _allreduce_grad(op, grad):
     """The allreduce of the upstream gradient, with the same op and scale factors."""
     return allreduce(
         grad, op.get_attr("reduce_op"), _factor(op, "prescale_factor"),
-        _factor(op, "postscale_factor"), _grad_name(op),
+        _factor(op, "postscale_factor"), _grad_name(op), _set(op),
     )
 
 
@@ -90,60 +103,60 @@ def _grouped_allreduce_grad(op, *grads):
     grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
     return grouped_allreduce(
         grads, op.get_attr("reduce_op"), _factor(op, "prescale_factor"),
-        _factor(op, "postscale_factor"), _grad_name(op),
+        _factor(op, "postscale_factor"), _grad_name(op), _set(op),
     )
 
 
-def _allgather_grad(op, grad, rank: Callable[[], int]):
+def _allgather_grad(op, grad, rank: Callable[[int], int]):
     """Average-allreduce of the upstream gradient, sliced to this rank's rows."""
     x = op.inputs[0]
     name = _grad_name(op)
-    grad = allreduce(grad, int(ReduceOp.Average), 1.0, 1.0, name)
+    grad = allreduce(grad, int(ReduceOp.Average), 1.0, 1.0, name, _set(op))
     rows = tf.reshape(tf.shape(x, out_type=tf.int64)[:1], [-1]) if x.shape.rank != 0 else None
     if rows is None:  # a scalar contributed one row
         rows = tf.constant([1], tf.int64)
-    all_rows = allgather(rows, f"{name}.rows" if name else "")
-    start = tf.reduce_sum(all_rows[: rank()])
+    all_rows = allgather(rows, f"{name}.rows" if name else "", _set(op))
+    start = tf.reduce_sum(all_rows[: rank(_set(op))])
     mine = tf.slice(grad, tf.concat([[start], tf.zeros([tf.rank(grad) - 1], tf.int64)], 0),
                     tf.concat([rows, tf.fill([tf.rank(grad) - 1], tf.constant(-1, tf.int64))], 0))
     return tf.reshape(mine, tf.shape(x))
 
 
-def _broadcast_grad(op, grad, rank: Callable[[], int]):
+def _broadcast_grad(op, grad, rank: Callable[[int], int]):
     """Sum-allreduce of the upstream gradient on the root, zeros elsewhere."""
-    summed = allreduce(grad, int(ReduceOp.Sum), 1.0, 1.0, _grad_name(op))
-    if rank() == op.get_attr("root_rank"):
+    summed = allreduce(grad, int(ReduceOp.Sum), 1.0, 1.0, _grad_name(op), _set(op))
+    if rank(_set(op)) == op.get_attr("root_rank"):
         return summed
     return tf.zeros_like(summed)
 
 
-def _reducescatter_grad(op, grad, size: Callable[[], int]):
+def _reducescatter_grad(op, grad, size: Callable[[int], int]):
     """The allgather of the upstream gradient, scaled as Horovod scales it: by the number
     of ranks for Sum (not for Average), and by both scale factors."""
     factor = _factor(op, "prescale_factor") * _factor(op, "postscale_factor")
     if op.get_attr("reduce_op") == int(ReduceOp.Sum):
-        factor *= size()
+        factor *= size(_set(op))
     if factor != 1.0:
         grad = grad * tf.cast(factor, grad.dtype)
-    return allgather(grad, _grad_name(op))
+    return allgather(grad, _grad_name(op), _set(op))
 
 
 def _alltoall_grad(op, grad, _received_splits_grad):
     """Sends every row's gradient back where the row came from."""
-    back, _ = alltoall(grad, op.outputs[1], _grad_name(op))
+    back, _ = alltoall(grad, op.outputs[1], _grad_name(op), _set(op))
     return [back, None]
 
 
 _registered = False
 
 
-def register_gradients(rank: Callable[[], int], size: Callable[[], int]) -> None:
+def register_gradients(rank: Callable[[int], int], size: Callable[[int], int]) -> None:
     """Registers the ops' gradients with TensorFlow; later calls do nothing.
 
     Args:
-        rank: returns this process's rank, when a gradient is built (the allgather and
-            broadcast gradients depend on it).
-        size: returns the number of ranks, when a gradient is built (reducescatter's).
+        rank: this process's rank in a process set (by id), when a gradient is built (the
+            allgather and broadcast gradients depend on it).
+        size: the number of ranks of a process set, when a gradient is built (reducescatter's).
     """
     global _registered
     if _registered:

@@ -46,6 +46,8 @@ LAYERS = {
     "keras_ring.collectives": 6,
     "keras_ring.timeline": 6,
     "keras_ring.introspection": 6,
+    "keras_ring.process_sets": 6,
+    "keras_ring.process_set_setup": 6,  # adds sets with collectives over the whole job
     # 7. The Keras integration.
     "keras_ring._xla": 7,
     "keras_ring.compression": 7,

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <map>
 
 #include "failure_exit.h"
 
@@ -9,23 +10,50 @@ namespace keras_ring {
 namespace {
 
 std::mutex g_instance_mu;
-std::shared_ptr<Runtime> g_instance;  // the one runtime of this process, if initialised
+// This process's runtimes by process set: 0 is the global one, the others run collectives
+// among a subset of the ranks over transports of their own.
+std::map<int, std::shared_ptr<Runtime>> g_instances;
 
 }  // namespace
 
-std::shared_ptr<Runtime> Runtime::Get() {
-  std::lock_guard<std::mutex> lock(g_instance_mu);
-  return g_instance;
+Status NoRuntimeError(int process_set) {
+  if (process_set == 0) {
+    return Status(Code::kFailedPrecondition,
+                  "keras_ring has not been initialized; call keras_ring.init() first");
+  }
+  return Status(Code::kFailedPrecondition,
+                "process set " + std::to_string(process_set) +
+                    " is not running on this rank: this rank is not one of its ranks, or the "
+                    "set was removed (keras_ring.remove_process_set) or never added");
 }
 
-void Runtime::Install(std::shared_ptr<Runtime> runtime) {
+std::shared_ptr<Runtime> Runtime::Get(int process_set) {
   std::lock_guard<std::mutex> lock(g_instance_mu);
-  g_instance = std::move(runtime);
+  auto it = g_instances.find(process_set);
+  return it == g_instances.end() ? nullptr : it->second;
 }
 
-std::shared_ptr<Runtime> Runtime::Uninstall() {
+void Runtime::Install(std::shared_ptr<Runtime> runtime, int process_set) {
   std::lock_guard<std::mutex> lock(g_instance_mu);
-  return std::move(g_instance);
+  g_instances[process_set] = std::move(runtime);
+}
+
+std::shared_ptr<Runtime> Runtime::Uninstall(int process_set) {
+  std::lock_guard<std::mutex> lock(g_instance_mu);
+  auto it = g_instances.find(process_set);
+  if (it == g_instances.end()) return nullptr;
+  std::shared_ptr<Runtime> runtime = std::move(it->second);
+  g_instances.erase(it);
+  return runtime;
+}
+
+std::vector<std::shared_ptr<Runtime>> Runtime::UninstallAll() {
+  std::lock_guard<std::mutex> lock(g_instance_mu);
+  std::vector<std::shared_ptr<Runtime>> all;
+  // Process sets first, the global runtime last.
+  for (auto it = g_instances.rbegin(); it != g_instances.rend(); ++it) all.push_back(it->second);
+  g_instances.clear();
+  return all;
 }
 
 Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> transport)

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "algorithms.h"
 #include "common.h"
@@ -38,6 +39,9 @@ struct RuntimeOptions {
   // ended by itself (see failure_exit.h); <= 0: never.
   double failure_exit_seconds = 0.0;
 };
+
+// The error of a collective on a process set this rank runs no runtime for.
+Status NoRuntimeError(int process_set);
 
 class Runtime {
  public:
@@ -77,10 +81,13 @@ class Runtime {
   // agrees on signatures through the host executor it is given.
   Executor* device_executor(const std::function<std::unique_ptr<Executor>(HostExecutor&)>& make);
 
-  // The process-wide instance, shared so kernels keep it alive while they use it.
-  static std::shared_ptr<Runtime> Get();
-  static void Install(std::shared_ptr<Runtime> runtime);
-  static std::shared_ptr<Runtime> Uninstall();
+  // The process-wide instance of a process set (0: all ranks), shared so kernels keep it
+  // alive while they use it; null when this rank runs no such set.
+  static std::shared_ptr<Runtime> Get(int process_set = 0);
+  static void Install(std::shared_ptr<Runtime> runtime, int process_set = 0);
+  static std::shared_ptr<Runtime> Uninstall(int process_set = 0);
+  // Every set's runtime, process sets before the global one.
+  static std::vector<std::shared_ptr<Runtime>> UninstallAll();
 
   // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }

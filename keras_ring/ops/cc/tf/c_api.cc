@@ -59,7 +59,8 @@ int Report(const Status& s, char* err, size_t err_len) {
 extern "C" {
 
 int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
-  if (Runtime::Get() != nullptr) return 0;  // init() twice is harmless
+  const int set = cfg->process_set_id;
+  if (Runtime::Get(set) != nullptr) return 0;  // init() twice is harmless
   const int rank = cfg->rank;
   const int size = cfg->size;
   if (size < 1 || rank < 0 || rank >= size) {
@@ -76,7 +77,7 @@ int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
   if (cfg->segment_bytes > 0) options.segment_bytes = cfg->segment_bytes;
   options.timeline = cfg->timeline != 0;
   options.failure_exit_seconds = size > 1 ? cfg->failure_exit_seconds : 0.0;
-  keras_ring::DisarmFailureExit();  // a program that starts again has recovered
+  if (set == 0) keras_ring::DisarmFailureExit();  // a program that starts again has recovered
   std::unique_ptr<keras_ring::Transport> transport;
   if (size == 1) {
     // A world of one never communicates; the local transport keeps the runtime uniform.
@@ -102,7 +103,7 @@ int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
                     err, err_len);
     }
   }
-  Runtime::Install(std::make_shared<Runtime>(options, std::move(transport)));
+  Runtime::Install(std::make_shared<Runtime>(options, std::move(transport)), set);
   return 0;
 }
 
@@ -121,18 +122,26 @@ size_t keras_ring_timeline_read(char* buf, size_t cap) {
 }
 
 int keras_ring_shutdown(void) {
-  std::shared_ptr<Runtime> runtime = Runtime::Uninstall();
   // A collective running on another thread holds its own reference: stop it now, the last
   // reference destroys the runtime.
-  if (runtime != nullptr) runtime->Stop();
-  runtime.reset();
+  for (std::shared_ptr<Runtime>& runtime : Runtime::UninstallAll()) {
+    runtime->Stop();
+    runtime.reset();
+  }
   return 0;
 }
 
+int keras_ring_shutdown_process_set(int process_set_id) {
+  std::shared_ptr<Runtime> runtime = Runtime::Uninstall(process_set_id);
+  if (runtime != nullptr) runtime->Stop();
+  return runtime != nullptr ? 1 : 0;
+}
+
 int keras_ring_shutdown_with_error(const char* reason) {
-  std::shared_ptr<Runtime> runtime = Runtime::Uninstall();
-  if (runtime != nullptr) runtime->Abandon(reason != nullptr ? reason : "unknown");
-  runtime.reset();
+  for (std::shared_ptr<Runtime>& runtime : Runtime::UninstallAll()) {
+    runtime->Abandon(reason != nullptr ? reason : "unknown");
+    runtime.reset();
+  }
   return 0;
 }
 
@@ -148,12 +157,10 @@ size_t keras_ring_error_info(const char* message, char* buf, size_t cap) {
 
 int keras_ring_is_initialized(void) { return Runtime::Get() != nullptr ? 1 : 0; }
 
-int keras_ring_barrier(const char* name, char* err, size_t err_len) {
-  std::shared_ptr<Runtime> runtime = Runtime::Get();
+int keras_ring_barrier(int process_set_id, const char* name, char* err, size_t err_len) {
+  std::shared_ptr<Runtime> runtime = Runtime::Get(process_set_id);
   if (runtime == nullptr) {
-    return Report(Status(Code::kFailedPrecondition,
-                         "keras_ring has not been initialized; call keras_ring.init() first"),
-                  err, err_len);
+    return Report(keras_ring::NoRuntimeError(process_set_id), err, err_len);
   }
   keras_ring::Request request;
   request.kind = keras_ring::Kind::kBarrier;

@@ -25,9 +25,10 @@ typedef struct {
   size_t shm_channel_bytes;   // 0 = default
   int timeline;               // record per-collective phase times
   double failure_exit_seconds;  // end the process this long after a fatal failure; 0 never
+  int process_set_id;         // 0: the global runtime; else a process set's (ranks: its own)
 } keras_ring_config;
 
-// Starts the runtime (a no-op when it is running).
+// Starts the runtime of config->process_set_id (a no-op when it is running).
 int keras_ring_init(const keras_ring_config* config, char* err, size_t err_len);
 // Copies up to `cap` bytes of recorded timeline lines (tab-separated) into buf; returns
 // the count, 0 once everything recorded so far has been read.
@@ -36,7 +37,10 @@ size_t keras_ring_timeline_read(char* buf, size_t cap);
 // pending and later collectives fail at once (instead of after the timeout), then the
 // previous handler runs (Python's raises KeyboardInterrupt). Idempotent.
 void keras_ring_install_signal_handlers(void);
+// Stops every runtime of this process (process sets first).
 int keras_ring_shutdown(void);
+// Stops one process set's runtime; 1 if it ran.
+int keras_ring_shutdown_process_set(int process_set_id);
 // Shutdown of a program that leaves with an error (`reason`): peers treat it as this rank's
 // failure and end too, and this process ends after the failure grace if its exit hangs.
 int keras_ring_shutdown_with_error(const char* reason);
@@ -45,7 +49,7 @@ int keras_ring_is_initialized(void);
 // "code\nrank\ncollective\nreason", rank -1 when no rank is at fault; empty when unknown.
 // Writes up to cap-1 bytes and a NUL; returns the count.
 size_t keras_ring_error_info(const char* message, char* buf, size_t cap);
-int keras_ring_barrier(const char* name, char* err, size_t err_len);
+int keras_ring_barrier(int process_set_id, const char* name, char* err, size_t err_len);
 // The version string of this build, to detect a stale library.
 const char* keras_ring_build_info(void);
 

@@ -60,14 +60,13 @@ CollectiveKernel::CollectiveKernel(OpKernelConstruction* c)
       on_gpu_(c->device_type() == ::tensorflow::DeviceType(::tensorflow::DEVICE_GPU)) {
   OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
   OP_REQUIRES_OK(c, c->GetAttr("eager", &eager_));
+  OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_id_));
 }
 
 void CollectiveKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
-  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get();
+  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get(process_set_id_);
   if (runtime == nullptr) {
-    ctx->SetStatus(ToTf(kr::Status(
-        kr::Code::kFailedPrecondition,
-        "keras_ring has not been initialized; call keras_ring.init() first")));
+    ctx->SetStatus(ToTf(kr::NoRuntimeError(process_set_id_)));
     return done();
   }
   kr::Request request;
@@ -178,7 +177,8 @@ absl::Status AllgatherKernel::Build(OpKernelContext* ctx, kr::Request* r) {
 absl::Status ReducescatterKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   const Tensor& in = ctx->input(0);
   if (in.dims() == 0) return absl::InvalidArgumentError("reducescatter needs a tensor of rank >= 1");
-  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get();  // ComputeAsync checked it
+  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get(process_set_id_);
+  if (runtime == nullptr) return ToTf(kr::NoRuntimeError(process_set_id_));
   const int64_t rows = kr::ReducescatterRows(in.dim_size(0), runtime->size())
                            [static_cast<size_t>(runtime->rank())];
   TensorShape shape({rows});
@@ -195,7 +195,8 @@ absl::Status AlltoallKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   const Tensor& in = ctx->input(0);
   const Tensor& splits = ctx->input(1);
   if (in.dims() == 0) return absl::InvalidArgumentError("alltoall needs a tensor of rank >= 1");
-  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get();  // ComputeAsync checked it
+  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get(process_set_id_);
+  if (runtime == nullptr) return ToTf(kr::NoRuntimeError(process_set_id_));
   Tensor* received = nullptr;
   TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({runtime->size()}), &received));
   r->kind = kr::Kind::kAlltoall;

@@ -39,6 +39,9 @@ class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
   std::string tensor_name_;
   bool eager_ = false;
   bool on_gpu_ = false;
+
+ protected:
+  int process_set_id_ = 0;  // the runtime (process set) this op's collectives run on
 };
 
 class ReduceKernel : public CollectiveKernel {

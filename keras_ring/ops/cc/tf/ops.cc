@@ -20,6 +20,7 @@ REGISTER_OP("KerasRingAllreduce")
     .Attr("postscale_factor: string = '1.0'")
     .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
+    .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Reduces `tensor` across all ranks; every rank gets the same result.");
@@ -33,6 +34,7 @@ REGISTER_OP("KerasRingGroupedAllreduce")
     .Attr("postscale_factor: string = '1.0'")
     .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
+    .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
@@ -46,6 +48,7 @@ REGISTER_OP("KerasRingAllgather")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64, bool}")
     .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
+    .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle in = c->input(0);
@@ -71,6 +74,7 @@ REGISTER_OP("KerasRingBroadcast")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
+    .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Every rank receives the root rank's tensor.");
@@ -98,6 +102,7 @@ REGISTER_OP("KerasRingReducescatter")
     .Attr("postscale_factor: string = '1.0'")
     .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
+    .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
     .SetShapeFn(RowsUnknown)
     .Doc("Reduces `tensor` across all ranks; rank r gets its share of the first dimension "
@@ -111,6 +116,7 @@ REGISTER_OP("KerasRingAlltoall")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64, bool}")
     .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
+    .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle splits;
