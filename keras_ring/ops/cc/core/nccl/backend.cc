@@ -192,6 +192,7 @@ Status NcclBackend::TakeEvent(int device, Event* event) {
       return Status::OK();
     }
   }
+  events_made_.fetch_add(1);
   return Cuda(api_->EventCreate(event), "cudaEventCreateWithFlags");  // on the current device
 }
 

@@ -70,6 +70,7 @@ class NcclBackend : public Executor {
   Status Execute(Request& request, uint64_t seq, ExecutionStats* stats) override;
 
   int communicator_count();
+  int64_t events_made() const { return events_made_.load(); }  // each is reused once made
   void ReleaseEvent(int device, Event event);
 
  private:
@@ -114,6 +115,7 @@ class NcclBackend : public Executor {
   const int rank_;
   const int size_;
   const double timeout_seconds_;
+  std::atomic<int64_t> events_made_{0};
   std::atomic<bool> aborted_{false};
   std::atomic<bool> peer_failed_{false};
   std::mutex failure_mu_;
