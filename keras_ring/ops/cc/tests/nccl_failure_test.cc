@@ -17,14 +17,6 @@
 namespace kr_test {
 namespace {
 
-namespace kn = keras_ring::nccl;
-using keras_ring::Code;
-using keras_ring::DataType;
-using keras_ring::Kind;
-using keras_ring::ReduceOp;
-using keras_ring::Request;
-using keras_ring::Status;
-
 TEST(Nccl_StalledCollectiveTimesOutAbortsAndBreaksTheRuntime) {
   GpuWorld w(2, 0.5);
   w.fake->hang = true;

@@ -16,16 +16,6 @@
 namespace kr_test {
 namespace {
 
-namespace kn = keras_ring::nccl;
-using keras_ring::Code;
-using keras_ring::DataType;
-using keras_ring::Kind;
-using keras_ring::ReduceOp;
-using keras_ring::Request;
-using keras_ring::Runtime;
-using keras_ring::Status;
-using keras_ring::TensorRef;
-
 TEST(Nccl_AllreduceMakesOneCommunicatorFromRankZerosId) {
   GpuWorld w(3);
   w.Each([&](int r) {

@@ -17,6 +17,15 @@
 
 namespace kr_test {
 
+// The names every NCCL backend test uses.
+namespace kn = keras_ring::nccl;
+using keras_ring::Code;
+using keras_ring::DataType;
+using keras_ring::Kind;
+using keras_ring::ReduceOp;
+using keras_ring::Request;
+using keras_ring::Status;
+
 // A local transport whose liveness signal (PollPeerFailure, the control sockets' EOF on a
 // real host transport) can be set by the test: a peer that died.
 class WatchedLocalTransport : public keras_ring::LocalTransport {

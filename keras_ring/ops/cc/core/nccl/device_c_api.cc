@@ -73,18 +73,9 @@ int keras_ring_nccl_probe(const char* dirs, int* version, char* err, size_t err_
 int keras_ring_device_allreduce(const void* input, void* output, int64_t count, int dtype,
                                 int reduce_op, double prescale, double postscale, int device,
                                 void* stream, const char* name, char* err, size_t err_len) {
-  if (!keras_ring::IsValidReduceOp(reduce_op)) {
-    return Report(Status(Code::kInvalidArgument, "unknown reduce_op " + std::to_string(reduce_op)),
-                  err, err_len);
-  }
-  Request r;
-  r.kind = Kind::kAllreduce;
-  r.name = name != nullptr ? name : "";
-  r.op = static_cast<keras_ring::ReduceOp>(reduce_op);
-  r.prescale = prescale;
-  r.postscale = postscale;
-  r.tensors.push_back(Tensor(dtype, {count}, input, output));
-  return RunOnDevice(std::move(r), device, stream, err, err_len);
+  return keras_ring_device_grouped_allreduce(&input, &output, &count, &dtype, 1, reduce_op,
+                                             prescale, postscale, device, stream, name, err,
+                                             err_len);
 }
 
 int keras_ring_device_allgather(const void* input, void* output, int64_t rows,
@@ -122,13 +113,16 @@ int keras_ring_device_grouped_allreduce(const void* const* inputs, void* const* 
                                         int reduce_op, double prescale, double postscale,
                                         int device, void* stream, const char* name, char* err,
                                         size_t err_len) {
-  if (!keras_ring::IsValidReduceOp(reduce_op) || n < 0) {
-    return Report(Status(Code::kInvalidArgument, "unknown reduce_op " + std::to_string(reduce_op) +
-                                                     " or tensor count " + std::to_string(n)),
+  if (!keras_ring::IsValidReduceOp(reduce_op)) {
+    return Report(Status(Code::kInvalidArgument, "unknown reduce_op " + std::to_string(reduce_op)),
+                  err, err_len);
+  }
+  if (n < 0) {
+    return Report(Status(Code::kInvalidArgument, "negative tensor count " + std::to_string(n)),
                   err, err_len);
   }
   Request r;
-  r.kind = Kind::kGroupedAllreduce;
+  r.kind = n == 1 ? Kind::kAllreduce : Kind::kGroupedAllreduce;  // one tensor: a plain one
   r.name = name != nullptr ? name : "";
   r.op = static_cast<keras_ring::ReduceOp>(reduce_op);
   r.prescale = prescale;
