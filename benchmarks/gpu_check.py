@@ -3,12 +3,17 @@
 benchmarks/gpu_check.sh builds the core runtime and its C API (no TensorFlow) into
 libkeras_ring_core.so and runs this driver on 2 ranks. Each rank checks allreduce (every op,
 several dtypes and sizes, scale factors, in place, ordering against a busy caller stream),
-allgather (equal and varying rows) and broadcast on CuPy arrays against NumPy, then rank 0
-prints an nccl-tests-style busbw table next to torch.distributed's NCCL allreduce on the same
-buffers. Exit status 0 means every check passed.
+allgather (equal and varying rows) and broadcast on CuPy arrays against NumPy, then the
+further checks of gpu_check_cases.py (first-collective latency, grouped allreduce, edge
+cases, 10,000 small collectives with stable memory, loaded libraries, contexts only on the
+rank's own GPU), then rank 0 prints an nccl-tests-style busbw table next to
+torch.distributed's NCCL allreduce on the same buffers. `--faults N` then runs the failure
+scenarios of gpu_check_faults.py (a killed rank, a stalled GPU, init after shutdown), each a
+job of its own. Exit status 0 means every check passed.
 
     python benchmarks/gpu_check.py --lib build/gpu_check/libkeras_ring_core.so --spawn 2
     mpirun -np 2 python benchmarks/gpu_check.py --lib ...   (ranks found through mpi4py)
+    python benchmarks/gpu_check.py --lib ... --faults 2
 
 keras_ring's device C API waits for each collective (its worker polls completion), so its
 small-message times include that round trip; torch's are nccl-tests style (back to back).
@@ -32,6 +37,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # keras_ring.ops.loader and keras_ring.gpu import no TensorFlow
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_cases as cases  # noqa: E402
+import gpu_check_faults as faults  # noqa: E402
 
 DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4, "uint8": 5,
           "int32": 6, "int64": 7, "bool": 8}
@@ -175,14 +183,15 @@ class Core:
         if rc != 0:
             raise CollectiveError(rc, self.err.value.decode(errors="replace"))
 
-    def init(self, rank: int, size: int, listener: socket.socket, ports: list[int], token: int):
+    def init(self, rank: int, size: int, listener: socket.socket, ports: list[int], token: int,
+             timeout: float = 60.0):
         from keras_ring.ops.loader import NativeConfig
 
         cfg = NativeConfig(
             rank=rank, size=size, listen_fd=listener.fileno(),
             hosts=(ctypes.c_char_p * size)(*[b"127.0.0.1"] * size),
             ports=(ctypes.c_int * size)(*ports), host_index=(ctypes.c_int * size)(*[0] * size),
-            job_token=token, timeout_seconds=60.0, stall_warning_seconds=30.0, segment_bytes=0,
+            job_token=token, timeout_seconds=timeout, stall_warning_seconds=30.0, segment_bytes=0,
             use_shm=0, shm_channel_bytes=0, timeline=0)
         self._check(self.c.keras_ring_init(ctypes.byref(cfg), self.err, len(self.err)))
 
@@ -213,6 +222,9 @@ class Core:
 
     def shutdown(self):
         self.c.keras_ring_shutdown()
+
+
+cases.load(Core, DTYPES, OPS)  # grouped allreduce, the backend's object counts
 
 
 def nccl_candidates() -> list[str]:
@@ -258,27 +270,29 @@ def find_nccl() -> tuple[str, int]:
     return best
 
 
-def rendezvous(listener: socket.socket) -> tuple[int, int, list[int], int, str]:
-    """(rank, size, ports, job token, shared directory), through MPI or the spawn launcher."""
+def rendezvous(listener: socket.socket, generation: int = 0) -> tuple[int, int, list[int], int, str]:
+    """(rank, size, ports, job token, shared directory), through MPI or the spawn launcher;
+    `generation` counts inits in one process (init after shutdown)."""
     port = listener.getsockname()[1]
     if "KR_CHECK_RANK" in os.environ:
         rank, size = int(os.environ["KR_CHECK_RANK"]), int(os.environ["KR_CHECK_SIZE"])
         shared = os.environ["KR_CHECK_DIR"]
-        Path(shared, f"port.{rank}.tmp").write_text(str(port))
-        os.replace(Path(shared, f"port.{rank}.tmp"), Path(shared, f"port.{rank}"))
+        name = lambda r: Path(shared, f"port.{generation}.{r}")  # noqa: E731
+        Path(shared, f"port.{generation}.{rank}.tmp").write_text(str(port))
+        os.replace(Path(shared, f"port.{generation}.{rank}.tmp"), name(rank))
         deadline = time.time() + 120
-        while not all(Path(shared, f"port.{r}").exists() for r in range(size)):
+        while not all(name(r).exists() for r in range(size)):
             if time.time() > deadline:
                 raise SystemExit(f"rank {rank}: the other ranks did not start within 120 s")
             time.sleep(0.05)
-        ports = [int(Path(shared, f"port.{r}").read_text()) for r in range(size)]
-        return rank, size, ports, int(os.environ["KR_CHECK_TOKEN"]), shared
+        ports = [int(name(r).read_text()) for r in range(size)]
+        return rank, size, ports, int(os.environ["KR_CHECK_TOKEN"]) + generation, shared
     try:
         from mpi4py import MPI
     except ImportError as e:
         raise SystemExit(f"gpu_check: without --spawn the ranks meet through mpi4py: {e}")
     comm = MPI.COMM_WORLD
-    shared = comm.bcast(tempfile.mkdtemp(prefix="kr_gpu_check_") if comm.rank == 0 else None)
+    shared = comm.bcast(tempfile.mkdtemp(prefix=f"kr_gpu_check{generation}_") if comm.rank == 0 else None)
     token = comm.bcast(secrets.randbits(63) if comm.rank == 0 else None)
     return comm.rank, comm.size, comm.allgather(port), token, shared
 
@@ -429,12 +443,56 @@ def benchmark(core: Core, cp, rank: int, n: int, device: int, shared: str,
     return rows, label
 
 
+def share_gpu_setup(gpus: int, n: int, nccl_code: int) -> str | None:
+    """Prepares ranks to share GPUs (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, and few
+    CTAs each, so the ranks' kernels fit on the GPU side by side); the reason when they
+    cannot share, else None."""
+    if gpus >= n:
+        return None
+    if nccl_code < 23000:
+        return (f"{n} ranks would share {gpus} GPU(s), which needs NCCL >= 2.30 "
+                f"(found {nccl_version_string(nccl_code)}); not running fewer ranks instead")
+    os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    os.environ.setdefault("NCCL_MAX_CTAS", "16")
+    return None
+
+
+def run_checks(core, cp, checks: Checks, rank: int, n: int, device: int) -> dict:
+    this = sys.modules[__name__]
+    extra = cases.check_first_latency(core, cp, rank, device)  # first: it makes the communicator
+    check_allreduce(core, cp, checks, rank, n, device)
+    check_ordering(core, cp, checks, rank, n, device)
+    check_allgather_broadcast(core, cp, checks, rank, n, device)
+    cases.check_grouped(this, core, cp, checks, rank, n, device)
+    cases.check_edge_cases(this, core, cp, checks, rank, n, device)
+    extra.update(cases.check_many_small(this, core, cp, checks, rank, n, device))
+    extra.update(cases.check_process(checks, cp, rank, device))
+    return extra
+
+
 def run_rank(args) -> int:
     try:
         import cupy as cp
     except ImportError as e:
         print(f"gpu_check: CuPy is needed ({e})", flush=True)
         return 2
+    gpus = cp.cuda.runtime.getDeviceCount()
+    core = Core(args.lib)
+    from keras_ring.gpu import library_search_path
+
+    preferred = os.environ.get("KERAS_RING_GPU_CHECK_NCCL_DIR", "")  # gpu_check.sh's newest find
+    search = ":".join(p for p in (preferred, library_search_path()) if p and p != "-")
+    version = core.nccl_version(search)  # before init: NCCL reads its settings when it starts
+
+    def connect(generation: int, timeout: float = 60.0) -> Core:  # a scenario's inits
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        rank, size, ports, token, _ = rendezvous(listener, generation + 1)
+        core.init(rank, size, listener, ports, token, timeout)
+        listener.close()
+        return core
+
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
@@ -443,28 +501,28 @@ def run_rank(args) -> int:
         print(f"gpu_check: started as {n} rank(s), expected {args.ranks}: mpi4py's MPI does not "
               "match this mpirun", flush=True)
         return 3
-    gpus = cp.cuda.runtime.getDeviceCount()
+    cannot_share = share_gpu_setup(gpus, n, version)
+    if cannot_share:
+        print(f"gpu_check: {cannot_share}", flush=True)
+        return 2
     device = rank % gpus
-    if gpus < n:  # ranks share a GPU: NCCL >= 2.30 allows it when asked to
-        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     cp.cuda.Device(device).use()
-    core = Core(args.lib)
+    if args.scenario:
+        listener.close()
+        faults.report(shared, args.scenario,
+                      rank, faults.run_scenario(sys.modules[__name__], cp, args.scenario, rank, n,
+                                                device, connect))
+        return 0
     core.init(rank, n, listener, ports, token)
-    from keras_ring.gpu import library_search_path
-
-    preferred = os.environ.get("KERAS_RING_GPU_CHECK_NCCL_DIR", "")  # gpu_check.sh's newest find
-    search = ":".join(p for p in (preferred, library_search_path()) if p and p != "-")
     checks = Checks(rank)
     try:
-        version = core.nccl_version(search)
         if rank == 0:
             gpu_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
             print(f"# {n} ranks on {gpus} GPU(s) ({gpu_name}), NCCL {nccl_version_string(version)}, "
-                  f"CuPy {cp.__version__}", flush=True)
+                  f"CuPy {cp.__version__}, NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', '-')}",
+                  flush=True)
         started = time.perf_counter()
-        check_allreduce(core, cp, checks, rank, n, device)
-        check_ordering(core, cp, checks, rank, n, device)
-        check_allgather_broadcast(core, cp, checks, rank, n, device)
+        extra = run_checks(core, cp, checks, rank, n, device)
         if rank == 0:
             print(f"# checks: {checks.passed} passed, {len(checks.failed)} failed "
                   f"({time.perf_counter() - started:.1f} s)", flush=True)
@@ -479,18 +537,20 @@ def run_rank(args) -> int:
         if args.json:
             results = {"ranks": n, "gpus": gpus, "nccl": nccl_version_string(version),
                        "failed": checks.failed, "passed": checks.passed, "torch": label,
-                       "rows": rows}
+                       "rows": rows, **extra}
             Path(args.json).write_text(json.dumps(results, indent=1))
     return 1 if checks.failed else 0
 
 
-def spawn(args) -> int:
-    """Starts args.spawn ranks of this script without MPI and returns the worst exit status."""
+def spawn(args, scenario: str | None = None) -> list[int] | None:
+    """Starts args.spawn ranks of this script without MPI; their exit statuses (None when
+    they ran past the timeout and were stopped). A scenario job runs one failure path."""
     shared = tempfile.mkdtemp(prefix="kr_gpu_check_")
     env = dict(os.environ, KR_CHECK_SIZE=str(args.spawn), KR_CHECK_DIR=shared,
-               KR_CHECK_TOKEN=str(secrets.randbits(63)))
+               KR_CHECK_TOKEN=str(secrets.randbits(62)))
     argv = [sys.executable, __file__, "--lib", args.lib, "--max-bytes", str(args.max_bytes)]
-    argv += ["--json", args.json] if args.json else []
+    argv += ["--json", args.json] if args.json and not scenario else []
+    argv += ["--scenario", scenario] if scenario else []
     procs = [subprocess.Popen(argv, env=dict(env, KR_CHECK_RANK=str(r))) for r in range(args.spawn)]
     deadline = time.time() + args.timeout
     codes = []
@@ -501,8 +561,10 @@ def spawn(args) -> int:
             print(f"gpu_check: a rank ran past {args.timeout} s; stopping all", flush=True)
             for q in procs:
                 q.kill()
-            return 124
-    return max(codes, key=abs)
+            return None
+    if scenario:
+        args.shared = shared
+    return codes
 
 
 def main(argv=None) -> int:
@@ -512,6 +574,9 @@ def main(argv=None) -> int:
                         help="print 'GPUS DIR VERSION_CODE' for the newest libnccl.so.2 here")
     parser.add_argument("--ranks", type=int, default=0, help="under mpirun: the expected world size")
     parser.add_argument("--spawn", type=int, default=0, help="start this many ranks without MPI")
+    parser.add_argument("--faults", type=int, default=0,
+                        help="run the failure scenarios, each on this many ranks")
+    parser.add_argument("--scenario", choices=faults.SCENARIOS, help=argparse.SUPPRESS)
     parser.add_argument("--max-bytes", type=int, default=1 << 28)
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
     parser.add_argument("--timeout", type=float, default=480.0)
@@ -528,7 +593,13 @@ def main(argv=None) -> int:
         return 0
     if not args.lib:
         parser.error("--lib is required")
-    return spawn(args) if args.spawn else run_rank(args)
+    if args.faults:
+        args.spawn = args.faults
+        return faults.run_all(args, spawn)
+    if args.spawn:
+        codes = spawn(args)
+        return 124 if codes is None else max(codes, key=abs)
+    return run_rank(args)
 
 
 if __name__ == "__main__":

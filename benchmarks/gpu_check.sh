@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# keras_ring's NCCL backend on a GPU machine, in one call of a few minutes, without
-# TensorFlow and without network: builds the core runtime and its C API with g++ into
-# libkeras_ring_core.so, then runs benchmarks/gpu_check.py on NP ranks (default 2, sharing
-# one GPU when there is only one: NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1). The ranks
-# check allreduce, allgather and broadcast on CuPy arrays against NumPy and print an
-# nccl-tests-style busbw table next to torch.distributed's NCCL allreduce.
+# keras_ring's NCCL backend on a GPU machine, in one call of at most 8 minutes (typically
+# 2-3), without TensorFlow and without network: builds the core runtime and its C API with g++
+# into libkeras_ring_core.so, then runs benchmarks/gpu_check.py on NP ranks (default 2). With
+# fewer GPUs than ranks the ranks share them, which needs NCCL >= 2.30 (with
+# NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL_MAX_CTAS set, so both ranks' kernels fit); with an
+# older NCCL the check fails rather than run fewer ranks. The ranks check allreduce (single
+# and grouped), allgather and broadcast on CuPy arrays against NumPy, edge cases, 10,000 small
+# collectives with stable GPU memory, the libraries loaded and the GPUs holding their
+# contexts, print an nccl-tests-style busbw table next to torch.distributed's NCCL
+# allreduce, then run the failure scenarios (a rank killed, a GPU stalled, init after
+# shutdown) as jobs of their own. NCCL_DEBUG=WARN: NCCL's own warnings land in the log.
 #
 # Needs g++, a CUDA driver, NCCL (nvidia-nccl-cu12 wheel or the system's), NumPy and CuPy;
 # PyTorch (the comparison) and mpirun + mpi4py are optional: without them the ranks are
-# started by the driver itself. Output: $OUT/gpu_check.{log,json} if OUT is set, else
-# build/gpu_check/. Exit status 0 when every check passed. BUILD_ONLY=1 stops after the build
+# started by the driver itself. Output: $OUT/gpu_check.{log,json} and
+# $OUT/gpu_check_faults.json if OUT is set, else build/gpu_check/. Exit status 0 when every
+# check passed. BUILD_ONLY=1 stops after the build
 # (it needs nothing but g++: that part is checked on machines without a GPU too).
 #
 #   benchmarks/gpu_check.sh
@@ -71,11 +77,13 @@ read -r GPUS NCCL_DIR NCCL_CODE < <("$PY" benchmarks/gpu_check.py --find-nccl)
 [ "${NCCL_CODE:-0}" -gt 0 ] || die "no libnccl.so.2 found (pip install nvidia-nccl-cu12, or put it on LD_LIBRARY_PATH)"
 say "$GPUS GPU(s); newest NCCL: $NCCL_DIR (version code $NCCL_CODE)"
 export KERAS_RING_GPU_CHECK_NCCL_DIR=$NCCL_DIR
-if [ "$GPUS" -lt "$NP" ] && [ "$NCCL_CODE" -lt 23000 ]; then
-    say "$NP ranks would share $GPUS GPU(s), which needs NCCL >= 2.30; running $GPUS rank(s) instead"
-    NP=$GPUS
+if [ "$GPUS" -lt "$NP" ]; then
+    [ "$NCCL_CODE" -ge 23000 ] || die "$NP ranks would share $GPUS GPU(s), which needs NCCL >= 2.30 (found code $NCCL_CODE): install a newer NCCL, or set NP=$GPUS"
+    export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
+    export NCCL_MAX_CTAS=${NCCL_MAX_CTAS:-16}  # ranks sharing a GPU must run side by side
+    say "$NP ranks share $GPUS GPU(s): NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_MAX_CTAS=$NCCL_MAX_CTAS"
 fi
-export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}  # used only when ranks share a GPU
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # 2. The core runtime and its C APIs, without TensorFlow.
 build
@@ -88,11 +96,12 @@ MPIRUN=$(command -v mpirun || command -v mpiexec || true)
 if [ -n "$MPIRUN" ] && "$PY" -c "import mpi4py" 2>/dev/null; then
     extra=()
     if "$MPIRUN" --version 2>&1 | grep -qi "open mpi"; then
-        extra=(--oversubscribe -x NCCL_MULTI_RANK_GPU_ENABLE -x KERAS_RING_GPU_CHECK_NCCL_DIR)
+        extra=(--oversubscribe -x NCCL_DEBUG -x KERAS_RING_GPU_CHECK_NCCL_DIR)
+        for v in NCCL_MULTI_RANK_GPU_ENABLE NCCL_MAX_CTAS; do [ -n "${!v:-}" ] && extra+=(-x "$v"); done
         [ "$(id -u)" = 0 ] && extra+=(--allow-run-as-root)
     fi
     say "running $NP ranks with $MPIRUN"
-    timeout -k 10 180 "$MPIRUN" -np "$NP" ${extra[@]+"${extra[@]}"} "$PY" benchmarks/gpu_check.py --ranks "$NP" "${ARGS[@]}"
+    timeout -k 10 150 "$MPIRUN" -np "$NP" ${extra[@]+"${extra[@]}"} "$PY" benchmarks/gpu_check.py --ranks "$NP" "${ARGS[@]}"
     rc=$?
     if [ ! -f "$DEST/gpu_check.json" ] && [ "$rc" != 0 ] && [ "$rc" != 1 ]; then
         say "mpirun did not complete a run (exit $rc); starting the ranks without MPI"
@@ -101,8 +110,15 @@ if [ -n "$MPIRUN" ] && "$PY" -c "import mpi4py" 2>/dev/null; then
 fi
 if [ "$rc" = 3 ]; then
     say "running $NP ranks started by the driver"
-    timeout -k 10 240 "$PY" benchmarks/gpu_check.py --spawn "$NP" --timeout 225 "${ARGS[@]}"
+    timeout -k 10 180 "$PY" benchmarks/gpu_check.py --spawn "$NP" --timeout 165 "${ARGS[@]}"
     rc=$?
 fi
-say "exit status $rc"
+
+# 4. Failure paths, each a job of its own started by the driver.
+say "failure scenarios on $NP ranks"
+timeout -k 10 200 "$PY" benchmarks/gpu_check.py --faults "$NP" --timeout 60 \
+    --lib "$BUILD/libkeras_ring_core.so" --json "$DEST/gpu_check_faults.json"
+frc=$?
+say "exit status $rc (checks), $frc (failure scenarios)"
+[ "$rc" = 0 ] && exit "$frc"
 exit "$rc"

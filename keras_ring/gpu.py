@@ -3,12 +3,17 @@
 Every Horovod user wrote the same lines to give each rank its own GPU; ``init()`` does it
 instead: GPU ``local_rank()`` becomes the only one TensorFlow uses in this process, unless
 the user already chose (``CUDA_VISIBLE_DEVICES``, or ``tf.config.set_visible_devices`` before
-``init()``). It has to happen before TensorFlow initialises its devices, i.e. before the
-first TensorFlow op. On machines without GPUs nothing changes.
+``init()``). It also turns on memory growth for the GPUs the process uses, unless the user
+configured their memory: TensorFlow otherwise reserves nearly all of a GPU at its first op,
+and NCCL needs memory of its own when it sets up a communicator and (NCCL >= 2.22, which
+connects peers lazily) at the first collective. Both have to happen before TensorFlow
+initialises its devices, i.e. before the first TensorFlow op. On machines without GPUs
+nothing changes.
 
 The op library loads NCCL and the CUDA runtime itself, at the first GPU collective; this
-module only tells it where the ``nvidia-nccl-cu12`` wheel (``pip install keras-ring[cuda]``)
-and the CUDA runtime wheel put them. The system's libraries are the fallback.
+module only tells it where the NCCL wheel (``pip install keras-ring[cuda]`` brings
+``nvidia-nccl-cu12``; ``nvidia-nccl-cu13`` for CUDA 13) and the CUDA runtime wheel put them.
+The system's libraries are the fallback.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import warnings
 
 from keras_ring.ops import loader
 
-# Wheels whose ``lib`` directory holds a library the GPU collectives load.
-_LIBRARY_PACKAGES = ("nvidia.nccl", "nvidia.cuda_runtime")
+# Wheels whose ``lib`` directory holds a library the GPU collectives load: CUDA 12's wheels
+# have one package per library, CUDA 13's put them all in ``nvidia/cu13/lib``.
+_LIBRARY_PACKAGES = ("nvidia.nccl", "nvidia.cuda_runtime", "nvidia.cu13")
 
 
 def library_search_path() -> str:
@@ -56,6 +62,43 @@ def nccl_version(library=None) -> str:
         raise RuntimeError(err.value.decode(errors="replace"))
     code = version.value  # major*10000 + minor*100 + patch since NCCL 2.9
     return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+
+
+def _memory_configured(tf, gpu) -> bool:
+    """Whether the program already chose how TensorFlow takes this GPU's memory."""
+    if os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH"):
+        return True
+    if tf.config.get_logical_device_configuration(gpu):  # virtual devices / a memory limit
+        return True
+    return bool(tf.config.experimental.get_memory_growth(gpu))
+
+
+def allow_memory_growth(gpus) -> list[str]:
+    """Turns on memory growth for `gpus` whose memory the program left alone.
+
+    Returns the names of the GPUs it changed. When TensorFlow already initialised its GPUs it
+    changes nothing and warns: NCCL may then find too little memory to set up.
+    """
+    import tensorflow as tf
+
+    changed = []
+    for gpu in gpus:
+        if _memory_configured(tf, gpu):
+            continue
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError:
+            warnings.warn(
+                "keras_ring: TensorFlow had already initialised its GPUs when init() ran, so "
+                "memory growth could not be turned on: TensorFlow may hold nearly all GPU "
+                "memory and leave NCCL too little for its communicators. Call "
+                "keras_ring.init() before any TensorFlow op, or configure GPU memory yourself "
+                "(tf.config.experimental.set_memory_growth).",
+                stacklevel=3,
+            )
+            break
+        changed.append(gpu.name)
+    return changed
 
 
 def pin_to_local_gpu(local_rank: int, local_size: int, size: int) -> str | None:
@@ -102,6 +145,12 @@ def pin_to_local_gpu(local_rank: int, local_size: int, size: int) -> str | None:
 
 
 def configure(library, topology) -> str | None:
-    """init()'s GPU step: tell the op library where NCCL is, and pin this rank's GPU."""
+    """init()'s GPU step: tell the op library where NCCL is, pin this rank's GPU and let
+    TensorFlow take its memory as it goes (a world of one keeps TensorFlow's defaults)."""
     library.c.keras_ring_nccl_set_search_path(library_search_path().encode())
-    return pin_to_local_gpu(topology.local_rank, topology.local_size, topology.size)
+    pinned = pin_to_local_gpu(topology.local_rank, topology.local_size, topology.size)
+    if topology.size > 1:
+        import tensorflow as tf
+
+        allow_memory_growth(tf.config.get_visible_devices("GPU"))
+    return pinned

@@ -44,8 +44,8 @@ def test_device_collective_without_gpu_fails_alike_on_every_rank(world):
     assert rc == 9, message  # FailedPrecondition: not fatal, nothing was sent
     assert f"allreduce 'gpu_grad' failed on rank {rank}: rank 0: " in message
     # Whatever is missing here (the CUDA runtime, a driver or device, NCCL), it is named.
-    assert any(s in message for s in ("libcudart.so.12 not found", "cudaSetDevice failed",
-                                      "libnccl.so.2 not found")), message
+    assert any(s in message for s in ("no libcudart.so.12 or libcudart.so.13 found",
+                                      "cudaSetDevice failed", "libnccl.so.2 not found")), message
     assert list(buf) == [1, 2, 3, 4]
     verdicts = kr.allgather_object(message.split(": rank 0: ", 1)[1])
     assert len(set(verdicts)) == 1, verdicts
@@ -64,4 +64,31 @@ def test_gpu_tensor_on_one_rank_is_a_placement_mismatch(world):
                            "tensor in GPU memory, rank 1 has a "
                            "tensor in host memory"):
             kr.allreduce(tf.zeros([4]), op=kr.Sum)
+    _still_usable()
+
+
+def test_grouped_device_collective_without_gpu_fails_alike_and_names_itself(world):
+    rank, _ = world
+    c = library().c
+    vp = ctypes.c_void_p
+    c.keras_ring_device_grouped_allreduce.argtypes = [
+        ctypes.POINTER(vp), ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_double,
+        ctypes.c_double, ctypes.c_int, vp, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    a, b = (ctypes.c_float * 3)(1, 2, 3), (ctypes.c_double * 2)(4, 5)
+    pointers = (vp * 2)(ctypes.addressof(a), ctypes.addressof(b))
+    err = ctypes.create_string_buffer(4096)
+    rc = c.keras_ring_device_grouped_allreduce(
+        pointers, pointers, (ctypes.c_int64 * 2)(3, 2), (ctypes.c_int * 2)(FLOAT32, 3), 2, SUM,
+        1.0, 1.0, 0, None, b"gpu_bucket", err, len(err))
+    message = err.value.decode()
+    assert rc == 9, message
+    assert f"grouped_allreduce 'gpu_bucket' failed on rank {rank}: rank 0: " in message
+    assert list(a) == [1, 2, 3] and list(b) == [4, 5]
+    # Nothing was made on this machine: no events, no communicators.
+    events, comms = ctypes.c_int64(-1), ctypes.c_int64(-1)
+    assert c.keras_ring_device_objects(ctypes.byref(events), ctypes.byref(comms)) == 0
+    assert (events.value, comms.value) == (0, 0)
+    verdicts = kr.allgather_object(message.split(": rank 0: ", 1)[1])
+    assert len(set(verdicts)) == 1, verdicts
     _still_usable()

@@ -1,6 +1,8 @@
-"""The pure logic of benchmarks/gpu_check.py (the GPU machine runs the rest): reference
-results, dtype handling, the benchmark plan and the table. A wrong reference there would
-make a correct GPU run fail, or a wrong one pass."""
+"""The pure logic of benchmarks/gpu_check.py and its case and fault modules (the GPU machine
+runs the rest): reference results, dtype handling, the benchmark plan and the table, what the
+process maps and nvidia-smi say, how each failure scenario is judged, and the script's refusal
+to run fewer ranks than asked. A wrong reference or judgement there would make a correct GPU
+run fail, or a wrong one pass."""
 
 import importlib.util
 import subprocess
@@ -105,3 +107,112 @@ def test_version_strings():
 
 def test_the_shell_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
+
+
+def test_loaded_libraries_are_read_from_the_process_maps():
+    maps = "\n".join([
+        "7f00-7f10 r-xp 00000000 08:01 1 /opt/v/nvidia/cu13/lib/libcudart.so.13",
+        "7f10-7f20 r--p 00010000 08:01 1 /opt/v/nvidia/cu13/lib/libcudart.so.13",
+        "7f20-7f30 r-xp 00000000 08:01 2 /opt/v/nvidia/nccl/lib/libnccl.so.2",
+        "7f30-7f40 rw-p 00000000 00:00 0 ",
+        "7f40-7f50 r-xp 00000000 08:01 3 /usr/lib/libnccl-net.so",
+    ])
+    assert gc.cases.mapped_libraries(maps) == {
+        "libcudart": ["/opt/v/nvidia/cu13/lib/libcudart.so.13"],
+        "libnccl": ["/opt/v/nvidia/nccl/lib/libnccl.so.2"]}
+
+
+def test_contexts_on_other_gpus_are_found_by_pid_and_bus_id():
+    rows = "101, 00000000:19:00.0\n202, 00000000:19:00.0\n101, 00000000:3B:00.0\n"
+    assert gc.cases.foreign_gpus(rows, 202, "0000:19:00.0") == []
+    assert gc.cases.foreign_gpus(rows, 101, "0000:19:00.0") == ["3b:00.0"]
+    assert gc.cases.foreign_gpus(rows, 303, "0000:19:00.0") is None  # not listed: unknown
+
+
+def test_memory_drift_tolerates_little_and_catches_a_leak():
+    assert gc.cases.memory_stable(10 << 30, (10 << 30) - (8 << 20))
+    assert gc.cases.memory_stable(10 << 30, (10 << 30) + (1 << 20))
+    assert not gc.cases.memory_stable(10 << 30, (10 << 30) - 10_000 * 16_384)  # 16 KiB a call
+
+
+def test_grouped_references_are_each_members_own():
+    members = gc.cases.GROUP
+    by_rank = [gc.cases.group_inputs(gc, members, r) for r in range(3)]
+    want = gc.cases.group_reference(gc, members, by_rank, "Sum")
+    assert [w.dtype for w in want] == [gc.storage_dtype(name) for name, _ in members]
+    assert [w.size for w in want] == [count for _, count in members]
+    assert any(count == 0 for _, count in members)  # an empty member
+    scaled = gc.cases.SCALED_GROUP
+    assert {name for name, _ in scaled} >= {"float16", "bfloat16"}
+    by_rank = [gc.cases.group_inputs(gc, scaled, r, "Average") for r in range(2)]
+    got = gc.cases.group_reference(gc, scaled, by_rank, "Average", 0.5, 3.0)
+    exact = (gc.as_float64("float16", by_rank[0][0]) + gc.as_float64("float16", by_rank[1][0])) * 0.75
+    assert np.allclose(gc.as_float64("float16", got[0]), exact, rtol=2e-3)
+
+
+def _reports(n, **overrides):
+    ok = {"code": 14, "failed_call_s": 0.4, "later_code": 14, "shutdown_s": 0.2}
+    return {r: dict(ok, **overrides) for r in range(n)}
+
+
+def test_a_killed_rank_is_judged_by_the_survivors_promptness_and_exit():
+    f = gc.faults
+    n = 3
+    assert f.judge("kill", n, [0, 0, -9], _reports(n - 1)) == []
+    assert f.judge("kill", n, [0, 0, 0], _reports(n - 1)) == ["rank 2 (killed) exited with 0"]
+    slow = f.judge("kill", n, [0, 0, -9], _reports(n - 1, failed_call_s=29.0))
+    assert len(slow) == 2 and "not promptly" in slow[0]
+    assert "not refused" in f.judge("kill", n, [0, 0, -9], _reports(n - 1, later_code=0))[0]
+    assert "not cleanly" in f.judge("kill", n, [0, 70, -9], _reports(n - 1))[0]
+    assert "reported nothing" in f.judge("kill", n, [0, 0, -9], {0: _reports(1)[0]})[0]
+
+
+def test_a_stalled_gpu_must_end_in_a_timeout_at_the_deadline():
+    f = gc.faults
+    good = _reports(2, code=4, failed_call_s=f.TIMEOUT["stall"] + 0.5)
+    assert f.judge("stall", 2, [0, 0], good) == []
+    assert "expected a timeout" in f.judge("stall", 2, [0, 0], _reports(2, failed_call_s=10.2))[0]
+    early = f.judge("stall", 2, [0, 0], _reports(2, code=4, failed_call_s=1.0))
+    assert "ended after 1.0 s" in early[0]
+    slow_exit = {0: good[0], 1: dict(good[1], shutdown_s=40.0)}
+    assert "shutdown took" in f.judge("stall", 2, [0, 0], slow_exit)[0]
+
+
+def test_init_after_shutdown_needs_both_results_and_one_communicator():
+    f = gc.faults
+    good = {r: {"code": 0, "values": [2.0, 2.0], "communicators": 1} for r in range(2)}
+    assert f.judge("reinit", 2, [0, 0], good) == []
+    bad = {0: good[0], 1: {"code": 0, "values": [2.0], "communicators": 1}}
+    assert f.judge("reinit", 2, [0, 0], bad) != []
+
+
+def test_ranks_share_gpus_only_where_nccl_allows_it(monkeypatch):
+    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_MAX_CTAS"):
+        monkeypatch.delenv(name, raising=False)
+    assert gc.share_gpu_setup(gpus=2, n=2, nccl_code=22703) is None
+    assert "NCCL_MAX_CTAS" not in gc.os.environ  # own GPUs: NCCL's defaults
+    reason = gc.share_gpu_setup(gpus=1, n=2, nccl_code=22703)
+    assert "needs NCCL >= 2.30" in reason and "not running fewer ranks" in reason
+    assert gc.share_gpu_setup(gpus=1, n=2, nccl_code=23004) is None
+    assert gc.os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
+    assert int(gc.os.environ["NCCL_MAX_CTAS"]) > 0
+
+
+def test_the_script_fails_instead_of_running_fewer_ranks(tmp_path):
+    # A stand-in python: every package imports, CuPy sees 1 GPU, the newest NCCL is 2.27.
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    'case "$*" in\n'
+                    '  *--find-nccl*) echo "1 /opt/nccl 22703";;\n'
+                    '  --version) echo "Python 3.12";;\n'
+                    '  -) cat >/dev/null;;\n'
+                    "esac\n")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "NP": "2",
+                               "OUT": str(tmp_path / "out")},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "2 ranks would share 1 GPU(s), which needs NCCL >= 2.30" in proc.stdout
+    assert "running 1 rank" not in proc.stdout
+    assert not (tmp_path / "out" / "gpu_check.json").exists()

@@ -25,8 +25,10 @@ class Executor {
   virtual Status Execute(Request& request, uint64_t seq, ExecutionStats* stats) = 0;
   // Shutdown began: end any wait now. Any thread.
   virtual void Abort() {}
-  // The host data plane failed (a peer may be gone): release what waits on peers. Worker.
-  virtual void PeerFailed() {}
+  // A peer failed or is gone, or the host data plane failed (`cause` says which): end any
+  // wait on peers with it, and tear down without their cooperation. Any thread (the worker,
+  // or the watchdog while the worker waits on the device).
+  virtual void PeerFailed(const Status& /*cause*/) {}
 };
 
 }  // namespace keras_ring

@@ -65,6 +65,9 @@ Signature SignatureOf(const Request& r, uint64_t seq) {
   s.prescale = r.prescale;
   s.postscale = r.postscale;
   s.device = static_cast<int32_t>(r.placement);
+  s.comm = r.device_comm.ordinal;
+  s.comm_new = r.device_comm.creates ? 1 : 0;
+  s.gpu = r.device_comm.device;
   s.SetName(r.name);
   if (r.kind == Kind::kGroupedAllreduce) {
     DescribeGroup(r, &s);

@@ -32,6 +32,17 @@ struct DeviceTicket {
   virtual ~DeviceTicket() = default;
 };
 
+// The device communicator a collective runs on, set by the device executor just before it
+// agrees. Communicators are made collectively, in the same order on every rank, so equal
+// ordinals name the same communicator; a rank that would use another one (or make a new one
+// while its peers reuse theirs) must be a mismatch, not two ranks waiting on different
+// communicators until both time out.
+struct DeviceComm {
+  int32_t ordinal = -1;  // -1: none (host data)
+  bool creates = false;  // this collective makes communicator `ordinal`
+  int32_t device = -1;   // the GPU, for messages (ranks use different ones)
+};
+
 struct Request {
   Kind kind = Kind::kAllreduce;
   std::string name;
@@ -48,6 +59,7 @@ struct Request {
   int32_t* received_splits = nullptr;
   Placement placement = Placement::kHost;
   std::shared_ptr<DeviceTicket> device_ticket;  // with kDevice: the device executor's
+  DeviceComm device_comm;                       // with kDevice: set by the device executor
   bool may_yield = false;                       // waits may yield the core (an eager call)
   // Called exactly once: from the runtime's worker, from the submitting thread when the
   // runtime ran the request there (SubmitOrRun), or from Submit when it cannot take it.

@@ -242,7 +242,7 @@ Status Runtime::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
     transport_->AbortWith(s);  // the bare cause, naming the rank to blame
     OnFatal(failed);
     std::lock_guard<std::mutex> lock(device_mu_);
-    if (device_) device_->PeerFailed();
+    if (device_) device_->PeerFailed(s);
   }
   // A signature mismatch: every rank saw the same table and fails the same way; no data
   // moved, so the runtime stays usable.
@@ -280,6 +280,10 @@ void Runtime::WatchdogLoop() {
         peer_failure_ = failure;
         lock.unlock();
         transport_->AbortWith(failure);  // a collective in flight ends now
+        {
+          std::lock_guard<std::mutex> device_lock(device_mu_);
+          if (device_) device_->PeerFailed(failure);  // a device wait, too
+        }
         OnFatal(failure);
         lock.lock();
       }

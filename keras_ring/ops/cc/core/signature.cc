@@ -91,6 +91,17 @@ std::string RowShapeString(const Signature& s) {
   return out.str();
 }
 
+bool SameCommunicator(const Signature& a, const Signature& b) {
+  return !a.device || !b.device || (a.comm == b.comm && a.comm_new == b.comm_new);
+}
+
+std::string CommunicatorString(const Signature& s) {
+  const std::string gpu = "GPU " + std::to_string(s.gpu);
+  const std::string number = "NCCL communicator #" + std::to_string(s.comm);
+  if (s.comm_new) return "a new " + number + " to make for " + gpu;
+  return number + " (" + gpu + ")";
+}
+
 struct Field {
   const char* what;
   std::function<bool(const Signature&, const Signature&)> same;
@@ -138,6 +149,9 @@ std::vector<Field> FieldsFor(Kind kind) {
                [](auto& s) {
                  return std::string(s.device ? "a tensor in GPU memory" : "a tensor in host memory");
                }});
+  // Then the communicator, which a device rank picks by itself: ranks on different NCCL
+  // communicators (or one making a new one) would each wait for peers that never come.
+  f.push_back({"NCCL communicator", SameCommunicator, CommunicatorString});
   f.push_back({"dtype", [](auto& a, auto& b) { return a.dtype == b.dtype; },
                [](auto& s) { return std::string(DataTypeName(static_cast<DataType>(s.dtype))); }});
   if (kind == Kind::kAllreduce || kind == Kind::kGroupedAllreduce ||

@@ -37,7 +37,11 @@ struct Signature {
   int32_t ndims = 0;      // rank of the shape; for grouped, number of tensors
   int32_t inlined = 0;    // 1 if this rank's data rides along in its Slot's payload
   int32_t device = 0;     // 1 if the data is in device (GPU) memory: NCCL moves it, not the ring
-  int32_t reserved = 0;   // keeps dims 8-byte aligned without implicit padding
+  // With device data, the NCCL communicator it needs (DeviceComm in request.h): ordinal,
+  // whether this collective makes it, and the GPU (shown, not compared: ranks differ).
+  int32_t comm = -1;
+  int32_t comm_new = 0;
+  int32_t gpu = -1;
   int64_t dims[kMaxSignatureDims] = {};
   uint64_t layout_hash = 0;  // dims beyond the 8th; grouped: dtypes and counts of all tensors
   double prescale = 1.0;

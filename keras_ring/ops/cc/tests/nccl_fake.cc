@@ -122,15 +122,26 @@ std::string FakeDeviceApi::Name(const void* handle) {
   return it != names_.end() ? it->second : "?";
 }
 
+int FakeDeviceApi::HasCurrentContext(bool* has) {
+  std::lock_guard<std::mutex> lock(mu_);
+  *has = current_.count(std::this_thread::get_id()) > 0;
+  return 0;
+}
+
 int FakeDeviceApi::GetDevice(int* device) {
   std::lock_guard<std::mutex> lock(mu_);
-  *device = device_;
+  auto it = current_.find(std::this_thread::get_id());
+  *device = it != current_.end() ? it->second : 0;  // CUDA's answer without a context
   return 0;
 }
 
 int FakeDeviceApi::SetDevice(int device) {
   std::lock_guard<std::mutex> lock(mu_);
-  device_ = device;
+  current_[std::this_thread::get_id()] = device;
+  if (contexts_.insert(device).second) {  // CUDA 12 makes the primary context right here
+    std::lock_guard<std::mutex> wlock(world_->mu_);
+    world_->Note(rank_, "context " + std::to_string(device));
+  }
   return 0;
 }
 
@@ -172,6 +183,11 @@ int FakeDeviceApi::EventRecord(kn::Event event, kn::Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   events_[event] = streams_[stream];
   std::lock_guard<std::mutex> wlock(world_->mu_);
+  for (const auto& entry : comms_) {
+    if (entry.second.busy != Busy::kNone && entry.second.stream == stream) {
+      world_->Note(rank_, "violation: record on " + Name(stream) + " while its launch runs");
+    }
+  }
   world_->Note(rank_, "record " + Name(event) + "@" + Name(stream));
   return 0;
 }
@@ -201,37 +217,111 @@ int FakeDeviceApi::GetUniqueId(kn::UniqueId* id) {
   return 0;
 }
 
-int FakeDeviceApi::CommInitRank(kn::Comm* comm, int nranks, const kn::UniqueId& id, int rank) {
-  std::unique_lock<std::mutex> wlock(world_->mu_);
-  while (world_->block_init.load()) world_->cv_.wait_for(wlock, std::chrono::milliseconds(5));
-  world_->Note(rank_, "init " + std::to_string(rank) + "/" + std::to_string(nranks));
-  const int result = world_->ranks_[static_cast<size_t>(rank_)].init_result;
-  if (result != 0) return result;
-  world_->comms_[std::string(id.internal)];  // joins (or makes) the communicator
-  wlock.unlock();
+int FakeDeviceApi::MakeComm(kn::Comm* comm, const kn::UniqueId& id, bool nonblocking) {
   std::lock_guard<std::mutex> lock(mu_);
   *comm = reinterpret_cast<kn::Comm>(static_cast<uintptr_t>(next_handle_));
   names_[*comm] = "comm" + std::to_string(next_handle_++);
-  comm_ids_[*comm] = std::string(id.internal);
+  CommInfo& info = comms_[*comm];
+  info.id = std::string(id.internal);
+  info.nonblocking = nonblocking;
+  info.busy = nonblocking ? Busy::kInit : Busy::kNone;
+  return nonblocking ? kn::kNcclInProgress : 0;
+}
+
+int FakeDeviceApi::CommInitRank(kn::Comm* comm, int nranks, const kn::UniqueId& id, int rank) {
+  {
+    std::unique_lock<std::mutex> wlock(world_->mu_);
+    while (world_->block_init.load()) world_->cv_.wait_for(wlock, std::chrono::milliseconds(5));
+    world_->Note(rank_,
+                 "init " + std::to_string(rank) + "/" + std::to_string(nranks) + " blocking");
+    const int result = world_->ranks_[static_cast<size_t>(rank_)].init_result;
+    if (result != 0) return result;
+    world_->comms_[std::string(id.internal)].joined++;
+  }
+  return MakeComm(comm, id, false);
+}
+
+int FakeDeviceApi::CommInitRankConfig(kn::Comm* comm, int nranks, const kn::UniqueId& id,
+                                      int rank, kn::NcclConfig* config) {
+  // What NCCL checks of the config it is handed (see abi.h).
+  if (config->size < kn::kNcclConfigBytes || config->magic != 0xcafebeefu ||
+      config->version < 21400 || (config->blocking != 0 && config->blocking != 1)) {
+    *comm = nullptr;
+    return kn::kNcclInvalidArgument;
+  }
+  {
+    std::lock_guard<std::mutex> wlock(world_->mu_);
+    world_->Note(rank_, "init " + std::to_string(rank) + "/" + std::to_string(nranks) +
+                            (config->blocking ? " blocking" : " nonblocking"));
+    world_->comms_[std::string(id.internal)].joined++;
+  }
+  return MakeComm(comm, id, config->blocking == 0);
+}
+
+int FakeDeviceApi::AsyncState(const void* comm) {
+  CommInfo& info = comms_[comm];
+  FakeNcclWorld::CommState& c = world_->comms_[info.id];
+  switch (info.busy) {
+    case Busy::kNone:
+      return 0;
+    case Busy::kInit:
+      if (world_->block_init.load() || c.joined < world_->size_) return kn::kNcclInProgress;
+      info.busy = Busy::kNone;
+      return world_->ranks_[static_cast<size_t>(rank_)].init_result;
+    case Busy::kLaunch:
+      if (world_->launch_stuck.load() || info.polls_left-- > 0) return kn::kNcclInProgress;
+      break;
+    case Busy::kFinalize:
+      if (c.finalized < world_->size_) return kn::kNcclInProgress;
+      break;
+  }
+  info.busy = Busy::kNone;
   return 0;
 }
 
-int FakeDeviceApi::CommGetAsyncError(kn::Comm, int* async_error) {
-  *async_error = world_->async_error_rank.load() == rank_ ? world_->async_error.load() : 0;
+void FakeDeviceApi::CheckIdle(const void* comm, const std::string& call) {
+  const CommInfo& info = comms_[comm];
+  if (info.aborted) world_->Note(rank_, "violation: " + call + " on an aborted communicator");
+  if (info.busy != Busy::kNone) world_->Note(rank_, "violation: " + call + " while in progress");
+}
+
+int FakeDeviceApi::CommGetAsyncError(kn::Comm comm, int* async_error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  if (comms_[comm].aborted) world_->Note(rank_, "violation: poll of an aborted communicator");
+  world_->Note(rank_, "poll");
+  const bool setting_up = comms_[comm].busy == Busy::kInit;  // the knob is for later errors
+  const int busy = AsyncState(comm);
+  const bool inject = !setting_up && world_->async_error_rank.load() == rank_;
+  *async_error = inject ? world_->async_error.load() : busy;
   return 0;
 }
 
 int FakeDeviceApi::CommAbort(kn::Comm comm) {
   std::lock_guard<std::mutex> lock(mu_);
-  aborted_[comm] = true;
+  comms_[comm].aborted = true;
+  comms_[comm].busy = Busy::kNone;
   std::lock_guard<std::mutex> wlock(world_->mu_);
   world_->Note(rank_, "abort");
   return 0;
 }
 
-int FakeDeviceApi::CommDestroy(kn::Comm) {
-  std::unique_lock<std::mutex> wlock(world_->mu_);
-  while (world_->block_destroy.load()) world_->cv_.wait_for(wlock, std::chrono::milliseconds(5));
+int FakeDeviceApi::CommFinalize(kn::Comm comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  CheckIdle(comm, "finalize");
+  CommInfo& info = comms_[comm];
+  world_->comms_[info.id].finalized++;
+  world_->Note(rank_, "finalize");
+  if (!info.nonblocking) return 0;
+  info.busy = Busy::kFinalize;
+  return kn::kNcclInProgress;
+}
+
+int FakeDeviceApi::CommDestroy(kn::Comm comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(world_->mu_);
+  CheckIdle(comm, "destroy");
   world_->Note(rank_, "destroy comm");
   return 0;
 }
@@ -265,6 +355,7 @@ int FakeDeviceApi::Enqueue(const FakeCall& call, kn::Comm comm, kn::Stream strea
                        : call.type == FakeCall::kBroadcast ? "broadcast"
                                                            : "allgather";
     std::lock_guard<std::mutex> wlock(world_->mu_);
+    CheckIdle(comm, what);
     world_->Note(rank_, std::string(what) + "@" + Name(stream));
     if (in_group_) {
       group_.push_back(call);
@@ -277,17 +368,25 @@ int FakeDeviceApi::Enqueue(const FakeCall& call, kn::Comm comm, kn::Stream strea
 }
 
 int FakeDeviceApi::Submit(std::vector<FakeCall> calls, kn::Comm comm, kn::Stream stream) {
+  if (world_->on_launch) world_->on_launch(rank_);
   std::lock_guard<std::mutex> lock(mu_);
-  if (aborted_[comm]) return kn::kNcclInvalidUsage;
+  CommInfo& info = comms_[comm];
+  if (info.aborted) return kn::kNcclInvalidUsage;
   std::lock_guard<std::mutex> wlock(world_->mu_);
-  FakeNcclWorld::CommState& c = world_->comms_[comm_ids_[comm]];
+  FakeNcclWorld::CommState& c = world_->comms_[info.id];
   const int seq = c.next_seq[rank_]++;
   FakeNcclWorld::Launch& launch = c.launches[seq];
   launch.calls.resize(static_cast<size_t>(world_->size_));
   launch.calls[static_cast<size_t>(rank_)] = std::move(calls);
   streams_[stream].push_back(launch.done);
   if (++launch.arrived == world_->size_ && !world_->hang.load()) world_->Execute(c, launch);
-  return 0;
+  info.stream = stream;
+  if (!info.nonblocking || (world_->launch_polls.load() == 0 && !world_->launch_stuck.load())) {
+    return 0;
+  }
+  info.busy = Busy::kLaunch;
+  info.polls_left = world_->launch_polls.load();
+  return kn::kNcclInProgress;
 }
 
 int FakeDeviceApi::AllReduce(const void* send, void* recv, size_t count, int dtype, int op,
@@ -329,7 +428,7 @@ int FakeDeviceApi::RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int re
   std::string id;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    id = comm_ids_[comm];
+    id = comms_[comm].id;
   }
   std::lock_guard<std::mutex> wlock(world_->mu_);
   FakeNcclWorld::CommState& c = world_->comms_[id];

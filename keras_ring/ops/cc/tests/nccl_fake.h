@@ -5,6 +5,14 @@
 // results with the core's reduce kernels. An event is reached once every launch queued on its
 // stream before it completed. Knobs inject the failures the backend must survive.
 //
+// Like NCCL >= 2.14's nonblocking communicators, setup, launches and finalize may answer
+// ncclInProgress, and ncclCommGetAsyncError says when that is over (setup: once every rank
+// joined; finalize: once every rank finalized). A call on a communicator still in progress,
+// or an event recorded on its stream meanwhile, is logged as a "violation" (NCCL forbids
+// both). Each thread has its own current device, and a thread that never set one has no
+// context: cudaGetDevice says 0 there, as CUDA does. The first context a rank makes on a
+// device is logged ("context 1"), so a test sees a context made on a GPU it never meant.
+//
 // What runs the real thing: benchmarks/gpu_check.sh on a GPU machine drives the same backend
 // through the real seam (dynamic_api.cc: libcudart and libnccl loaded at run time) with CuPy
 // buffers; test_gpu_path_without_gpu.py runs the real seam on a machine without GPUs.
@@ -12,10 +20,13 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../core/nccl/device_api.h"
@@ -42,8 +53,11 @@ class FakeNcclWorld {
   std::atomic<bool> hang{false};           // launches never complete
   std::atomic<int> async_error{0};         // reported by ncclCommGetAsyncError of...
   std::atomic<int> async_error_rank{-1};   // ...this rank (-1: none)
-  std::atomic<bool> block_init{false};     // ncclCommInitRank waits until this is cleared
-  std::atomic<bool> block_destroy{false};  // ncclCommDestroy waits until this is cleared
+  std::atomic<bool> block_init{false};     // setup does not finish until this is cleared
+  std::atomic<bool> nonblocking{true};     // NCCL >= 2.14: ncclCommInitRankConfig exists
+  std::atomic<int> launch_polls{0};        // a launch stays in progress for this many polls
+  std::atomic<bool> launch_stuck{false};   // launches stay in progress (a lazy connect hangs)
+  std::function<void(int rank)> on_launch;  // called at each launch (set before the ranks run)
   void SetLoadNcclError(int rank, const std::string& message);
   void SetInitResult(int rank, int result);
 
@@ -60,6 +74,8 @@ class FakeNcclWorld {
     std::shared_ptr<bool> done = std::make_shared<bool>(false);
   };
   struct CommState {
+    int joined = 0;     // ranks that called init
+    int finalized = 0;  // ranks that called finalize
     int next_seq[64] = {};
     std::map<int, Launch> launches;
     std::map<int, double> premul_scalars;  // op id -> scalar
@@ -91,6 +107,7 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
 
   keras_ring::Status LoadCuda() override { return keras_ring::Status::OK(); }
   keras_ring::Status LoadNccl() override;
+  int HasCurrentContext(bool* has) override;
   int GetDevice(int* device) override;
   int SetDevice(int device) override;
   int StreamCreate(keras_ring::nccl::Stream* stream) override;
@@ -106,6 +123,11 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
   int GetUniqueId(keras_ring::nccl::UniqueId* id) override;
   int CommInitRank(keras_ring::nccl::Comm* comm, int nranks, const keras_ring::nccl::UniqueId& id,
                    int rank) override;
+  bool HasNonblockingComms() override { return world_->nonblocking.load(); }
+  int CommInitRankConfig(keras_ring::nccl::Comm* comm, int nranks,
+                         const keras_ring::nccl::UniqueId& id, int rank,
+                         keras_ring::nccl::NcclConfig* config) override;
+  int CommFinalize(keras_ring::nccl::Comm comm) override;
   int CommGetAsyncError(keras_ring::nccl::Comm comm, int* async_error) override;
   int CommAbort(keras_ring::nccl::Comm comm) override;
   int CommDestroy(keras_ring::nccl::Comm comm) override;
@@ -125,19 +147,33 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
   }
 
  private:
+  // What a nonblocking communicator is busy with (answered by ncclCommGetAsyncError).
+  enum class Busy { kNone, kInit, kLaunch, kFinalize };
+  struct CommInfo {
+    std::string id;
+    bool nonblocking = false;
+    bool aborted = false;
+    Busy busy = Busy::kNone;
+    int polls_left = 0;
+    const void* stream = nullptr;  // of its last launch
+  };
   int Enqueue(const FakeCall& call, keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream);
   int Submit(std::vector<FakeCall> calls, keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream);
+  int MakeComm(keras_ring::nccl::Comm* comm, const keras_ring::nccl::UniqueId& id,
+               bool nonblocking);
+  int AsyncState(const void* comm);  // the async state: kNcclInProgress while busy (needs mu_)
+  void CheckIdle(const void* comm, const std::string& call);  // logs a violation (needs mu_)
   std::string Name(const void* handle);
 
   std::shared_ptr<FakeNcclWorld> world_;
   const int rank_;
-  int device_ = 0;
+  std::map<std::thread::id, int> current_;  // each thread's current device, if it has one
+  std::set<int> contexts_;                  // devices this rank made a context on
   int next_handle_ = 1;
   std::map<const void*, std::string> names_;  // handle -> "stream1", "event3"
   std::map<const void*, std::vector<std::shared_ptr<bool>>> streams_;  // pending launches
   std::map<const void*, std::vector<std::shared_ptr<bool>>> events_;   // recorded snapshot
-  std::map<const void*, std::string> comm_ids_;
-  std::map<const void*, bool> aborted_;
+  std::map<const void*, CommInfo> comms_;
   bool in_group_ = false;
   std::vector<FakeCall> group_;
   const void* group_comm_ = nullptr;

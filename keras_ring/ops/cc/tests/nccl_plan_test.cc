@@ -137,9 +137,36 @@ TEST(NcclPlan_ResultCodesBecomeStatuses) {
   s = kn::NcclError(kn::kNcclUnhandledCudaError, "ncclBroadcast", "unhandled cuda error");
   CHECK(s.code() == Code::kInternal);
   CHECK(s.message().find("MULTI_RANK") == std::string::npos);
+  // NCCL 2.30's own timeout is a timeout here too.
+  s = kn::NcclError(kn::kNcclTimeout, "ncclAllReduce", "operation timed out");
+  CHECK(s.code() == Code::kDeadlineExceeded && s.fatal());
+  CHECK_CONTAINS(s.message(), "(ncclResult_t 8)");
   s = kn::CudaError(700, "cudaEventQuery", "an illegal memory access was encountered");
   CHECK(s.code() == Code::kInternal && s.fatal());
   CHECK_CONTAINS(s.message(), "cudaEventQuery failed: an illegal memory access");
+}
+
+// The config handed to ncclCommInitRankConfig, against nccl.h: ncclResult_t's values, and
+// the leading fields of ncclConfig_t and NCCL_CONFIG_INITIALIZER's size, magic and version.
+TEST(NcclPlan_ConfigAbiIsNcclsFirstFields) {
+  CHECK_EQ(kn::kNcclInProgress, 7);
+  CHECK_EQ(kn::kNcclTimeout, 8);
+  const kn::NcclConfig c = kn::NonblockingConfig();
+  unsigned char bytes[sizeof c];
+  std::memcpy(bytes, &c, sizeof c);
+  size_t size = 0;
+  unsigned int magic = 0, version = 0;
+  int blocking = -1;
+  std::memcpy(&size, bytes + 0, sizeof size);  // size_t size
+  std::memcpy(&magic, bytes + 8, 4);           // unsigned int magic
+  std::memcpy(&version, bytes + 12, 4);        // unsigned int version
+  std::memcpy(&blocking, bytes + 16, 4);       // int blocking
+  CHECK_EQ(size, size_t{20}) << "NCCL copies `size` bytes: exactly the fields set here";
+  CHECK_EQ(magic, 0xcafebeefu);
+  CHECK_EQ(version, 21400u) << "NCCL resets fields newer than `version` to their defaults";
+  CHECK_EQ(blocking, 0);
+  CHECK_EQ(kn::kNcclConfigUndefined, INT32_MIN);
+  CHECK_EQ(kn::kNonblockingNcclVersion, 21400);
 }
 
 TEST(NcclPlan_VersionStrings) {

@@ -162,6 +162,31 @@ TEST(Signatures_OperationMismatch) {
   CHECK_CONTAINS(v[0].message(), "allgather");
 }
 
+// GPU ranks pick their NCCL communicator themselves; it is compared like the shape (the
+// GPU number is shown but not compared: every rank has its own).
+TEST(Signatures_DeviceCommunicatorMismatch) {
+  auto on = [](int comm, int fresh, int gpu) {
+    Signature s = AllreduceSig(10);
+    s.device = 1;
+    s.comm = comm;
+    s.comm_new = fresh;
+    s.gpu = gpu;
+    return s;
+  };
+  CHECK_OK(keras_ring::CheckSignatures({on(0, 0, 0), on(0, 0, 1), on(0, 0, 2)}));
+  CHECK_OK(keras_ring::CheckSignatures({on(1, 1, 0), on(1, 1, 3)}));
+  Status s = keras_ring::CheckSignatures({on(0, 0, 0), on(0, 0, 1), on(1, 1, 7)});
+  CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+  CHECK_EQ(s.peer(), 2);
+  CHECK_CONTAINS(s.message(), "NCCL communicator mismatch: rank 0 has NCCL communicator #0 "
+                              "(GPU 0), rank 2 has a new NCCL communicator #1 to make for GPU 7");
+  s = keras_ring::CheckSignatures({on(0, 0, 0), on(1, 0, 1)});
+  CHECK_CONTAINS(s.message(), "rank 1 has NCCL communicator #1 (GPU 1)");
+  // Host ranks have no communicator: a placement mismatch is reported first, as before.
+  s = keras_ring::CheckSignatures({on(0, 0, 0), AllreduceSig(10)});
+  CHECK_CONTAINS(s.message(), "placement mismatch");
+}
+
 TEST(Signatures_BroadcastRootOutOfRange) {
   for (int bad_root : {3, -1, 100}) {
     static int root;  // captureless lambdas below read it

@@ -1,11 +1,9 @@
 #include "backend.h"
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
-#include <thread>
 
 #include "../algorithms.h"
 
@@ -36,16 +34,34 @@ void CopyReason(const std::string& text, char* out, size_t cap) {
   out[n] = '\0';
 }
 
-// Polls often at first (most collectives finish within microseconds to milliseconds), then
-// sleeps a little longer each time so a long wait costs no CPU (ranks may share cores).
-void Backoff(int polls) {
-  if (polls < 100) {
-    std::this_thread::yield();
-    return;
+// Makes `device` current on this thread for the guard's life. The device the thread was on
+// is put back only where the thread had a context: on a thread without one cudaGetDevice
+// says 0, and switching "back" would create a context on GPU 0 (CUDA 12 makes the primary
+// context in cudaSetDevice) in every process, whatever its own GPU (the rule PyTorch's
+// MaybeSetDevice follows).
+class DeviceGuard {
+ public:
+  DeviceGuard(DeviceApi& api, int device) : api_(api) {
+    bool has_context = false;
+    int current = -1;
+    if (api.HasCurrentContext(&has_context) == kCudaSuccess && has_context &&
+        api.GetDevice(&current) == kCudaSuccess && current != device) {
+      previous_ = current;
+    }
+    result_ = api.SetDevice(device);
   }
-  const int shift = std::min(polls - 100, 5);
-  std::this_thread::sleep_for(std::chrono::microseconds(16 << shift));
-}
+  ~DeviceGuard() {
+    if (previous_ >= 0) api_.SetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  int result() const { return result_; }
+
+ private:
+  DeviceApi& api_;
+  int previous_ = -1;
+  int result_ = kCudaSuccess;
+};
 
 bool NothingToMove(const std::vector<Signature>& sigs, const Request& c) {
   if (c.kind == Kind::kAllgather) {
@@ -75,35 +91,6 @@ StreamTicket::~StreamTicket() {
   if (ready != nullptr) owner->ReleaseEvent(device, ready);
 }
 
-Communicator::~Communicator() {
-  if (aborted_) return;  // ncclCommAbort already freed everything
-  for (const auto& entry : premul_ops_) api_.RedOpDestroy(entry.second, comm_);
-  api_.CommDestroy(comm_);
-}
-
-void Communicator::Abort() {
-  if (aborted_) return;
-  aborted_ = true;
-  api_.CommAbort(comm_);
-}
-
-Status Communicator::PreMulSumOp(int nccl_dtype, DataType dtype, double scalar, int* op) {
-  const auto key = std::make_pair(nccl_dtype, scalar);
-  auto it = premul_ops_.find(key);
-  if (it != premul_ops_.end()) {
-    *op = it->second;
-    return Status::OK();
-  }
-  uint64_t bits = EncodeScalar(dtype, scalar);
-  int made = 0;
-  const int r =
-      api_.RedOpCreatePreMulSum(&made, &bits, nccl_dtype, kNcclScalarHostImmediate, comm_);
-  if (r != kNcclSuccess) return NcclError(r, "ncclRedOpCreatePreMulSum", api_.NcclErrorString(r));
-  premul_ops_.emplace(key, made);
-  *op = made;
-  return Status::OK();
-}
-
 NcclBackend::NcclBackend(std::shared_ptr<DeviceApi> api, HostExecutor& host, int rank,
                          int size, double timeout_seconds)
     : api_(std::move(api)), host_(host), rank_(rank), size_(size),
@@ -114,17 +101,16 @@ NcclBackend::~NcclBackend() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& entry : devices_) {
     DeviceState& d = entry.second;
-    api_->SetDevice(entry.first);
+    DeviceGuard on_device(*api_, entry.first);
     for (Event e : d.free_events) api_->EventDestroy(e);
     if (d.stream != nullptr) api_->StreamDestroy(d.stream);
   }
 }
 
 void NcclBackend::ReleaseCommunicators() {
-  // Every collective completed or was aborted, but ncclCommDestroy still flushes traffic a
-  // peer may be receiving, and may wait for the peers' own teardown; after a host-side
-  // failure a peer may be gone, so abort instead. Either runs on a helper thread that is
-  // given up on (with a warning) at the deadline, so shutdown never hangs.
+  // Every collective completed or was aborted, but the peers may still be receiving: a
+  // cooperative end flushes that, bounded by the deadline (then aborted). After a failure a
+  // peer may be gone for good, so abort at once.
   std::vector<std::pair<int, std::unique_ptr<Communicator>>> comms;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -132,33 +118,33 @@ void NcclBackend::ReleaseCommunicators() {
       if (entry.second.comm) comms.emplace_back(entry.first, std::move(entry.second.comm));
     }
   }
-  if (comms.empty()) return;
-  auto done = std::make_shared<std::atomic<bool>>(false);
-  std::thread helper([api = api_, comms = std::move(comms), done,
-                      abort = peer_failed_.load()]() mutable {
-    for (auto& entry : comms) {
-      api->SetDevice(entry.first);
-      if (abort) entry.second->Abort();
-      entry.second.reset();
+  const double limit = std::min(timeout_seconds_, 60.0);
+  const Deadline deadline = Deadline::After(limit);
+  for (auto& entry : comms) {
+    if (entry.second->aborted()) continue;  // a failed collective ended it already
+    DeviceGuard on_device(*api_, entry.first);
+    if (peer_failed_.load()) {
+      entry.second->Abort();
+    } else if (!entry.second->Close(deadline)) {
+      std::fprintf(stderr,
+                   "keras_ring: WARNING: the NCCL communicator on GPU %d could not be finalized "
+                   "within %s s (a peer may have exited without keras_ring.shutdown()); it was "
+                   "aborted\n",
+                   entry.first, Seconds(limit).c_str());
     }
-    done->store(true);
-  });
-  const Deadline deadline = Deadline::After(std::min(timeout_seconds_, 60.0));
-  while (!done->load() && !deadline.expired()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    entry.second.reset();
   }
-  if (done->load()) {
-    helper.join();
-    return;
-  }
-  helper.detach();
-  std::fprintf(stderr,
-               "keras_ring: WARNING: NCCL communicator teardown did not finish within %s s (a "
-               "peer may have exited without keras_ring.shutdown()); continuing without it\n",
-               Seconds(std::min(timeout_seconds_, 60.0)).c_str());
 }
 
 void NcclBackend::Abort() { aborted_.store(true); }
+
+void NcclBackend::PeerFailed(const Status& cause) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  if (peer_failure_.ok()) {
+    peer_failure_ = cause.ok() ? Status(Code::kUnavailable, "the host data plane failed") : cause;
+  }
+  peer_failed_.store(true);
+}
 
 int NcclBackend::communicator_count() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -170,6 +156,20 @@ int NcclBackend::communicator_count() {
 NcclBackend::DeviceState& NcclBackend::State(int device) {
   std::lock_guard<std::mutex> lock(mu_);
   return devices_[device];
+}
+
+DeviceComm NcclBackend::CommunicatorFor(int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceComm use;
+  use.device = device;
+  auto it = devices_.find(device);
+  if (it != devices_.end() && it->second.comm) {
+    use.ordinal = it->second.ordinal;
+  } else {
+    use.ordinal = communicators_made_;
+    use.creates = true;
+  }
+  return use;
 }
 
 Status NcclBackend::Cuda(int error, const char* call) {
@@ -192,6 +192,7 @@ Status NcclBackend::TakeEvent(int device, Event* event) {
       return Status::OK();
     }
   }
+  events_made_.fetch_add(1);
   return Cuda(api_->EventCreate(event), "cudaEventCreateWithFlags");  // on the current device
 }
 
@@ -204,17 +205,15 @@ std::shared_ptr<StreamTicket> NcclBackend::Prepare(int device, Stream caller_str
   auto ticket = std::make_shared<StreamTicket>(this, device, caller_stream);
   ticket->status = api_->LoadCuda();
   if (!ticket->status.ok()) return ticket;
-  // The caller's thread may be working on another device; leave it as it was.
-  int previous = -1;
-  const bool restore = api_->GetDevice(&previous) == kCudaSuccess && previous != device;
-  Status s = Cuda(api_->SetDevice(device), "cudaSetDevice");
+  // The caller's thread (TensorFlow's) may be working on another device: leave it as it was.
+  DeviceGuard on_device(*api_, device);
+  Status s = Cuda(on_device.result(), "cudaSetDevice");
   Event ready = nullptr;
   if (s.ok()) s = TakeEvent(device, &ready);
   if (s.ok()) {
     ticket->ready = ready;
     s = Cuda(api_->EventRecord(ready, caller_stream), "cudaEventRecord");
   }
-  if (restore) api_->SetDevice(previous);
   ticket->status = s;
   return ticket;
 }
@@ -224,6 +223,8 @@ Status NcclBackend::Execute(Request& request, uint64_t seq, ExecutionStats* stat
   if (ticket == nullptr) {
     return Status(Code::kInternal, "a device collective without NCCL's ticket reached NCCL");
   }
+  // Which communicator this rank would use is agreed like the shape.
+  request.device_comm = CommunicatorFor(ticket->device);
   std::vector<Signature> sigs;
   bool inlined = false;  // never: device data does not ride in the slots
   KR_RETURN_IF_ERROR(host_.Agree(request, seq, &sigs, &inlined));
@@ -274,6 +275,7 @@ Status NcclBackend::RunOnStream(const std::vector<Signature>& sigs, Request& c,
                                 const std::vector<ReducePlan>& plans, StreamTicket& ticket,
                             DeviceState& d) {
   Communicator& comm = *d.comm;
+  const StopCheck stop = StopAt(Deadline::After(timeout_seconds_));
   Event ready = ticket.ready;
   Event allocated = nullptr;
   Event done = nullptr;
@@ -290,14 +292,16 @@ Status NcclBackend::RunOnStream(const std::vector<Signature>& sigs, Request& c,
     ready = allocated;
   }
   if (s.ok()) s = Cuda(api_->StreamWaitEvent(d.stream, ready), "cudaStreamWaitEvent");
-  if (s.ok()) s = Launch(sigs, c, plans, comm, d.stream);
+  // A nonblocking launch is settled before anything else is queued on the stream.
+  if (s.ok()) s = Launch(sigs, c, plans, comm, d.stream, stop);
   if (s.ok()) s = TakeEvent(ticket.device, &done);
   if (s.ok()) s = Cuda(api_->EventRecord(done, d.stream), "cudaEventRecord");
   if (s.ok()) s = Cuda(api_->StreamWaitEvent(ticket.caller_stream, done), "cudaStreamWaitEvent");
   if (s.ok()) {
-    s = WaitFor(done, comm, KindName(c.kind));
-  } else {
+    s = WaitFor(done, comm, std::string("NCCL ") + KindName(c.kind), stop);
+  } else if (!comm.aborted()) {
     comm.Abort();  // the peers may be inside the collective already
+    s = Status(s.code(), s.message() + " (its NCCL communicator was aborted)", s.peer());
   }
   if (done != nullptr) ReleaseEvent(ticket.device, done);
   if (allocated != nullptr) ReleaseEvent(ticket.device, allocated);
@@ -338,10 +342,17 @@ Status NcclBackend::Connect(Transport& control, int device, const Status& local)
     return Status(Code::kFailedPrecondition,
                   std::string("rank 0 could not make an NCCL unique id: ") + id.reason, 0);
   }
-  Comm comm = nullptr;
-  KR_RETURN_IF_ERROR(InitCommunicator(device, id.id, &comm));
-  State(device).comm = std::make_unique<Communicator>(*api_, comm);
+  std::unique_ptr<Communicator> comm;
+  KR_RETURN_IF_ERROR(Communicator::Create(*api_, size_, id.id, rank_,
+                                          StopAt(Deadline::After(timeout_seconds_)), &comm));
+  DeviceState& d = State(device);
+  d.comm = std::move(comm);
+  d.ordinal = communicators_made_++;
   return Status::OK();
+}
+
+StopCheck NcclBackend::StopAt(const Deadline& deadline) {
+  return [this, deadline](const std::string& what) { return StopReason(deadline, what); };
 }
 
 Status NcclBackend::StopReason(const Deadline& deadline, const std::string& what) {
@@ -349,6 +360,7 @@ Status NcclBackend::StopReason(const Deadline& deadline, const std::string& what
     return Status(Code::kAborted, "keras_ring shut down while " + what + " was running");
   }
   KR_RETURN_IF_ERROR(InterruptStatus());
+  KR_RETURN_IF_ERROR(PeerFailure());
   if (deadline.expired()) {
     return Status(Code::kDeadlineExceeded,
                   what + " did not complete within " + Seconds(timeout_seconds_) +
@@ -357,71 +369,36 @@ Status NcclBackend::StopReason(const Deadline& deadline, const std::string& what
   return Status::OK();
 }
 
-Status NcclBackend::InitCommunicator(int device, const UniqueId& id, Comm* out) {
-  // ncclCommInitRank blocks until every rank joined. It runs on a helper thread so that
-  // this wait is bounded like every other: a helper abandoned at the deadline aborts the
-  // communicator itself if it is ever made.
-  struct Job {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool finished = false;
-    bool abandoned = false;
-    Comm comm = nullptr;
-    int cuda = kCudaSuccess;
-    int result = kNcclSuccess;
-  };
-  auto job = std::make_shared<Job>();
-  std::thread helper([job, api = api_, device, id, rank = rank_, size = size_] {
-    Comm comm = nullptr;
-    const int cuda = api->SetDevice(device);
-    const int result = cuda == kCudaSuccess ? api->CommInitRank(&comm, size, id, rank)
-                                            : kNcclSuccess;
-    std::lock_guard<std::mutex> lock(job->mu);
-    if (job->abandoned) {
-      if (cuda == kCudaSuccess && result == kNcclSuccess) api->CommAbort(comm);
-    } else {
-      job->comm = comm;
-      job->cuda = cuda;
-      job->result = result;
-    }
-    job->finished = true;
-    job->cv.notify_all();
-  });
-  const Deadline deadline = Deadline::After(timeout_seconds_);
-  std::unique_lock<std::mutex> lock(job->mu);
-  while (!job->finished) {
-    Status stop = StopReason(deadline, "ncclCommInitRank");
-    if (!stop.ok()) {
-      job->abandoned = true;
-      lock.unlock();
-      helper.detach();
-      return stop;
-    }
-    job->cv.wait_for(lock, std::chrono::milliseconds(20));
+Status NcclBackend::PeerFailure() {
+  if (peer_failed_.load()) {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    return peer_failure_;
   }
-  lock.unlock();
-  helper.join();
-  KR_RETURN_IF_ERROR(Cuda(job->cuda, "cudaSetDevice"));
-  KR_RETURN_IF_ERROR(Nccl(job->result, "ncclCommInitRank"));
-  *out = job->comm;
-  return Status::OK();
+  // NCCL's transports within a host may never report a peer that died: its kernels wait
+  // for data that never comes. The host transport's control sockets do (an EOF, or the
+  // peer's abort notice). The watchdog looks every 250 ms and calls PeerFailed; between its
+  // visits the worker looks too, every 10 ms (a poll with no timeout, nothing consumed).
+  const Clock::time_point now = Clock::now();
+  if (now < next_liveness_poll_) return Status::OK();
+  next_liveness_poll_ = now + std::chrono::milliseconds(10);
+  return host_.transport().PollPeerFailure();
 }
 
 Status NcclBackend::Launch(const std::vector<Signature>& sigs, Request& c,
                            const std::vector<ReducePlan>& plans, Communicator& comm,
-                           Stream stream) {
+                           Stream stream, const StopCheck& stop) {
   switch (c.kind) {
     case Kind::kAllreduce:
     case Kind::kGroupedAllreduce:
-      return LaunchReduce(c, plans, comm, stream);
+      return LaunchReduce(c, plans, comm, stream, stop);
     case Kind::kAllgather:
-      return LaunchAllgather(sigs, c, comm.get(), stream);
+      return LaunchAllgather(sigs, c, comm, stream, stop);
     case Kind::kBroadcast: {
       // Raw bytes: any dtype (bool included) broadcasts alike.
       const TensorRef& t = c.tensors[0];
-      return Nccl(api_->Broadcast(t.input, t.output, t.num_bytes(), kNcclInt8, c.root,
-                                  comm.get(), stream),
-                  "ncclBroadcast");
+      return comm.Settle(api_->Broadcast(t.input, t.output, t.num_bytes(), kNcclInt8, c.root,
+                                         comm.get(), stream),
+                         "ncclBroadcast", stop);
     }
     case Kind::kBarrier:
       break;
@@ -433,14 +410,20 @@ Status NcclBackend::Launch(const std::vector<Signature>& sigs, Request& c,
   return Status::OK();
 }
 
+// Inside a group NCCL only records the call (a nonblocking communicator may say
+// ncclInProgress already); ncclGroupEnd launches, and that result is the one to settle.
+Status NcclBackend::Grouped(int result, const char* call) {
+  return result == kNcclInProgress ? Status::OK() : Nccl(result, call);
+}
+
 Status NcclBackend::LaunchReduce(Request& c, const std::vector<ReducePlan>& plans,
-                                 Communicator& comm, Stream stream) {
+                                 Communicator& comm, Stream stream, const StopCheck& stop) {
   std::vector<int> ops;
   for (size_t i = 0; i < plans.size(); ++i) {
     int op = plans[i].op;
     if (plans[i].premul) {
       KR_RETURN_IF_ERROR(
-          comm.PreMulSumOp(plans[i].dtype, c.tensors[i].dtype, plans[i].scalar, &op));
+          comm.PreMulSumOp(plans[i].dtype, c.tensors[i].dtype, plans[i].scalar, stop, &op));
     }
     ops.push_back(op);
   }
@@ -452,25 +435,29 @@ Status NcclBackend::LaunchReduce(Request& c, const std::vector<ReducePlan>& plan
     const TensorRef& t = c.tensors[i];
     const size_t count = static_cast<size_t>(t.num_elements());
     if (count == 0) continue;
-    s = Nccl(api_->AllReduce(t.input, t.output, count, plans[i].dtype, ops[i], comm.get(), stream),
-             "ncclAllReduce");
+    const int r =
+        api_->AllReduce(t.input, t.output, count, plans[i].dtype, ops[i], comm.get(), stream);
+    s = group ? Grouped(r, "ncclAllReduce") : comm.Settle(r, "ncclAllReduce", stop);
   }
   // Always close the group: NCCL's group depth is per thread and would outlive an error.
   if (group) {
-    const Status end = Nccl(api_->GroupEnd(), "ncclGroupEnd");
+    const Status end = comm.Settle(api_->GroupEnd(), "ncclGroupEnd", stop);
     if (s.ok()) s = end;
   }
   return s;
 }
 
 Status NcclBackend::LaunchAllgather(const std::vector<Signature>& sigs, Request& c,
-                                    Comm comm, Stream stream) {
+                                    Communicator& communicator, Stream stream,
+                                    const StopCheck& stop) {
   const TensorRef& t = c.tensors[0];
   const GatherPlan g = PlanGather(sigs, DataTypeSize(t.dtype));
   char* out = static_cast<char*>(t.output);
+  Comm comm = communicator.get();
   if (g.uniform) {
-    return Nccl(api_->AllGather(t.input, out, g.bytes[0], kNcclInt8, comm, stream),
-                "ncclAllGather");
+    return communicator.Settle(
+        api_->AllGather(t.input, out, g.bytes[0], kNcclInt8, comm, stream), "ncclAllGather",
+        stop);
   }
   // Blocks of different sizes: every rank broadcasts its block into place, in one group.
   KR_RETURN_IF_ERROR(Nccl(api_->GroupStart(), "ncclGroupStart"));
@@ -479,31 +466,26 @@ Status NcclBackend::LaunchAllgather(const std::vector<Signature>& sigs, Request&
     const size_t r = static_cast<size_t>(root);
     if (g.bytes[r] == 0) continue;
     const void* send = root == rank_ ? t.input : out + g.offset[r];
-    s = Nccl(api_->Broadcast(send, out + g.offset[r], g.bytes[r], kNcclInt8, root, comm, stream),
-             "ncclBroadcast");
+    s = Grouped(api_->Broadcast(send, out + g.offset[r], g.bytes[r], kNcclInt8, root, comm, stream),
+                "ncclBroadcast");
   }
-  const Status end = Nccl(api_->GroupEnd(), "ncclGroupEnd");
+  const Status end = communicator.Settle(api_->GroupEnd(), "ncclGroupEnd", stop);
   return s.ok() ? end : s;
 }
 
-Status NcclBackend::WaitFor(Event done, Communicator& comm, const char* what) {
-  const Deadline deadline = Deadline::After(timeout_seconds_);
-  const std::string label = std::string("NCCL ") + what;
+Status NcclBackend::WaitFor(Event done, Communicator& comm, const std::string& what,
+                            const StopCheck& stop) {
   for (int polls = 0;; ++polls) {
     const int q = api_->EventQuery(done);
     if (q == kCudaSuccess) return Status::OK();
     Status s = q == kCudaErrorNotReady ? Status::OK() : Cuda(q, "cudaEventQuery");
-    int async = kNcclSuccess;
-    if (s.ok()) s = Nccl(api_->CommGetAsyncError(comm.get(), &async), "ncclCommGetAsyncError");
-    if (s.ok() && async != kNcclSuccess && async != kNcclInProgress) {
-      s = Nccl(async, label.c_str());
-    }
-    if (s.ok()) s = StopReason(deadline, label);
+    if (s.ok()) s = comm.AsyncError(what);
+    if (s.ok()) s = stop(what);
     if (!s.ok()) {
       comm.Abort();
       return Status(s.code(), s.message() + " (its NCCL communicator was aborted)", s.peer());
     }
-    Backoff(polls);
+    PollBackoff(polls);
   }
 }
 

@@ -8,11 +8,13 @@
 // runtime's deadline) before the collective is reported done, so every wait is bounded and an
 // NCCL failure or stall reaches the op that caused it, with the communicator aborted.
 //
-// Communicators: one per device, made at the first collective on it. Every rank first says
-// whether it can take part (libraries found, device usable), so a rank without NCCL makes all
-// ranks fail alike instead of hanging; then rank 0's ncclUniqueId is broadcast over the host
-// transport, in order, like any collective. Destroyed with the runtime; aborted on error,
-// timeout or shutdown.
+// Communicators: one per device, made at the first collective on it. Which one a collective
+// uses is part of its signature. Every rank first says whether it can take part (libraries
+// found, device usable), so a rank without NCCL makes all ranks fail alike instead of
+// hanging; then rank 0's ncclUniqueId is broadcast over the host transport, in order, like
+// any collective. Every NCCL call that may still be running (setup, launches, teardown) is
+// polled against the deadline, shutdown and the host transport's view of the peers, and the
+// communicator is aborted when the wait ends early. Finalized and destroyed with the runtime.
 #pragma once
 
 #include <atomic>
@@ -25,6 +27,7 @@
 #include "../executor.h"
 #include "../host_executor.h"
 #include "../runtime.h"
+#include "communicator.h"
 #include "device_api.h"
 #include "plan.h"
 
@@ -49,37 +52,16 @@ struct StreamTicket : DeviceTicket {
   Status status;          // why the submission could not prepare, reported collectively
 };
 
-// One NCCL communicator; aborted rather than destroyed once anything went wrong with it.
-class Communicator {
- public:
-  Communicator(DeviceApi& api, Comm comm) : api_(api), comm_(comm) {}
-  ~Communicator();
-  Communicator(const Communicator&) = delete;
-  Communicator& operator=(const Communicator&) = delete;
-
-  Comm get() const { return comm_; }
-  bool aborted() const { return aborted_; }
-  void Abort();
-  // A PreMulSum op for (dtype, scalar), made once and kept (scale factors are op attributes,
-  // so a program uses few of them).
-  Status PreMulSumOp(int nccl_dtype, DataType dtype, double scalar, int* op);
-
- private:
-  DeviceApi& api_;
-  Comm comm_;
-  bool aborted_ = false;
-  std::map<std::pair<int, double>, int> premul_ops_;
-};
-
 class NcclBackend : public Executor {
  public:
   NcclBackend(std::shared_ptr<DeviceApi> api, HostExecutor& host, int rank, int size,
               double timeout_seconds);
-  // After the worker stopped: destroys the communicators (aborts them after a failure), then
-  // the streams and events. Bounded: a teardown stuck on a vanished peer is left behind.
+  // After the worker stopped: finalizes and destroys the communicators (aborts them after a
+  // failure, or when the peers do not finish within the deadline), then the streams and
+  // events.
   ~NcclBackend() override;
   void Abort() override;
-  void PeerFailed() override { peer_failed_.store(true); }
+  void PeerFailed(const Status& cause) override;
 
   // On the submitting thread: records where `caller_stream`'s inputs are ready.
   std::shared_ptr<StreamTicket> Prepare(int device, Stream caller_stream);
@@ -88,16 +70,19 @@ class NcclBackend : public Executor {
   Status Execute(Request& request, uint64_t seq, ExecutionStats* stats) override;
 
   int communicator_count();
+  int64_t events_made() const { return events_made_.load(); }  // each is reused once made
   void ReleaseEvent(int device, Event event);
 
  private:
   struct DeviceState {
     Stream stream = nullptr;  // the runtime's own stream on this device (worker only)
     std::unique_ptr<Communicator> comm;
+    int ordinal = -1;                // of comm, in the order communicators were made
     std::vector<Event> free_events;  // guarded by mu_
   };
 
   DeviceState& State(int device);
+  DeviceComm CommunicatorFor(int device);
   // This rank can run NCCL on the ticket's device: communicator made (collectively) if new.
   Status Run(Transport& control, const std::vector<Signature>& sigs, Request& c,
              StreamTicket& ticket);
@@ -106,27 +91,37 @@ class NcclBackend : public Executor {
                      const std::vector<ReducePlan>& plans, StreamTicket& ticket, DeviceState& d);
   Status TakeEvent(int device, Event* event);
   Status Connect(Transport& control, int device, const Status& local);
-  Status InitCommunicator(int device, const UniqueId& id, Comm* comm);
   Status Launch(const std::vector<Signature>& sigs, Request& c,
-                const std::vector<ReducePlan>& plans, Communicator& comm, Stream stream);
-  Status LaunchReduce(Request& c, const std::vector<ReducePlan>& plans,
-                      Communicator& comm, Stream stream);
-  Status LaunchAllgather(const std::vector<Signature>& sigs, Request& c, Comm comm,
-                         Stream stream);
-  Status WaitFor(Event done, Communicator& comm, const char* what);
-  // Why a wait must end now (shutdown, a signal, the deadline), or OK.
+                const std::vector<ReducePlan>& plans, Communicator& comm, Stream stream,
+                const StopCheck& stop);
+  Status LaunchReduce(Request& c, const std::vector<ReducePlan>& plans, Communicator& comm,
+                      Stream stream, const StopCheck& stop);
+  Status LaunchAllgather(const std::vector<Signature>& sigs, Request& c, Communicator& comm,
+                         Stream stream, const StopCheck& stop);
+  Status WaitFor(Event done, Communicator& comm, const std::string& what,
+                 const StopCheck& stop);
+  // Stops a wait at `deadline`, at shutdown, on a signal or when a peer failed.
+  StopCheck StopAt(const Deadline& deadline);
   Status StopReason(const Deadline& deadline, const std::string& what);
+  // A failed peer (from the watchdog, or seen here on the host transport), or OK.
+  Status PeerFailure();
   void ReleaseCommunicators();
   Status Cuda(int error, const char* call);
   Status Nccl(int result, const char* call);
+  Status Grouped(int result, const char* call);
 
   std::shared_ptr<DeviceApi> api_;
   HostExecutor& host_;
   const int rank_;
   const int size_;
   const double timeout_seconds_;
+  std::atomic<int64_t> events_made_{0};
   std::atomic<bool> aborted_{false};
   std::atomic<bool> peer_failed_{false};
+  std::mutex failure_mu_;
+  Status peer_failure_;                         // guarded by failure_mu_
+  Clock::time_point next_liveness_poll_{};      // worker only
+  int communicators_made_ = 0;                  // worker only
   std::mutex mu_;
   std::map<int, DeviceState> devices_;  // node-based: references stay valid
 };

@@ -26,6 +26,10 @@ class DeviceApi {
   virtual Status LoadNccl() = 0;
 
   // CUDA runtime; each returns a cudaError_t.
+  // Whether the calling thread has a current CUDA context (the driver's cuCtxGetCurrent; a
+  // CUresult, 0 on success). cudaGetDevice answers 0 on a thread without one, and switching
+  // "back" to that device would create a context on GPU 0.
+  virtual int HasCurrentContext(bool* has) = 0;
   virtual int GetDevice(int* device) = 0;
   virtual int SetDevice(int device) = 0;
   virtual int StreamCreate(Stream* stream) = 0;  // a non-blocking stream on the current device
@@ -41,6 +45,12 @@ class DeviceApi {
   virtual int NcclVersion(int* version) = 0;
   virtual int GetUniqueId(UniqueId* id) = 0;
   virtual int CommInitRank(Comm* comm, int nranks, const UniqueId& id, int rank) = 0;
+  // NCCL >= 2.14 has ncclCommInitRankConfig and ncclCommFinalize (nonblocking communicators);
+  // without them the two calls below return ncclInvalidUsage.
+  virtual bool HasNonblockingComms() = 0;
+  virtual int CommInitRankConfig(Comm* comm, int nranks, const UniqueId& id, int rank,
+                                 NcclConfig* config) = 0;
+  virtual int CommFinalize(Comm comm) = 0;
   virtual int CommGetAsyncError(Comm comm, int* async_error) = 0;
   virtual int CommAbort(Comm comm) = 0;
   virtual int CommDestroy(Comm comm) = 0;
@@ -62,8 +72,8 @@ class DeviceApi {
 std::shared_ptr<DeviceApi> SystemDeviceApi();
 
 // Directories (colon-separated) searched for libnccl.so.2 and libcudart before the system's
-// library path; Python passes the nvidia-nccl-cu12 / nvidia-cuda-runtime-cu12 wheel
-// directories at init. Takes effect for libraries not loaded yet.
+// library path; Python passes the NCCL and CUDA runtime wheels' directories (CUDA 12's
+// nvidia/*/lib, CUDA 13's nvidia/cu13/lib) at init. Takes effect for libraries not loaded yet.
 void SetLibrarySearchPath(const std::string& dirs);
 
 // Loads NCCL as a GPU collective would, searching `dirs` (colon-separated) first; on

@@ -73,18 +73,9 @@ int keras_ring_nccl_probe(const char* dirs, int* version, char* err, size_t err_
 int keras_ring_device_allreduce(const void* input, void* output, int64_t count, int dtype,
                                 int reduce_op, double prescale, double postscale, int device,
                                 void* stream, const char* name, char* err, size_t err_len) {
-  if (!keras_ring::IsValidReduceOp(reduce_op)) {
-    return Report(Status(Code::kInvalidArgument, "unknown reduce_op " + std::to_string(reduce_op)),
-                  err, err_len);
-  }
-  Request r;
-  r.kind = Kind::kAllreduce;
-  r.name = name != nullptr ? name : "";
-  r.op = static_cast<keras_ring::ReduceOp>(reduce_op);
-  r.prescale = prescale;
-  r.postscale = postscale;
-  r.tensors.push_back(Tensor(dtype, {count}, input, output));
-  return RunOnDevice(std::move(r), device, stream, err, err_len);
+  return keras_ring_device_grouped_allreduce(&input, &output, &count, &dtype, 1, reduce_op,
+                                             prescale, postscale, device, stream, name, err,
+                                             err_len);
 }
 
 int keras_ring_device_allgather(const void* input, void* output, int64_t rows,
@@ -115,6 +106,46 @@ int keras_ring_device_broadcast(const void* input, void* output, int64_t count, 
   r.root = root;
   r.tensors.push_back(Tensor(dtype, {count}, input, output));
   return RunOnDevice(std::move(r), device, stream, err, err_len);
+}
+
+int keras_ring_device_grouped_allreduce(const void* const* inputs, void* const* outputs,
+                                        const int64_t* counts, const int* dtypes, int n,
+                                        int reduce_op, double prescale, double postscale,
+                                        int device, void* stream, const char* name, char* err,
+                                        size_t err_len) {
+  if (!keras_ring::IsValidReduceOp(reduce_op)) {
+    return Report(Status(Code::kInvalidArgument, "unknown reduce_op " + std::to_string(reduce_op)),
+                  err, err_len);
+  }
+  if (n < 0) {
+    return Report(Status(Code::kInvalidArgument, "negative tensor count " + std::to_string(n)),
+                  err, err_len);
+  }
+  Request r;
+  r.kind = n == 1 ? Kind::kAllreduce : Kind::kGroupedAllreduce;  // one tensor: a plain one
+  r.name = name != nullptr ? name : "";
+  r.op = static_cast<keras_ring::ReduceOp>(reduce_op);
+  r.prescale = prescale;
+  r.postscale = postscale;
+  for (int i = 0; i < n; ++i) {
+    r.tensors.push_back(Tensor(dtypes[i], {counts[i]}, inputs[i], outputs[i]));
+  }
+  return RunOnDevice(std::move(r), device, stream, err, err_len);
+}
+
+int keras_ring_device_objects(int64_t* events, int64_t* communicators) {
+  *events = 0;
+  *communicators = 0;
+  std::shared_ptr<Runtime> runtime = Runtime::Get();
+  if (runtime == nullptr) return 0;
+  // Asks for the device executor without making one.
+  keras_ring::Executor* executor = runtime->device_executor(
+      [](keras_ring::HostExecutor&) { return std::unique_ptr<keras_ring::Executor>(); });
+  if (auto* backend = dynamic_cast<keras_ring::nccl::NcclBackend*>(executor)) {
+    *events = backend->events_made();
+    *communicators = backend->communicator_count();
+  }
+  return 0;
 }
 
 }  // extern "C"

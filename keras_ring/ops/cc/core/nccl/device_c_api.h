@@ -34,6 +34,17 @@ int keras_ring_device_allgather(const void* input, void* output, int64_t rows,
 int keras_ring_device_broadcast(const void* input, void* output, int64_t count, int dtype,
                                 int root, int device, void* stream, const char* name,
                                 char* err, size_t err_len);
+// `n` tensors reduced as one collective (one NCCL group): tensor i has counts[i] elements of
+// dtypes[i] at inputs[i], its result goes to outputs[i].
+int keras_ring_device_grouped_allreduce(const void* const* inputs, void* const* outputs,
+                                        const int64_t* counts, const int* dtypes, int n,
+                                        int reduce_op, double prescale, double postscale,
+                                        int device, void* stream, const char* name, char* err,
+                                        size_t err_len);
+
+// What the GPU backend holds now, for leak checks: CUDA events it made (each made once and
+// reused), NCCL communicators. Zeros before the first GPU collective.
+int keras_ring_device_objects(int64_t* events, int64_t* communicators);
 
 #ifdef __cplusplus
 }

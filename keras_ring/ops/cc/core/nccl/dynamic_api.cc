@@ -37,6 +37,8 @@ using ErrorStringFn = const char* (*)(int);
 using VersionFn = int (*)(int*);
 using UniqueIdFn = int (*)(UniqueId*);
 using CommInitRankFn = int (*)(Comm*, int, UniqueId, int);
+using CommInitRankConfigFn = int (*)(Comm*, int, UniqueId, int, NcclConfig*);
+using CtxGetCurrentFn = int (*)(void**);
 using AsyncErrorFn = int (*)(Comm, int*);
 using CommFn = int (*)(Comm);
 using GroupFn = int (*)();
@@ -57,12 +59,15 @@ struct CudaFns {
   StreamWaitEventFn stream_wait_event = nullptr;
   EventQueryFn event_query = nullptr;
   ErrorStringFn error_string = nullptr;
+  CtxGetCurrentFn ctx_get_current = nullptr;  // the driver's; optional
 };
 
 struct NcclFns {
   VersionFn version = nullptr;
   UniqueIdFn unique_id = nullptr;
   CommInitRankFn init_rank = nullptr;
+  CommInitRankConfigFn init_rank_config = nullptr;  // NCCL >= 2.14, else null
+  CommFn finalize = nullptr;                        // NCCL >= 2.14, else null
   AsyncErrorFn async_error = nullptr;
   CommFn abort = nullptr;
   CommFn destroy = nullptr;
@@ -146,16 +151,26 @@ std::string Searched(const std::vector<std::string>& dirs) {
   return "searched " + s + "the already loaded libraries and the system's library path";
 }
 
+// The driver's cuCtxGetCurrent, which the runtime API has no equivalent of. The driver is
+// loaded by the CUDA runtime anyway; without it the answer is "unknown" (see HasCurrentContext).
+CtxGetCurrentFn LoadCtxGetCurrent() {
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
+  if (h == nullptr) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  return h != nullptr ? reinterpret_cast<CtxGetCurrentFn>(dlsym(h, "cuCtxGetCurrent")) : nullptr;
+}
+
 Status LoadCudaLocked(Libraries& l) {
   if (l.cuda_loaded) return Status::OK();
   const std::vector<std::string> dirs = SplitDirs(l.search_path);
   std::string error;
+  // CUDA 12 first (TensorFlow's own); CUDA 13 wheels put libcudart.so.13 in nvidia/cu13/lib.
   void* h = Open({"libcudart.so.12", "libcudart.so.13", "libcudart.so"}, dirs, &error);
   if (h == nullptr) {
     return Status(Code::kFailedPrecondition,
-                  "keras_ring: GPU collective needs the CUDA runtime: libcudart.so.12 not found "
-                  "(install nvidia-cuda-runtime-cu12, which tensorflow[and-cuda] brings, or put "
-                  "the CUDA libraries on LD_LIBRARY_PATH); " + Searched(dirs) +
+                  "keras_ring: GPU collective needs the CUDA runtime: no libcudart.so.12 or "
+                  "libcudart.so.13 found (install the CUDA runtime wheel of your CUDA version, "
+                  "e.g. nvidia-cuda-runtime-cu12, which tensorflow[and-cuda] brings, or put the "
+                  "CUDA libraries on LD_LIBRARY_PATH); " + Searched(dirs) +
                       (error.empty() ? "" : "; last error: " + error));
   }
   CudaFns f;
@@ -175,6 +190,7 @@ Status LoadCudaLocked(Libraries& l) {
                                                  PathOf(dlsym(h, "cudaGetDevice")) +
                                                  " lacks " + missing);
   }
+  f.ctx_get_current = LoadCtxGetCurrent();
   l.cuda = f;
   l.cuda_loaded = true;
   return Status::OK();
@@ -196,11 +212,14 @@ Status ResolveNccl(void* h, NcclFns* f) {
   Resolve(h, "ncclRedOpCreatePreMulSum", &f->pre_mul_sum, &missing);
   Resolve(h, "ncclRedOpDestroy", &f->red_op_destroy, &missing);
   Resolve(h, "ncclGetErrorString", &f->error_string, &missing);
+  // Optional: without them communicators are blocking (NCCL < 2.14).
+  f->init_rank_config = reinterpret_cast<CommInitRankConfigFn>(dlsym(h, "ncclCommInitRankConfig"));
+  f->finalize = reinterpret_cast<CommFn>(dlsym(h, "ncclCommFinalize"));
   if (missing.empty()) return Status::OK();
   return Status(Code::kFailedPrecondition,
                 "keras_ring: " + PathOf(dlsym(h, "ncclGetVersion")) + " lacks " + missing +
                     "; keras_ring needs NCCL >= " + NcclVersionString(kMinNcclVersion) +
-                    " (pip install -U nvidia-nccl-cu12)");
+                    " (pip install -U nvidia-nccl-cu12, or nvidia-nccl-cu13 with CUDA 13)");
 }
 
 Status LoadNcclLocked(Libraries& l, const std::vector<std::string>& dirs) {
@@ -210,8 +229,8 @@ Status LoadNcclLocked(Libraries& l, const std::vector<std::string>& dirs) {
   if (h == nullptr) {
     return Status(Code::kFailedPrecondition,
                   "keras_ring: GPU collective needs NCCL: libnccl.so.2 not found (install "
-                  "keras-ring[cuda] or nvidia-nccl-cu12, or put libnccl.so.2 on "
-                  "LD_LIBRARY_PATH); " + Searched(dirs) +
+                  "keras-ring[cuda] or nvidia-nccl-cu12, or nvidia-nccl-cu13 with CUDA 13, or "
+                  "put libnccl.so.2 on LD_LIBRARY_PATH); " + Searched(dirs) +
                       (error.empty() ? "" : "; last error: " + error));
   }
   NcclFns f;
@@ -222,7 +241,7 @@ Status LoadNcclLocked(Libraries& l, const std::vector<std::string>& dirs) {
                   "keras_ring: NCCL " + NcclVersionString(version) + " (" +
                       PathOf(reinterpret_cast<void*>(f.version)) + ") is too old: keras_ring "
                       "needs NCCL >= " + NcclVersionString(kMinNcclVersion) +
-                      " (pip install -U nvidia-nccl-cu12)");
+                      " (pip install -U nvidia-nccl-cu12, or nvidia-nccl-cu13 with CUDA 13)");
   }
   l.nccl = f;
   l.nccl_loaded = true;
@@ -248,6 +267,12 @@ class DynamicApi : public DeviceApi {
   Status LoadNccl() override {
     std::lock_guard<std::mutex> lock(Libs().mu);
     return LoadNcclLocked(Libs(), SplitDirs(Libs().search_path));
+  }
+  int HasCurrentContext(bool* has) override {
+    void* ctx = nullptr;
+    const int r = Call(cuda().ctx_get_current, kCudaErrorNotLoaded, &ctx);
+    *has = r == kCudaSuccess && ctx != nullptr;
+    return r;
   }
   int GetDevice(int* d) override { return Call(cuda().get_device, kCudaErrorNotLoaded, d); }
   int SetDevice(int d) override { return Call(cuda().set_device, kCudaErrorNotLoaded, d); }
@@ -278,6 +303,14 @@ class DynamicApi : public DeviceApi {
   int CommInitRank(Comm* comm, int nranks, const UniqueId& id, int rank) override {
     return Call(nccl().init_rank, kNcclNotLoaded, comm, nranks, id, rank);
   }
+  bool HasNonblockingComms() override {
+    return nccl().init_rank_config != nullptr && nccl().finalize != nullptr;
+  }
+  int CommInitRankConfig(Comm* comm, int nranks, const UniqueId& id, int rank,
+                         NcclConfig* config) override {
+    return Call(nccl().init_rank_config, kNcclInvalidUsage, comm, nranks, id, rank, config);
+  }
+  int CommFinalize(Comm c) override { return Call(nccl().finalize, kNcclInvalidUsage, c); }
   int CommGetAsyncError(Comm c, int* e) override {
     return Call(nccl().async_error, kNcclNotLoaded, c, e);
   }

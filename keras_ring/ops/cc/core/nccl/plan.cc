@@ -116,13 +116,17 @@ Status NcclError(int result, const std::string& call, const std::string& text) {
   std::string msg = call + " failed: " + text + " (ncclResult_t " + std::to_string(result) + ")";
   Code code = Code::kInternal;
   switch (result) {
+    case kNcclTimeout:  // NCCL >= 2.30 gave up by itself
+      code = Code::kDeadlineExceeded;
+      msg += "; NCCL's own timeout expired: a peer may have stalled or died";
+      break;
     case kNcclSystemError:
     case kNcclRemoteError:
       code = Code::kUnavailable;
       msg += "; a peer process or the network between the ranks failed";
       break;
     case kNcclInvalidUsage:
-      if (call == "ncclCommInitRank") {
+      if (call.compare(0, 16, "ncclCommInitRank") == 0) {  // with or without Config
         msg += "; if two ranks share one GPU: that needs NCCL >= 2.30 with "
                "NCCL_MULTI_RANK_GPU_ENABLE=1 (keras_ring.init() pins each rank to the GPU of "
                "its local_rank)";
