@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from keras_ring import _xla
 from keras_ring.collectives import Average, ReduceOp, Sum, allreduce, grouped_allreduce
+from keras_ring.process_sets import ProcessSet, global_process_set
 from keras_ring.compression import Compression, casts_only, check_compression
 
 # 32 MiB: large enough that a bucket's fixed cost (one signature exchange, one ring pass)
@@ -35,10 +36,12 @@ class ReduceOptions:
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
     sparse_as_dense: bool = False
     gradient_predivide_factor: float = 1.0
+    process_set: ProcessSet = global_process_set  # the ranks that reduce
 
     @classmethod
     def create(cls, who: str, op: Any, compression: Any, bucket_bytes: Any,
-               sparse_as_dense: Any, gradient_predivide_factor: Any) -> "ReduceOptions":
+               sparse_as_dense: Any, gradient_predivide_factor: Any,
+               process_set: Any = global_process_set) -> "ReduceOptions":
         """Checks every option and says what was received when one is wrong."""
         if isinstance(op, bool) or op not in (Sum, Average):
             raise ValueError(f"{who}: op must be keras_ring.Sum or keras_ring.Average, "
@@ -61,7 +64,10 @@ class ReduceOptions:
         if factor != 1.0 and op != Average:
             raise ValueError(f"{who}: gradient_predivide_factor={factor!r} needs op=Average "
                              f"(it splits the division by size() around the sum), got op={op.name}")
-        return cls(op, compression, bucket_bytes, sparse_as_dense, float(factor))
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"{who}: process_set must be a keras_ring.ProcessSet, got "
+                            f"{type(process_set).__name__}")
+        return cls(op, compression, bucket_bytes, sparse_as_dense, float(factor), process_set)
 
     @property
     def scale_factors(self) -> tuple[float, float]:
@@ -107,7 +113,7 @@ def _wire_bytes(wire: tf.Tensor) -> int:
 def _reduce_dense(wire: list[tf.Tensor], options: ReduceOptions, name: str) -> list[tf.Tensor]:
     prescale, postscale = options.scale_factors
     return grouped_allreduce(wire, op=options.op, name=name, prescale_factor=prescale,
-                             postscale_factor=postscale)
+                             postscale_factor=postscale, process_set=options.process_set)
 
 
 def _reduce_sparse(grad: tf.IndexedSlices, options: ReduceOptions, name: str) -> tf.IndexedSlices:
@@ -119,7 +125,8 @@ def _reduce_sparse(grad: tf.IndexedSlices, options: ReduceOptions, name: str) ->
     compression = options.compression if casts_only(options.compression) else Compression.none
     values, ctx = compression.compress(grad.values)
     reduced = allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape), op=options.op,
-                        name=name, prescale_factor=prescale, postscale_factor=postscale)
+                        name=name, prescale_factor=prescale, postscale_factor=postscale,
+                        process_set=options.process_set)
     values = compression.decompress(reduced.values, ctx)
     return tf.IndexedSlices(values, reduced.indices, reduced.dense_shape)
 

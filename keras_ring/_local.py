@@ -110,6 +110,6 @@ def reduce_partially(grads: Sequence[Any], sources: Sequence[Any] | None, option
     # names stay those of the shared gradients alone, the same on every rank.
     shared = reduce_gradients([None if mine else g for g, mine in zip(grads, is_local)],
                               options, name)
-    n = size() if local.scale else 1
+    n = (options.process_set.size() or size()) if local.scale else 1
     return [(map_gradient(g, lambda v: v / n) if n != 1 else g) if mine else r
             for g, mine, r in zip(grads, is_local, shared)]

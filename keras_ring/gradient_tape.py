@@ -12,6 +12,7 @@ from keras_ring._buckets import DEFAULT_BUCKET_BYTES, ReduceOptions
 from keras_ring._local import LocalSources, check_local_layers, check_scale, reduce_partially
 from keras_ring.collectives import Average, ReduceOp
 from keras_ring.compression import Compression, Compressor
+from keras_ring.process_sets import ProcessSet, global_process_set
 
 _WHO = "keras_ring.DistributedGradientTape"
 
@@ -44,6 +45,7 @@ class DistributedGradientTape:
         average_aggregated_gradients: divide the sum of the passes by their number.
         scale_local_gradients: divide the gradients of local sources (see
             :meth:`register_local_source`) by ``size()``, as Horovod does. Default True.
+        process_set: the ranks that reduce the gradients; all by default.
 
     Example:
 
@@ -88,6 +90,7 @@ class DistributedGradientTape:
         backward_passes_per_step: int = 1,
         average_aggregated_gradients: bool = False,
         scale_local_gradients: bool = True,
+        process_set: ProcessSet = global_process_set,
     ) -> None:
         if not isinstance(tape, tf.GradientTape):
             raise TypeError("keras_ring.DistributedGradientTape wraps a tf.GradientTape, got "
@@ -95,6 +98,7 @@ class DistributedGradientTape:
         self._tape = tape
         self._options = ReduceOptions.create(
             _WHO, op, compression, bucket_bytes, sparse_as_dense, gradient_predivide_factor,
+            process_set,
         )
         self._passes = Passes.create(_WHO, backward_passes_per_step, average_aggregated_gradients)
         self._local = LocalSources(scale=check_scale(scale_local_gradients, _WHO))

@@ -28,6 +28,7 @@ from keras_ring._local import (LocalSources, check_local_layers, check_scale, ch
                                reduce_partially)
 from keras_ring.collectives import Average, ReduceOp
 from keras_ring.compression import Compression, Compressor
+from keras_ring.process_sets import ProcessSet, global_process_set
 
 _STATE = "_keras_ring_state"
 _CLASSES: dict[type, type] = {}
@@ -56,6 +57,7 @@ def wrap(
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
     scale_local_gradients: bool = True,
+    process_set: ProcessSet = global_process_set,
 ) -> keras.optimizers.Optimizer:
     """Makes ``optimizer`` average (or sum) its gradients over all ranks before each update.
 
@@ -102,6 +104,9 @@ def wrap(
         scale_local_gradients: divide the gradients of local variables (see
             :func:`PartialDistributedOptimizer` and ``register_local_var``) by ``size()``,
             as Horovod does. Default True.
+        process_set: the ranks that average the gradients (``keras_ring.ProcessSet``, e.g.
+            the data-parallel group of one pipeline stage); all by default. Only its ranks
+            may train with this optimizer.
 
     Returns:
         ``optimizer`` itself, now distributed.
@@ -121,7 +126,7 @@ def wrap(
     """
     who = "keras_ring.wrap"
     options = ReduceOptions.create(who, op, compression, bucket_bytes, sparse_as_dense,
-                                   gradient_predivide_factor)
+                                   gradient_predivide_factor, process_set)
     passes = Passes.create(who, backward_passes_per_step, average_aggregated_gradients)
     local = LocalSources(scale=check_scale(scale_local_gradients, who))
     optimizer = _as_optimizer(optimizer)

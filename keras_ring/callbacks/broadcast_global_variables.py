@@ -11,6 +11,7 @@ from keras_ring import _keras_private
 from keras_ring._local import check_variable, is_variable, variable_keys
 from keras_ring.basics import size
 from keras_ring.collectives import broadcast_variables
+from keras_ring.process_sets import ProcessSet, global_process_set
 
 
 def _check_root(root_rank: Any) -> int:
@@ -36,6 +37,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             ``tf.Variable``) that keep each rank's own value: they are not broadcast, like
             those named later with :meth:`register_local_var`. Typically the weights of
             the ``local_layers`` of a ``PartialDistributedOptimizer``.
+        process_set: broadcast among these ranks only (``root_rank`` is a global rank in
+            it); all by default.
 
     Example:
 
@@ -44,9 +47,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, root_rank: int = 0, *, local_variables: Any = None) -> None:
+    def __init__(self, root_rank: int = 0, *, local_variables: Any = None,
+                 process_set: ProcessSet = global_process_set) -> None:
         super().__init__()
         self.root_rank = _check_root(root_rank)
+        self.process_set = process_set
         self._pending = True
         self._local_variables: list[Any] = []
         if local_variables is None:
@@ -62,19 +67,21 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             check_variable(var, "BroadcastGlobalVariablesCallback: local_variables"))
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        if self.root_rank >= size():
+        if self.root_rank not in (self.process_set.ranks or range(size())):
             raise ValueError(f"BroadcastGlobalVariablesCallback: root_rank={self.root_rank} "
-                             f"is not a rank of this job of size {size()}")
+                             f"is not a rank of {self.process_set} (job of size {size()})")
         self._pending = True
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._pending:
-            broadcast_model(self.model, self.root_rank, local_variables=self._local_variables)
+            broadcast_model(self.model, self.root_rank, local_variables=self._local_variables,
+                            process_set=self.process_set)
             self._pending = False
 
 
 def broadcast_model(model: keras.Model, root_rank: int = 0,
-                    local_variables: Iterable[Any] = ()) -> None:
+                    local_variables: Iterable[Any] = (),
+                    process_set: ProcessSet = global_process_set) -> None:
     """Assigns the root rank's model and optimizer variables on every rank (eagerly).
 
     The optimizer's variables are built first when needed, so slots such as Adam's moments
@@ -101,4 +108,4 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
     for variable in local_variables:
         local |= variable_keys(variable)
     broadcast_variables([v for v in variables if not variable_keys(v) & local],
-                        root_rank=root_rank)
+                        root_rank=root_rank, process_set=process_set)

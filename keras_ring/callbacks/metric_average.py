@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ring.collectives import Average, allreduce
+from keras_ring.process_sets import ProcessSet, global_process_set
 
 
 def _scalar(value: Any) -> float | None:
@@ -52,6 +53,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
     The average of per-rank averages equals the global average when every rank has the
     same number of samples, which is how data should be sharded for synchronous training.
 
+    Args:
+        process_set: average among these ranks only; all by default.
+
     Example:
 
     ```python
@@ -61,19 +65,24 @@ class MetricAverageCallback(keras.callbacks.Callback):
     ```
     """
 
+    def __init__(self, process_set: ProcessSet = global_process_set) -> None:
+        super().__init__()
+        self.process_set = process_set
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs:
-            average_logs(logs)
+            average_logs(logs, self.process_set)
 
 
-def average_logs(logs: dict) -> dict:
+def average_logs(logs: dict, process_set: ProcessSet = global_process_set) -> dict:
     """Averages the numeric scalar entries of ``logs`` over the ranks, in place; returns it."""
     values = {k: _scalar(v) for k, v in logs.items()}
     keys = sorted(k for k, v in values.items() if v is not None)
     if not keys:
         return logs
     local = tf.constant([values[k] for k in keys], dtype=tf.float64)
-    averaged = allreduce(local, op=Average, name=_collective_name(keys)).numpy()
+    averaged = allreduce(local, op=Average, name=_collective_name(keys),
+                         process_set=process_set).numpy()
     for key, value in zip(keys, averaged):
         logs[key] = float(value)
     return logs
