@@ -28,7 +28,7 @@ _EXPORTS = {
     **dict.fromkeys(
         ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "allreduce", "grouped_allreduce",
          "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
-         "barrier", "grouped_allgather", "broadcast_", "broadcast_global_variables"],
+         "barrier", "grouped_allgather", "broadcast_", "broadcast_global_variables", "join"],
         "keras_ring.collectives"),
     **dict.fromkeys(
         ["reducescatter", "grouped_reducescatter", "alltoall"], "keras_ring.scatter"),

@@ -461,3 +461,30 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     rc = lib.c.keras_ring_barrier(set_id, b"barrier", err, len(err))
     if rc != 0:
         raise errors.for_status_code(rc, err.value.decode(errors="replace"))
+
+
+def join(process_set: ProcessSet = global_process_set) -> int:
+    """Says this rank ran out of data: until every rank has joined, it takes part in the
+    other ranks' allreduces (and grouped allreduces, Sum or Average) with zeros, so they can
+    finish their epoch; returns the (global) rank that joined last. Horovod's ``join``.
+
+    Averages still divide by ``size()``. Anything else the others run meanwhile (allgather,
+    broadcast, Min/Max, GPU tensors) fails on every rank, naming the joined ranks. Each wait
+    for the others' next collective is bounded by ``KERAS_RING_TIMEOUT_SECONDS``. Eager only.
+
+    Example:
+
+    ```python
+    for batch in my_shard:           # shards of different lengths
+        train_step(batch)            # its gradient allreduce
+    last = keras_ring.join()
+    ```
+    """
+    set_id = resolve(process_set, "join")
+    lib = RUNTIME.library("keras_ring.join()")
+    err = ctypes.create_string_buffer(4096)
+    last = ctypes.c_int(-1)
+    rc = lib.c.keras_ring_join(set_id, ctypes.byref(last), err, len(err))
+    if rc != 0:
+        raise errors.for_status_code(rc, err.value.decode(errors="replace"))
+    return RUNTIME.process_set(set_id)[0][last.value]

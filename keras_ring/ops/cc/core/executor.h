@@ -14,6 +14,7 @@ namespace keras_ring {
 struct ExecutionStats {
   Clock::time_point agreed{};  // when the signatures had been exchanged
   bool inlined = false;        // completed inside the exchange (small data)
+  uint64_t extra_seqs = 0;     // join: the others' collectives it took part in
 };
 
 class Executor {

@@ -13,6 +13,39 @@ void CopyIfDistinct(void* dst, const void* src, size_t bytes) {
   if (dst != src && bytes > 0) std::memcpy(dst, src, bytes);
 }
 
+// A ring allreduce's passes in a slot payload, for a joined rank that must add zeros to it:
+// [passes][(dtype, elements) per pass], one pass per dtype in order of first appearance, as
+// the grouped allreduce runs them.
+struct Pass {
+  int64_t dtype;
+  int64_t count;
+};
+
+void DescribeLayout(const Request& r, Slot* slot) {
+  std::vector<Pass> passes;
+  for (const TensorRef& t : r.tensors) {
+    auto it = std::find_if(passes.begin(), passes.end(), [&](const Pass& p) {
+      return p.dtype == static_cast<int64_t>(t.dtype);
+    });
+    if (it == passes.end()) {
+      passes.push_back(Pass{static_cast<int64_t>(t.dtype), t.num_elements()});
+    } else {
+      it->count += t.num_elements();
+    }
+  }
+  const int64_t n = static_cast<int64_t>(passes.size());  // at most kNumDataTypes: fits
+  std::memcpy(slot->payload, &n, sizeof n);
+  std::memcpy(slot->payload + sizeof n, passes.data(), passes.size() * sizeof(Pass));
+}
+
+std::vector<Pass> ReadLayout(const char* payload) {
+  int64_t n = 0;
+  std::memcpy(&n, payload, sizeof n);
+  std::vector<Pass> passes(static_cast<size_t>(n));
+  std::memcpy(passes.data(), payload + sizeof n, passes.size() * sizeof(Pass));
+  return passes;
+}
+
 }  // namespace
 
 HostExecutor::HostExecutor(int rank, int size, Transport& transport, const AlgoConfig& algo)
@@ -47,6 +80,7 @@ Status HostExecutor::Agree(const Request& request, uint64_t seq, std::vector<Sig
 }
 
 Status HostExecutor::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
+  if (request.kind == Kind::kJoin) return ExecuteJoin(request, seq, stats);
   std::vector<Signature> sigs;
   bool all_inlined = false;
   KR_RETURN_IF_ERROR(Agree(request, seq, &sigs, &all_inlined));
@@ -61,6 +95,7 @@ Status HostExecutor::Execute(Request& request, uint64_t seq, ExecutionStats* sta
     case Kind::kBarrier: return Status::OK();
     case Kind::kReducescatter: return ExecuteReducescatter(request);
     case Kind::kAlltoall: return ExecuteAlltoall(request, sigs);
+    case Kind::kJoin: break;  // handled above
   }
   return Status::OK();
 }
@@ -81,6 +116,11 @@ Status HostExecutor::BlameForExchangeTimeout(const Request& request, uint64_t se
 
 bool HostExecutor::PackInline(const Request& r, Slot* slot) const {
   if (r.placement != Placement::kHost) return false;  // pointers into device memory
+  if (r.kind == Kind::kJoin) {
+    // Zeros of any size up to the capacity: what a joined rank adds to a small allreduce.
+    std::memset(slot->payload, 0, sizeof slot->payload);
+    return true;
+  }
   if (r.kind == Kind::kAlltoall) {
     // Not the data but the splits ride along: [count][splits...], checked after the exchange.
     const size_t room = kInlineCapacity / sizeof(int64_t) - 1;
@@ -91,7 +131,10 @@ bool HostExecutor::PackInline(const Request& r, Slot* slot) const {
   }
   size_t bytes = 0;
   for (const TensorRef& t : r.tensors) bytes += t.num_bytes();
-  if (bytes > kInlineCapacity) return false;
+  if (bytes > kInlineCapacity) {
+    if (r.kind == Kind::kAllreduce || r.kind == Kind::kGroupedAllreduce) DescribeLayout(r, slot);
+    return false;
+  }
   if (r.kind == Kind::kBroadcast && rank_ != r.root) return true;  // receives only
   size_t off = 0;
   for (const TensorRef& t : r.tensors) {
@@ -165,6 +208,7 @@ Status HostExecutor::ExecuteInline(Request& r, const std::vector<Signature>& sig
     }
     case Kind::kBarrier:
     case Kind::kAlltoall:  // never inlined
+    case Kind::kJoin:      // runs its own exchanges
       return Status::OK();
   }
   return Status::OK();
@@ -311,6 +355,49 @@ Status HostExecutor::ExecuteAlltoall(Request& r, const std::vector<Signature>& s
     return Status(Code::kAborted, "could not allocate the alltoall output: " + alloc.message());
   }
   return PairwiseAlltoall(transport_, ConfigFor(r), t.input, send_bytes, out, recv_bytes);
+}
+
+Status HostExecutor::ExecuteJoin(Request& request, uint64_t seq, ExecutionStats* stats) {
+  Request round;
+  round.kind = Kind::kJoin;
+  round.name = "join";
+  round.joined_at = seq;
+  round.may_yield = request.may_yield;
+  for (uint64_t s = seq;; ++s) {
+    std::vector<Signature> sigs;
+    bool all_inlined = false;
+    KR_RETURN_IF_ERROR(Agree(round, s, &sigs, &all_inlined));
+    stats->extra_seqs = s - seq;
+    const auto active = std::find_if(sigs.begin(), sigs.end(), [](const Signature& sig) {
+      return static_cast<Kind>(sig.kind) != Kind::kJoin;
+    });
+    if (active == sigs.end()) {
+      // Everyone joined: the last is the one that joined latest (the highest rank of those).
+      int last = 0;
+      for (size_t r = 1; r < sigs.size(); ++r) {
+        if (sigs[r].count >= sigs[static_cast<size_t>(last)].count) last = static_cast<int>(r);
+      }
+      if (request.last_joined != nullptr) *request.last_joined = last;
+      return Status::OK();
+    }
+    // The others completed it from the slots (this rank's zeros among them) or run the ring.
+    if (!all_inlined) {
+      const size_t ref = static_cast<size_t>(active - sigs.begin());
+      KR_RETURN_IF_ERROR(AddZeros(round, *active, slots_[ref].payload));
+    }
+  }
+}
+
+Status HostExecutor::AddZeros(const Request& join, const Signature& ref, const char* ref_payload) {
+  const ReduceOp op = static_cast<ReduceOp>(ref.reduce_op);
+  for (const Pass& pass : ReadLayout(ref_payload)) {
+    const DataType dtype = static_cast<DataType>(pass.dtype);
+    scratch_.assign(static_cast<size_t>(pass.count) * DataTypeSize(dtype), 0);
+    KR_RETURN_IF_ERROR(RingAllreduce(transport_, ConfigFor(join), dtype, op, scratch_.data(),
+                                     static_cast<size_t>(pass.count), ref.prescale,
+                                     ref.postscale));
+  }
+  return Status::OK();
 }
 
 }  // namespace keras_ring

@@ -46,6 +46,9 @@ class HostExecutor : public Executor {
   Status AlltoallSplits(const std::vector<Signature>& sigs,
                         std::vector<std::vector<int64_t>>* splits) const;
   Status ExecuteAlltoall(Request& request, const std::vector<Signature>& sigs);
+  // Join: takes part in the other ranks' allreduces with zeros until every rank joined.
+  Status ExecuteJoin(Request& request, uint64_t seq, ExecutionStats* stats);
+  Status AddZeros(const Request& join, const Signature& ref, const char* ref_payload);
   Status BlameForExchangeTimeout(const Request& request, uint64_t seq, int steps) const;
 
   const int rank_;

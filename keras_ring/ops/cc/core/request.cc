@@ -69,7 +69,9 @@ Signature SignatureOf(const Request& r, uint64_t seq) {
   s.comm_new = r.device_comm.creates ? 1 : 0;
   s.gpu = r.device_comm.device;
   s.SetName(r.name);
-  if (r.kind == Kind::kGroupedAllreduce) {
+  if (r.kind == Kind::kJoin) {
+    s.count = static_cast<int64_t>(r.joined_at);
+  } else if (r.kind == Kind::kGroupedAllreduce) {
     DescribeGroup(r, &s);
   } else if (!r.tensors.empty()) {  // a barrier has none
     DescribeTensor(r, &s);

@@ -57,6 +57,9 @@ struct Request {
   // the rows received from each rank are written (size() entries).
   std::vector<int64_t> splits;
   int32_t* received_splits = nullptr;
+  // Join: where the rank that joined last is written once every rank joined.
+  int32_t* last_joined = nullptr;
+  uint64_t joined_at = 0;  // join: the sequence number at which this rank joined
   Placement placement = Placement::kHost;
   std::shared_ptr<DeviceTicket> device_ticket;  // with kDevice: the device executor's
   DeviceComm device_comm;                       // with kDevice: set by the device executor

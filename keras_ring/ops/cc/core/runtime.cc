@@ -203,6 +203,7 @@ Status Runtime::RunOne(Request& request) {
   ExecutionStats stats;
   stats.agreed = started;
   Status s = Execute(request, seq, &stats);
+  seq_ += stats.extra_seqs;  // a joined rank took part in that many collectives
   busy_seq_.store(0);
   if (options_.timeline) RecordTimeline(request, seq, started, stats, s);
   return s;

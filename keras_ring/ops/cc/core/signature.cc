@@ -18,6 +18,7 @@ const char* KindName(Kind k) {
     case Kind::kBarrier: return "barrier";
     case Kind::kReducescatter: return "reducescatter";
     case Kind::kAlltoall: return "alltoall";
+    case Kind::kJoin: return "join";
   }
   return "collective";
 }
@@ -178,10 +179,48 @@ std::vector<Field> FieldsFor(Kind kind) {
 
 }  // namespace
 
+namespace {
+
+// Ranks that called join() take part in the others' allreduces with zeros; nothing else can
+// take them (Horovod's rule), and NCCL collectives cannot (the joined rank runs no device
+// work). `active` holds the ranks that did not join.
+Status CheckJoined(const std::vector<Signature>& all, const std::vector<int>& active) {
+  const Signature& ref = all[static_cast<size_t>(active[0])];
+  const Kind kind = static_cast<Kind>(ref.kind);
+  const ReduceOp op = static_cast<ReduceOp>(ref.reduce_op);
+  std::string why;
+  if (kind != Kind::kAllreduce && kind != Kind::kGroupedAllreduce) {
+    why = "only allreduce and grouped_allreduce can run while ranks have joined";
+  } else if (op != ReduceOp::kSum && op != ReduceOp::kAverage) {
+    why = "only Sum and Average can take a joined rank's zeros";
+  } else if (ref.device != 0) {
+    why = "collectives on GPU tensors cannot take joined ranks";
+  } else {
+    return Status::OK();
+  }
+  std::ostringstream joined;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (static_cast<Kind>(all[r].kind) == Kind::kJoin) joined << (joined.tellp() ? ", " : "") << r;
+  }
+  return Status(Code::kInvalidArgument,
+                ref.Label() + " cannot run while rank(s) " + joined.str() +
+                    " have called keras_ring.join(): " + why,
+                active[0]);
+}
+
+}  // namespace
+
 Status CheckSignatures(const std::vector<Signature>& all) {
-  const Signature& ref = all[0];
+  std::vector<int> active;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (static_cast<Kind>(all[r].kind) != Kind::kJoin) active.push_back(static_cast<int>(r));
+  }
+  if (active.empty()) return Status::OK();  // every rank joined
+  if (active.size() < all.size()) KR_RETURN_IF_ERROR(CheckJoined(all, active));
+  const int ref_rank = active[0];
+  const Signature& ref = all[static_cast<size_t>(ref_rank)];
   const int size = static_cast<int>(all.size());
-  for (int r = 0; r < size; ++r) {
+  for (int r : active) {
     const Signature& s = all[static_cast<size_t>(r)];
     if (static_cast<Kind>(s.kind) == Kind::kBroadcast && (s.root < 0 || s.root >= size)) {
       return Status(Code::kInvalidArgument,
@@ -194,19 +233,20 @@ Status CheckSignatures(const std::vector<Signature>& all) {
   // Kind first: other fields only make sense when the operations agree.
   for (const Field& field : FieldsFor(static_cast<Kind>(ref.kind))) {
     std::vector<int> differ;
-    for (size_t r = 1; r < all.size(); ++r) {
-      if (!field.same(ref, all[r])) differ.push_back(static_cast<int>(r));
+    for (int r : active) {
+      if (r != ref_rank && !field.same(ref, all[static_cast<size_t>(r)])) differ.push_back(r);
     }
     if (differ.empty()) continue;
     const Signature& other = all[static_cast<size_t>(differ[0])];
     std::ostringstream msg;
-    msg << ref.Label() << " " << field.what << " mismatch: rank 0 has " << field.show(ref)
+    msg << ref.Label() << " " << field.what << " mismatch: rank " << ref_rank << " has "
+        << field.show(ref)
         << ", rank " << differ[0] << " has " << field.show(other);
     if (field.what == std::string("operation")) {
       msg << " " << other.Label().substr(other.Label().find(' ') + 1);
     }
     if (differ.size() > 1) {
-      msg << " (ranks differing from rank 0:";
+      msg << " (ranks differing from rank " << ref_rank << ":";
       for (int d : differ) msg << " " << d;
       msg << ")";
     }

@@ -20,6 +20,7 @@ enum class Kind : int32_t {
   kBarrier = 4,
   kReducescatter = 5,
   kAlltoall = 6,
+  kJoin = 7,  // this rank ran out of data: it adds zeros to the others' allreduces
 };
 const char* KindName(Kind k);
 
@@ -32,7 +33,7 @@ struct Signature {
   int32_t dtype = 0;
   int32_t reduce_op = 0;
   int32_t root = -1;
-  int64_t count = 0;      // elements; for allgather and alltoall the first dimension (rows)
+  int64_t count = 0;      // elements; allgather, alltoall: rows; join: seq when it joined
   int64_t row_elems = 0;  // allgather, alltoall: elements per row
   int32_t ndims = 0;      // rank of the shape; for grouped, number of tensors
   int32_t inlined = 0;    // 1 if this rank's data rides along in its Slot's payload

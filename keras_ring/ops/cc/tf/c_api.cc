@@ -168,6 +168,20 @@ int keras_ring_barrier(int process_set_id, const char* name, char* err, size_t e
   return Report(runtime->Run(std::move(request)), err, err_len);
 }
 
+int keras_ring_join(int process_set_id, int* last_joined, char* err, size_t err_len) {
+  std::shared_ptr<Runtime> runtime = Runtime::Get(process_set_id);
+  if (runtime == nullptr) return Report(keras_ring::NoRuntimeError(process_set_id), err, err_len);
+  int32_t last = -1;
+  keras_ring::Request request;
+  request.kind = keras_ring::Kind::kJoin;
+  request.name = "join";
+  request.may_yield = true;  // the caller's own thread waits
+  request.last_joined = &last;
+  const int rc = Report(runtime->Run(std::move(request)), err, err_len);
+  if (last_joined != nullptr) *last_joined = last;
+  return rc;
+}
+
 const char* keras_ring_build_info(void) { return KERAS_RING_BUILD_INFO; }
 
 void keras_ring_install_signal_handlers(void) {

@@ -50,6 +50,9 @@ int keras_ring_is_initialized(void);
 // Writes up to cap-1 bytes and a NUL; returns the count.
 size_t keras_ring_error_info(const char* message, char* buf, size_t cap);
 int keras_ring_barrier(int process_set_id, const char* name, char* err, size_t err_len);
+// Joins (this rank ran out of data): takes part in the other ranks' allreduces with zeros
+// until every rank joined, then writes the rank (within the process set) that joined last.
+int keras_ring_join(int process_set_id, int* last_joined, char* err, size_t err_len);
 // The version string of this build, to detect a stale library.
 const char* keras_ring_build_info(void);
 

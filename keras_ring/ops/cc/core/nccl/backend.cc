@@ -404,6 +404,7 @@ Status NcclBackend::Launch(const std::vector<Signature>& sigs, Request& c,
       break;
     case Kind::kReducescatter:
     case Kind::kAlltoall:  // their ops have CPU kernels only: TensorFlow stages GPU tensors
+    case Kind::kJoin:      // a host request (the C API's), never placed on a device
       return Status(Code::kInvalidArgument,
                     std::string(KindName(c.kind)) + " has no NCCL implementation yet");
   }
