@@ -93,7 +93,6 @@ def _load(path: str) -> Library:
     return Library(ops=ops, c=c, path=path)
 
 
-@functools.lru_cache(maxsize=None)
 def describe_error(message: str) -> str:
     """The structure the library remembers for an error with this exact message
     ("code\\nrank\\ncollective\\nreason"), or "" when it knows none."""
@@ -102,6 +101,9 @@ def describe_error(message: str) -> str:
     return buf.value.decode(errors="replace")
 
 
+# Loaded once per process: every op call asks for it, and checking that the library is
+# current hashes every C++ source (milliseconds per eager collective if done each time).
+@functools.lru_cache(maxsize=None)
 def library() -> Library:
     """Returns the loaded library, building it first if it is missing or stale."""
     import tensorflow as tf

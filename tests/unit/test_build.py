@@ -69,3 +69,17 @@ def test_the_library_compiles_no_cpp_test_file():
     # The wheel leaves cc/tests out (pyproject.toml): building must not need them.
     sources = build.sources()
     assert sources and all("tests" not in p.relative_to(build.CC_DIR).parts for p in sources)
+
+
+def test_the_library_is_loaded_once_per_process(monkeypatch):
+    # Every op call asks for the library; checking it is current hashes every C++ source,
+    # which must happen once, not per collective (it once cost milliseconds per eager call).
+    from keras_ring.ops import loader
+
+    first = loader.library()
+
+    def no_second_check(*args, **kwargs):
+        raise AssertionError("library() checked the build again")
+
+    monkeypatch.setattr(build, "ensure_built", no_second_check)
+    assert loader.library() is first
