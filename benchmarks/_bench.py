@@ -7,6 +7,7 @@ A column is (name, kind): "bw" prints time, algbw and busbw; "time" prints a tim
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -45,7 +46,8 @@ def timed(fn, nbytes: int, comm) -> float:
 
 def header(columns: list[tuple[str, str]]) -> str:
     """The two header lines of a table whose first column is bytes per rank."""
-    names = "".join(f" | {name:^27}" if kind == "bw" else f" | {name:>14}" for name, kind in columns)
+    names = "".join(f" | {name:^27}" if kind == "bw" else f" | {name:>14}"
+                    for name, kind in columns)
     units = "".join(" | {:>9} {:>8} {:>8}".format("time(us)", "algbw", "busbw") if kind == "bw"
                     else " | {:>14}".format("time(us)" if kind == "time" else "ratio")
                     for _, kind in columns)
@@ -74,6 +76,15 @@ def preamble(comm, what: str) -> None:
         print(f"# {comm.size} ranks, {os.cpu_count()} cores; {what}; times are medians, "
               "the slowest rank's")
         print(f"# single-core memcpy of 64 MiB: {copy_bw:.2f} GB/s")
+
+
+def size_range(default_max: int) -> tuple[int, int]:
+    """--min-bytes and --max-bytes from the command line (bytes per rank)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--min-bytes", type=int, default=4096)
+    parser.add_argument("--max-bytes", type=int, default=default_max)
+    args = parser.parse_args()
+    return args.min_bytes, args.max_bytes
 
 
 def sizes(min_bytes: int, max_bytes: int):

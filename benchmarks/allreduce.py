@@ -14,8 +14,6 @@ TensorFlow itself costs the grouped column.
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from mpi4py import MPI  # imported first: keras_ring then leaves MPI to this program
@@ -24,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras_ring as kr  # noqa: E402
 
-from _bench import bw_cell, header, preamble, sizes, time_cell, timed  # noqa: E402
+from _bench import bw_cell, header, preamble, size_range, sizes, time_cell, timed  # noqa: E402
 
 GROUPED_TENSORS = 64
 
@@ -69,10 +67,7 @@ def implementations(nbytes: int, comm):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--min-bytes", type=int, default=4096)
-    parser.add_argument("--max-bytes", type=int, default=256 << 20)
-    args = parser.parse_args()
+    min_bytes, max_bytes = size_range(256 << 20)
     kr.init()
     comm = MPI.COMM_WORLD
     n = comm.size
@@ -80,7 +75,7 @@ def main() -> None:
     if comm.rank == 0:
         impls = implementations(4096, comm)
         print(header([(name, "bw" if bw else "time") for name, (_, bw) in impls.items()]))
-    for nbytes in sizes(args.min_bytes, args.max_bytes):
+    for nbytes in sizes(min_bytes, max_bytes):
         cells = ""
         for fn, bw in implementations(nbytes, comm).values():
             t = timed(fn, nbytes, comm)

@@ -19,8 +19,6 @@ Before timing, each size checks once that keras_ring's results equal MPICH's.
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from mpi4py import MPI  # imported first: keras_ring then leaves MPI to this program
@@ -30,7 +28,8 @@ import tensorflow as tf  # noqa: E402
 import keras_ring as kr  # noqa: E402
 from keras_ring.scatter import reducescatter_rows  # noqa: E402
 
-from _bench import bw_cell, header, preamble, ratio_cell, sizes, time_cell, timed  # noqa: E402
+from _bench import (bw_cell, header, preamble, ratio_cell, size_range, sizes,  # noqa: E402
+                    time_cell, timed)
 
 
 def _input(nbytes: int, comm) -> np.ndarray:
@@ -123,28 +122,25 @@ def alltoall_row(nbytes: int, comm) -> str:
 ALLTOALL_COLUMNS = [("keras_ring", "bw"), ("tf.function", "bw"), ("MPI_Alltoallv", "bw")]
 
 
-def table(title: str, columns, row, args, comm) -> None:
+def table(title: str, columns, row, span: tuple[int, int], comm) -> None:
     if comm.rank == 0:
         print(f"\n## {title}")
         print(header(columns), flush=True)
-    for nbytes in sizes(args.min_bytes, args.max_bytes):
+    for nbytes in sizes(*span):
         cells = row(nbytes, comm)
         if comm.rank == 0:
             print(f"{nbytes:>11}{cells}", flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--min-bytes", type=int, default=4096)
-    parser.add_argument("--max-bytes", type=int, default=64 << 20)
-    args = parser.parse_args()
+    span = size_range(64 << 20)
     kr.init()
     comm = MPI.COMM_WORLD
     preamble(comm, "float32")
     table("reducescatter (Sum); busbw = algbw * (n-1)/n; rs/ar = reducescatter / allreduce time",
-          REDUCESCATTER_COLUMNS, reducescatter_row, args, comm)
+          REDUCESCATTER_COLUMNS, reducescatter_row, span, comm)
     table("alltoall (equal splits); busbw = algbw * (n-1)/n", ALLTOALL_COLUMNS, alltoall_row,
-          args, comm)
+          span, comm)
     kr.shutdown()
 
 

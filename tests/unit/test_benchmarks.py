@@ -30,12 +30,18 @@ def test_allreduce_floor_computes_the_right_sum(tmp_path):
     assert match and float(match.group(1)) > 0 and float(match.group(2)) > 0, proc.stdout
 
 
-def test_allreduce_table_has_every_implementation_and_size(mpirun, clean_env):
+def _run_table(script: str, mpirun, env) -> subprocess.CompletedProcess:
+    """A table benchmark at 2 ranks and the two smallest sizes, 4 KiB and 16 KiB."""
     proc = subprocess.run(
-        [mpirun, "-np", "2", sys.executable, str(ROOT / "benchmarks" / "allreduce.py"),
+        [mpirun, "-np", "2", sys.executable, str(ROOT / "benchmarks" / script),
          "--min-bytes", "4096", "--max-bytes", "16384"],
-        env=clean_env, capture_output=True, text=True, timeout=300)
+        env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_allreduce_table_has_every_implementation_and_size(mpirun, clean_env):
+    proc = _run_table("allreduce.py", mpirun, clean_env)
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.strip().startswith("bytes"))
     for name in ("keras_ring", "grouped x64", "MPI_Allreduce", "tf.function x1", "x64 in graph",
@@ -50,11 +56,7 @@ def test_allreduce_table_has_every_implementation_and_size(mpirun, clean_env):
 
 
 def test_scatter_tables_have_every_implementation_and_size(mpirun, clean_env):
-    proc = subprocess.run(
-        [mpirun, "-np", "2", sys.executable, str(ROOT / "benchmarks" / "scatter.py"),
-         "--min-bytes", "4096", "--max-bytes", "16384"],
-        env=clean_env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_table("scatter.py", mpirun, clean_env)
     # Each table: its title, the header of names, the units line, then one row per size.
     tables = proc.stdout.split("\n## ")[1:]
     assert [t.split()[0] for t in tables] == ["reducescatter", "alltoall"], proc.stdout
