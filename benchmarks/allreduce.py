@@ -14,10 +14,6 @@ TensorFlow itself costs the grouped column.
 
 from __future__ import annotations
 
-import argparse
-import os
-import time
-
 import numpy as np
 
 from mpi4py import MPI  # imported first: keras_ring then leaves MPI to this program
@@ -26,35 +22,9 @@ import tensorflow as tf  # noqa: E402
 
 import keras_ring as kr  # noqa: E402
 
+from _bench import bw_cell, header, preamble, size_range, sizes, time_cell, timed  # noqa: E402
+
 GROUPED_TENSORS = 64
-
-
-def memcpy_bandwidth(nbytes: int = 64 << 20) -> float:
-    """Single-core copy bandwidth in GB/s (best of several), measured on this rank."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(8):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
-
-
-def timed(fn, nbytes: int, comm) -> float:
-    """Median seconds per call: warm-up, then repeated batches, ranks started together."""
-    fn()
-    fn()
-    iters = max(3, min(200, int(0.05 / max(nbytes / 2e9, 2e-5))))
-    samples = []
-    for _ in range(5):
-        comm.Barrier()
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - t) / iters)
-    # The slowest rank defines the collective's time.
-    return comm.allreduce(float(np.median(samples)), op=MPI.MAX)
 
 
 def implementations(nbytes: int, comm):
@@ -97,33 +67,21 @@ def implementations(nbytes: int, comm):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--min-bytes", type=int, default=4096)
-    parser.add_argument("--max-bytes", type=int, default=256 << 20)
-    args = parser.parse_args()
+    min_bytes, max_bytes = size_range(256 << 20)
     kr.init()
     comm = MPI.COMM_WORLD
     n = comm.size
-    copy_bw = memcpy_bandwidth() if comm.rank == 0 else 0.0
-    comm.Barrier()
+    preamble(comm, "float32 Sum")
     if comm.rank == 0:
-        print(f"# {n} ranks, {os.cpu_count()} cores; float32 Sum; times are medians, the slowest rank's")
-        print(f"# single-core memcpy of 64 MiB: {copy_bw:.2f} GB/s")
         impls = implementations(4096, comm)
-        head = "".join(f" | {name:^27}" if bw else f" | {name:>14}" for name, (_, bw) in impls.items())
-        print(f"{'bytes':>11}{head}")
-        print(f"{'':>11}" + "".join(" | {:>9} {:>8} {:>8}".format("time(us)", "algbw", "busbw") if bw
-                                    else " | {:>14}".format("time(us)") for _, bw in impls.values()))
-    nbytes = args.min_bytes
-    while nbytes <= args.max_bytes:
+        print(header([(name, "bw" if bw else "time") for name, (_, bw) in impls.items()]))
+    for nbytes in sizes(min_bytes, max_bytes):
         cells = ""
         for fn, bw in implementations(nbytes, comm).values():
             t = timed(fn, nbytes, comm)
-            algbw = nbytes / t / 1e9
-            cells += f" | {t * 1e6:9.1f} {algbw:8.2f} {algbw * 2 * (n - 1) / n:8.2f}" if bw else f" | {t * 1e6:14.1f}"
+            cells += bw_cell(t, nbytes, 2 * (n - 1) / n) if bw else time_cell(t)
         if comm.rank == 0:
             print(f"{nbytes:>11}{cells}", flush=True)
-        nbytes *= 4
     kr.shutdown()
 
 

@@ -1,6 +1,7 @@
 """The benchmarks behind `make bench` keep working: each runs in a small configuration and
 prints complete tables. (No speed is asserted here: speed goals live in docs/performance.md.)"""
 
+import math
 import re
 import shutil
 import subprocess
@@ -29,12 +30,18 @@ def test_allreduce_floor_computes_the_right_sum(tmp_path):
     assert match and float(match.group(1)) > 0 and float(match.group(2)) > 0, proc.stdout
 
 
-def test_allreduce_table_has_every_implementation_and_size(mpirun, clean_env):
+def _run_table(script: str, mpirun, env) -> subprocess.CompletedProcess:
+    """A table benchmark at 2 ranks and the two smallest sizes, 4 KiB and 16 KiB."""
     proc = subprocess.run(
-        [mpirun, "-np", "2", sys.executable, str(ROOT / "benchmarks" / "allreduce.py"),
+        [mpirun, "-np", "2", sys.executable, str(ROOT / "benchmarks" / script),
          "--min-bytes", "4096", "--max-bytes", "16384"],
-        env=clean_env, capture_output=True, text=True, timeout=300)
+        env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_allreduce_table_has_every_implementation_and_size(mpirun, clean_env):
+    proc = _run_table("allreduce.py", mpirun, clean_env)
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.strip().startswith("bytes"))
     for name in ("keras_ring", "grouped x64", "MPI_Allreduce", "tf.function x1", "x64 in graph",
@@ -46,6 +53,30 @@ def test_allreduce_table_has_every_implementation_and_size(mpirun, clean_env):
         values = _numbers(row)
         assert len(values) == 1 + 3 * 3 + 3, row  # time, algbw, busbw x3; three times
         assert all(v > 0 for v in values[1:10:3] + values[10:]), row
+
+
+def test_scatter_tables_have_every_implementation_and_size(mpirun, clean_env):
+    proc = _run_table("scatter.py", mpirun, clean_env)
+    # Each table: its title, the header of names, the units line, then one row per size.
+    tables = proc.stdout.split("\n## ")[1:]
+    assert [t.split()[0] for t in tables] == ["reducescatter", "alltoall"], proc.stdout
+    expected = {
+        "reducescatter": (("keras_ring", "tf.function", "MPI_Reduce_scatter", "allreduce",
+                           "rs/ar", "MPI_Allreduce", "MPI rs/ar"), 3 * 3 + 4),
+        "alltoall": (("keras_ring", "tf.function", "MPI_Alltoallv"), 3 * 3),
+    }
+    for table in tables:
+        names, cells = expected[table.split()[0]]
+        header = next(line for line in table.splitlines() if line.strip().startswith("bytes"))
+        for name in names:
+            assert name in header, header
+        rows = [line for line in table.splitlines() if re.match(r"\s+\d+ \|", line)]
+        assert [int(r.split("|")[0]) for r in rows] == [4096, 16384], table
+        for row in rows:
+            values = _numbers(row.split("|", 1)[1])
+            assert len(values) == cells, row
+            # Times and ratios are positive; a bandwidth may round to 0.00 at these sizes.
+            assert all(v > 0 and math.isfinite(v) for v in values[0:9:3] + values[9:]), row
 
 
 def test_keras_scaling_table_has_both_models(clean_env):
