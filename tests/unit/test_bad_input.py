@@ -69,7 +69,8 @@ BAD = {
     "grouped-dict": (lambda: kr.grouped_allreduce({"a": tf.ones([1])}), TypeError,
                      "list or tuple of tensors, got dict"),
     # Other arguments.
-    "op-None": (lambda: kr.allreduce(tf.ones([1]), op=None), ValueError, "op must be one of"),
+    "op-and-average": (lambda: kr.allreduce(tf.ones([1]), op=kr.Sum, average=True), ValueError,
+                       "pass op or the older average, not both"),
     "op-string": (lambda: kr.allreduce(tf.ones([1]), op="Sum"), ValueError, "op must be one of"),
     "op-negative": (lambda: kr.allreduce(tf.ones([1]), op=-1), ValueError, "op must be one of"),
     "name-int": (lambda: kr.allreduce(tf.ones([1]), name=5), TypeError, "name must be a string"),

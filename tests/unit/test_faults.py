@@ -388,7 +388,9 @@ def test_mismatches_fail_every_rank_and_runtime_keeps_working(mpirun, clean_env,
             assert res.outcome == "error" and res.error == error, (case, res)
             for fragment in fragments:
                 assert fragment in res.msg, (case, fragment, res.msg)
-            assert res.dt < MISMATCH_TIMEOUT, (case, res)  # detected, not timed out
+            # Detected, not timed out: the error class says so (a timeout is a
+            # CollectiveTimeoutError). No wall-clock bound: each wait has its own deadline, so
+            # on loaded cores a detected mismatch may still take longer than one timeout.
             if case != "root_range":  # .rank: the diverging rank
                 assert res.peer == (odd if odd != 0 else 1), (case, res)
             after = job.result(r, case + "/after")
