@@ -447,6 +447,24 @@ int FakeDeviceApi::GroupEnd() {
                 const_cast<kn::Stream>(group_stream_));
 }
 
+namespace {
+
+FakeCall MakeCall(FakeCall::Type type, const void* send, void* recv, size_t count, int dtype,
+                  int op, int root) {
+  FakeCall call;
+  call.type = type;
+  call.send = send;
+  call.recv = recv;
+  call.count = count;
+  call.dtype = dtype;
+  call.op = op;
+  call.root = root;
+  return call;
+}
+
+// NCCL counts elements; broadcast, allgather and point to point are compared as bytes here.
+size_t Bytes(size_t count, int dtype) { return count * keras_ring::DataTypeSize(FromNccl(dtype)); }
+
 const char* CallName(FakeCall::Type type) {
   switch (type) {
     case FakeCall::kAllReduce: return "allreduce";
@@ -459,6 +477,8 @@ const char* CallName(FakeCall::Type type) {
   }
   return "?";
 }
+
+}  // namespace
 
 int FakeDeviceApi::Enqueue(const FakeCall& call, kn::Comm comm, kn::Stream stream) {
   {
@@ -512,80 +532,42 @@ int FakeDeviceApi::Submit(std::vector<FakeCall> calls, kn::Comm comm, kn::Stream
 
 int FakeDeviceApi::AllReduce(const void* send, void* recv, size_t count, int dtype, int op,
                              kn::Comm comm, kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kAllReduce;
-  call.send = send;
-  call.recv = recv;
-  call.count = count;
-  call.dtype = dtype;
-  call.op = op;
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kAllReduce, send, recv, count, dtype, op, 0), comm, stream);
 }
 
 int FakeDeviceApi::Broadcast(const void* send, void* recv, size_t count, int dtype, int root,
                              kn::Comm comm, kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kBroadcast;
-  call.send = send;
-  call.recv = recv;
-  call.count = count * keras_ring::DataTypeSize(FromNccl(dtype));
-  call.root = root;
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kBroadcast, send, recv, Bytes(count, dtype), dtype, 0, root),
+                 comm, stream);
 }
 
 int FakeDeviceApi::AllGather(const void* send, void* recv, size_t count, int dtype,
                              kn::Comm comm, kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kAllGather;
-  call.send = send;
-  call.recv = recv;
-  call.count = count * keras_ring::DataTypeSize(FromNccl(dtype));
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kAllGather, send, recv, Bytes(count, dtype), dtype, 0, 0),
+                 comm, stream);
 }
 
 int FakeDeviceApi::Reduce(const void* send, void* recv, size_t count, int dtype, int op, int root,
                           kn::Comm comm, kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kReduce;
-  call.send = send;
-  call.recv = recv;
-  call.count = count;
-  call.dtype = dtype;
-  call.op = op;
-  call.root = root;
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kReduce, send, recv, count, dtype, op, root), comm, stream);
 }
 
 int FakeDeviceApi::ReduceScatter(const void* send, void* recv, size_t recv_count, int dtype,
                                  int op, kn::Comm comm, kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kReduceScatter;
-  call.send = send;
-  call.recv = recv;
-  call.count = recv_count;
-  call.dtype = dtype;
-  call.op = op;
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kReduceScatter, send, recv, recv_count, dtype, op, 0), comm,
+                 stream);
 }
 
 int FakeDeviceApi::Send(const void* send, size_t count, int dtype, int peer, kn::Comm comm,
                         kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kSend;
-  call.send = send;
-  call.count = count * keras_ring::DataTypeSize(FromNccl(dtype));
-  call.root = peer;
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kSend, send, nullptr, Bytes(count, dtype), dtype, 0, peer),
+                 comm, stream);
 }
 
 int FakeDeviceApi::Recv(void* recv, size_t count, int dtype, int peer, kn::Comm comm,
                         kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kRecv;
-  call.recv = recv;
-  call.count = count * keras_ring::DataTypeSize(FromNccl(dtype));
-  call.root = peer;
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kRecv, nullptr, recv, Bytes(count, dtype), dtype, 0, peer),
+                 comm, stream);
 }
 
 int FakeDeviceApi::RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence,
