@@ -81,7 +81,13 @@ _STUB = "\n".join(
 )
 
 
-def _build_stub(cxx, directory, source):
+def _build_stub(directory, source):
+    """A libnccl.so.2 from `source` in `directory`; skips where none can be built or tried."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    if _probe("")[0] == 0:
+        pytest.skip("a real NCCL is installed here and would be found first")
     (directory / "stub.cc").write_text(source)
     # No soname: a later lookup of "libnccl.so.2" by name cannot pick up this stub.
     subprocess.run([cxx, "-shared", "-fPIC", "-o", str(directory / "libnccl.so.2"),
@@ -89,12 +95,7 @@ def _build_stub(cxx, directory, source):
 
 
 def test_nccl_from_the_search_path_is_version_checked(tmp_path):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    if _probe("")[0] == 0:
-        pytest.skip("a real NCCL is installed here and would be found first")
-    _build_stub(cxx, tmp_path, _STUB)
+    _build_stub(tmp_path, _STUB)
     rc, _, message = _probe(f"/nonexistent:{tmp_path}")
     assert rc == 9, message
     assert f"NCCL 2.8.4 ({tmp_path}/libnccl.so.2) is too old" in message
@@ -102,14 +103,9 @@ def test_nccl_from_the_search_path_is_version_checked(tmp_path):
 
 
 def test_an_nccl_without_a_function_keras_ring_calls_is_named(tmp_path):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    if _probe("")[0] == 0:
-        pytest.skip("a real NCCL is installed here and would be found first")
     stub = "\n".join(line for line in _STUB.splitlines()
                      if "ncclSend" not in line and "ncclRecv" not in line)
-    _build_stub(cxx, tmp_path, stub.replace("*v = 2804", "*v = 22304"))
+    _build_stub(tmp_path, stub.replace("*v = 2804", "*v = 22304"))
     rc, _, message = _probe(str(tmp_path))
     assert rc == 9, message
     assert f"{tmp_path}/libnccl.so.2 lacks ncclSend, ncclRecv" in message
