@@ -3,8 +3,9 @@
 benchmarks/gpu_check.sh builds the core runtime and its C API (no TensorFlow) into
 libkeras_ring_core.so and runs this driver on 2 ranks. Each rank checks allreduce (every op,
 several dtypes and sizes, scale factors, in place, ordering against a busy caller stream),
-allgather (equal and varying rows) and broadcast on CuPy arrays against NumPy, then the
-further checks of gpu_check_cases.py (first-collective latency, grouped allreduce, edge
+allgather (equal and varying rows) and broadcast on CuPy arrays against NumPy, reducescatter
+(even, uneven and empty parts) and alltoall (equal, uneven and empty splits, bad splits) of
+gpu_check_scatter.py, then the further checks of gpu_check_cases.py (first-collective latency, grouped allreduce, edge
 cases, 10,000 small collectives with stable memory, loaded libraries, contexts only on the
 rank's own GPU), then rank 0 prints an nccl-tests-style busbw table next to
 torch.distributed's NCCL allreduce on the same buffers. `--faults N` then runs the failure
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))  # keras_ring.ops.loader and keras_ring.gpu import
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_cases as cases  # noqa: E402
 import gpu_check_faults as faults  # noqa: E402
+import gpu_check_scatter as scatter  # noqa: E402
 
 DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4, "uint8": 5,
           "int32": 6, "int64": 7, "bool": 8}
@@ -225,6 +227,7 @@ class Core:
 
 
 cases.load(Core, DTYPES, OPS)  # grouped allreduce, the backend's object counts
+scatter.load(Core, DTYPES, OPS)  # reducescatter, alltoall
 
 
 def nccl_candidates() -> list[str]:
@@ -463,6 +466,8 @@ def run_checks(core, cp, checks: Checks, rank: int, n: int, device: int) -> dict
     check_allreduce(core, cp, checks, rank, n, device)
     check_ordering(core, cp, checks, rank, n, device)
     check_allgather_broadcast(core, cp, checks, rank, n, device)
+    scatter.check_reducescatter(this, core, cp, checks, rank, n, device)
+    scatter.check_alltoall(this, core, cp, checks, rank, n, device)
     cases.check_grouped(this, core, cp, checks, rank, n, device)
     cases.check_edge_cases(this, core, cp, checks, rank, n, device)
     extra.update(cases.check_many_small(this, core, cp, checks, rank, n, device))

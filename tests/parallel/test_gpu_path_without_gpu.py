@@ -92,3 +92,57 @@ def test_grouped_device_collective_without_gpu_fails_alike_and_names_itself(worl
     verdicts = kr.allgather_object(message.split(": rank 0: ", 1)[1])
     assert len(set(verdicts)) == 1, verdicts
     _still_usable()
+
+
+def _device_alltoall(buf, rows: int, splits: list[int], name: bytes) -> tuple[int, str, list[int]]:
+    c = library().c
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    c.keras_ring_device_alltoall.argtypes = [
+        vp, vp, i64, i64, i64, ctypes.POINTER(i64), ctypes.c_int, ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_int, ctypes.c_int, vp, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    err = ctypes.create_string_buffer(4096)
+    received = (ctypes.c_int32 * kr.size())(*[-1] * kr.size())
+    rc = c.keras_ring_device_alltoall(
+        ctypes.addressof(buf), ctypes.addressof(buf), rows, 1, len(buf), (i64 * len(splits))(*splits),
+        len(splits), received, FLOAT32, 0, None, name, err, len(err))
+    return rc, err.value.decode(), list(received)
+
+
+def test_device_reducescatter_and_alltoall_without_gpu_fail_alike_on_every_rank(world):
+    rank, size = world
+    c = library().c
+    c.keras_ring_device_reducescatter.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+        ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    a, out = (ctypes.c_float * (3 * size))(*range(3 * size)), (ctypes.c_float * 3)()
+    err = ctypes.create_string_buffer(4096)
+    rc = c.keras_ring_device_reducescatter(ctypes.addressof(a), ctypes.addressof(out), 3 * size,
+                                           1, FLOAT32, SUM, 1.0, 1.0, 0, None, b"gpu_shard", err,
+                                           len(err))
+    scatter_message = err.value.decode()
+    assert rc == 9, scatter_message
+    assert f"reducescatter 'gpu_shard' failed on rank {rank}: rank 0: " in scatter_message
+    assert list(out) == [0, 0, 0]
+    buf = (ctypes.c_float * size)(*range(size))
+    rc, message, received = _device_alltoall(buf, size, [1] * size, b"gpu_exchange")
+    assert rc == 9, message
+    assert f"alltoall 'gpu_exchange' failed on rank {rank}: rank 0: " in message
+    verdicts = kr.allgather_object((scatter_message.split(": rank 0: ", 1)[1],
+                                    message.split(": rank 0: ", 1)[1]))
+    assert len(set(verdicts)) == 1, verdicts
+    _still_usable()
+
+
+def test_bad_device_alltoall_splits_are_refused_on_every_rank_before_any_gpu_work(world):
+    # The splits of device tensors travel with the signatures too, so one rank's bad splits
+    # are an argument error everywhere, naming it, even where no GPU could run the exchange.
+    rank, size = world
+    buf = (ctypes.c_float * size)(*range(size))
+    splits = [1] * size if rank != size - 1 else [size] + [1] * (size - 1)
+    rc, message, received = _device_alltoall(buf, size, splits, b"gpu_exchange")
+    assert rc == 3, message  # InvalidArgument
+    assert f"rank {size - 1} passed splits [{size}, " in message
+    assert f"for a tensor of {size} rows" in message
+    assert list(buf) == list(map(float, range(size)))
+    _still_usable()

@@ -216,3 +216,119 @@ def test_the_script_fails_instead_of_running_fewer_ranks(tmp_path):
     assert "2 ranks would share 1 GPU(s), which needs NCCL >= 2.30" in proc.stdout
     assert "running 1 rank" not in proc.stdout
     assert not (tmp_path / "out" / "gpu_check.json").exists()
+
+
+# ---------------------------------------------------------------- reducescatter and alltoall
+
+sc = gc.scatter
+
+
+def test_reducescatter_reference_is_each_ranks_rows_of_the_allreduce():
+    assert sc.scatter_rows(7, 3) == [3, 2, 2] and sc.scatter_rows(2, 3) == [1, 1, 0]
+    assert sc.scatter_row_counts(3) == (9, 10, 2)  # even, uneven, an empty part
+    inputs = [gc.rank_input("int64", "Sum", 7 * 2, r).reshape(7, 2) for r in range(3)]
+    full = inputs[0] + inputs[1] + inputs[2]
+    assert np.array_equal(sc.reference_reducescatter(gc, "int64", "Sum", inputs, 1), full[3:5])
+    assert np.array_equal(sc.reference_reducescatter(gc, "int64", "Sum", inputs, 0), full[:3])
+    small = [x[:2] for x in inputs]
+    assert sc.reference_reducescatter(gc, "int64", "Sum", small, 2).shape == (0, 2)
+
+
+def test_alltoall_reference_takes_the_rows_each_rank_addressed_to_this_one():
+    inputs = [np.arange(3)[:, None] + 10 * r for r in range(3)]  # rank r's rows: 10r, 10r+1, ...
+    splits = [[1, 0, 2], [0, 3, 0], [2, 1, 0]]
+    out, received = sc.reference_alltoall(inputs, splits, 2)
+    assert out[:, 0].tolist() == [1, 2] and received == [2, 0, 0]
+    out, received = sc.reference_alltoall(inputs, splits, 1)
+    assert out[:, 0].tolist() == [10, 11, 12, 22] and received == [0, 3, 1]
+    equal = [np.arange(4)[:, None] + 10 * r for r in range(2)]
+    assert sc.reference_alltoall(equal, None, 1)[0][:, 0].tolist() == [2, 3, 12, 13]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_alltoall_cases_cover_empty_transfers_and_a_silent_rank(n):
+    for case in ("uneven", "silent", "large"):
+        splits = sc.alltoall_splits(case, n)
+        assert len(splits) == n and all(len(s) == n and min(s) >= 0 for s in splits)
+    assert any(0 in s for s in sc.alltoall_splits("uneven", n))
+    assert sum(sc.alltoall_splits("silent", n)[0]) == 0
+    assert sc.alltoall_splits("equal", n) is None and sc.rows_to_send(None, 0, n) == 2 * n
+
+
+class _NumpyAsCupy:
+    """Just enough of CuPy for the checks: host arrays."""
+    float32 = np.float32
+    asarray, asnumpy, empty, ones = staticmethod(np.asarray), staticmethod(np.asarray), \
+        staticmethod(np.empty), staticmethod(np.ones)
+
+
+class _ThreadWorld:
+    """Ranks as threads running the checks against collectives done in NumPy, written apart
+    from the references (np.array_split for the parts, cumulative offsets for the rows);
+    `wrong` breaks one thing to show the checks notice."""
+
+    def __init__(self, n, wrong=None):
+        import threading
+        self.n, self.wrong, self.slots = n, wrong, [None] * n
+        self.barrier = threading.Barrier(n)
+
+    def _gather(self, rank, value):
+        self.slots[rank] = value
+        self.barrier.wait()
+        everything = list(self.slots)
+        self.barrier.wait()
+        return everything
+
+    def reducescatter(self, x, y, name, op, device, pre=1.0, post=1.0):
+        rank = self._rank()
+        inputs = self._gather(rank, np.array(x))
+        if op not in ("Sum", "Average") and pre != 1.0:
+            raise gc.CollectiveError(3, "not supported")
+        full = gc.reference_allreduce(name, op, inputs, pre, post)
+        part = np.array_split(full, self.n)[(rank + 1) % self.n if self.wrong == "part" else rank]
+        y[...] = part if part.shape == y.shape else 0
+
+    def alltoall(self, x, out, name, splits, device):
+        rank = self._rank()
+        deposits = self._gather(rank, (np.array(x), splits))
+        sizes = [s if s is not None else [len(a) // self.n] * self.n for a, s in deposits]
+        for p, (a, _) in enumerate(deposits):
+            if sum(sizes[p]) != len(a):
+                raise gc.CollectiveError(3, f"rank {p} passed splits {sizes[p]}")
+        rows = [a[int(np.sum(sizes[p][:rank])):][:sizes[p][rank]] for p, (a, _) in enumerate(deposits)]
+        got = np.concatenate(rows)
+        out[:len(got)] = got
+        received = [sizes[p][rank] for p in range(self.n)]
+        return received[::-1] if self.wrong == "received" else received
+
+    def _rank(self):
+        import threading
+        return int(threading.current_thread().name)
+
+
+def _run_checks(world, check):
+    import threading
+    results = [gc.Checks(r) for r in range(world.n)]
+    threads = [threading.Thread(name=str(r), target=check, args=(
+        gc, world, _NumpyAsCupy, results[r], r, world.n, 0)) for r in range(world.n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_scatter_checks_pass_on_right_results_and_fail_on_wrong_ones(n):
+    for check, wrong in ((sc.check_reducescatter, "part"), (sc.check_alltoall, "received")):
+        good = _run_checks(_ThreadWorld(n), check)
+        assert all(c.failed == [] and c.passed > 5 for c in good), [c.failed for c in good]
+        bad = _run_checks(_ThreadWorld(n, wrong), check)
+        assert all(c.failed for c in bad), check.__name__
+
+
+def test_gpu_check_runs_the_scatter_checks_through_the_c_api():
+    assert hasattr(gc.Core, "reducescatter") and hasattr(gc.Core, "alltoall")
+    import inspect
+    source = inspect.getsource(gc.run_checks)
+    assert "scatter.check_reducescatter" in source and "scatter.check_alltoall" in source

@@ -17,7 +17,8 @@ from keras_ring import gpu
 from keras_ring.ops import build
 from keras_ring.ops.loader import library
 
-OPS = ("KerasRingAllreduce", "KerasRingGroupedAllreduce", "KerasRingAllgather", "KerasRingBroadcast")
+OPS = ("KerasRingAllreduce", "KerasRingGroupedAllreduce", "KerasRingAllgather", "KerasRingBroadcast",
+       "KerasRingReducescatter", "KerasRingAlltoall")
 
 
 def _kernels(op):
@@ -36,9 +37,17 @@ def test_gpu_kernels_leave_int32_to_the_cpu(op):
     (constraint,) = _kernels(op)["GPU"].constraint
     allowed = {tf.dtypes.as_dtype(t) for t in constraint.allowed_values.list.type}
     expected = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int64}
-    if op in ("KerasRingAllgather", "KerasRingBroadcast"):
-        expected.add(tf.bool)
+    if op in ("KerasRingAllgather", "KerasRingBroadcast", "KerasRingAlltoall"):
+        expected.add(tf.bool)  # moved as bytes
     assert constraint.name == "T" and allowed == expected
+
+
+def test_alltoall_splits_stay_in_host_memory_on_gpus():
+    # The kernel reads the splits when it builds the request and the worker writes the
+    # received splits: both must be host memory, the data device memory.
+    assert list(_kernels("KerasRingAlltoall")["GPU"].host_memory_arg) == ["splits", "received_splits"]
+    for op in OPS[:-1]:
+        assert list(_kernels(op)["GPU"].host_memory_arg) == []
 
 
 def _probe(dirs: str) -> tuple[int, int, str]:
@@ -65,25 +74,41 @@ _STUB = "\n".join(
     [f'extern "C" int {name}() {{ return 0; }}' for name in (
         "ncclGetUniqueId", "ncclCommInitRank", "ncclCommGetAsyncError", "ncclCommAbort",
         "ncclCommDestroy", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce", "ncclBroadcast",
-        "ncclAllGather", "ncclRedOpCreatePreMulSum", "ncclRedOpDestroy")]
+        "ncclAllGather", "ncclReduce", "ncclReduceScatter", "ncclSend", "ncclRecv",
+        "ncclRedOpCreatePreMulSum", "ncclRedOpDestroy")]
     + ['extern "C" const char* ncclGetErrorString(int) { return "stub"; }',
        'extern "C" int ncclGetVersion(int* v) { *v = 2804; return 0; }']
 )
 
 
-def test_nccl_from_the_search_path_is_version_checked(tmp_path):
+def _build_stub(directory, source):
+    """A libnccl.so.2 from `source` in `directory`; skips where none can be built or tried."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
     if _probe("")[0] == 0:
         pytest.skip("a real NCCL is installed here and would be found first")
-    (tmp_path / "stub.cc").write_text(_STUB)
+    (directory / "stub.cc").write_text(source)
     # No soname: a later lookup of "libnccl.so.2" by name cannot pick up this stub.
-    subprocess.run([cxx, "-shared", "-fPIC", "-o", str(tmp_path / "libnccl.so.2"),
-                    str(tmp_path / "stub.cc")], check=True)
+    subprocess.run([cxx, "-shared", "-fPIC", "-o", str(directory / "libnccl.so.2"),
+                    str(directory / "stub.cc")], check=True)
+
+
+def test_nccl_from_the_search_path_is_version_checked(tmp_path):
+    _build_stub(tmp_path, _STUB)
     rc, _, message = _probe(f"/nonexistent:{tmp_path}")
     assert rc == 9, message
     assert f"NCCL 2.8.4 ({tmp_path}/libnccl.so.2) is too old" in message
+    assert "needs NCCL >= 2.12.0" in message
+
+
+def test_an_nccl_without_a_function_keras_ring_calls_is_named(tmp_path):
+    stub = "\n".join(line for line in _STUB.splitlines()
+                     if "ncclSend" not in line and "ncclRecv" not in line)
+    _build_stub(tmp_path, stub.replace("*v = 2804", "*v = 22304"))
+    rc, _, message = _probe(str(tmp_path))
+    assert rc == 9, message
+    assert f"{tmp_path}/libnccl.so.2 lacks ncclSend, ncclRecv" in message
     assert "needs NCCL >= 2.12.0" in message
 
 
@@ -91,6 +116,6 @@ def test_the_gpu_free_build_is_one_library():
     # The CPU and GPU kernels and the NCCL backend come from the same sources and library.
     names = {p.relative_to(build.CC_DIR).as_posix() for p in build.sources()}
     assert {"tf/kernels.cc", "tf/gpu_kernels.cc", "core/nccl/backend.cc",
-            "core/nccl/dynamic_api.cc"} <= names
+            "core/nccl/dynamic_api.cc", "core/nccl/scatter.cc"} <= names
     text = build.library_path().read_bytes()
     assert b"keras_ring_nccl_probe" in text and b"libnccl.so.2" in text

@@ -115,19 +115,20 @@ Status HostExecutor::BlameForExchangeTimeout(const Request& request, uint64_t se
 }
 
 bool HostExecutor::PackInline(const Request& r, Slot* slot) const {
-  if (r.placement != Placement::kHost) return false;  // pointers into device memory
-  if (r.kind == Kind::kJoin) {
-    // Zeros of any size up to the capacity: what a joined rank adds to a small allreduce.
-    std::memset(slot->payload, 0, sizeof slot->payload);
-    return true;
-  }
   if (r.kind == Kind::kAlltoall) {
-    // Not the data but the splits ride along: [count][splits...], checked after the exchange.
+    // Not the data but the splits ride along: [count][splits...], checked after the exchange
+    // (on either placement: the splits are in host memory, and NCCL's alltoall needs them).
     const size_t room = kInlineCapacity / sizeof(int64_t) - 1;
     const int64_t n = r.splits.size() <= room ? static_cast<int64_t>(r.splits.size()) : -1;
     std::memcpy(slot->payload, &n, sizeof n);
     if (n > 0) std::memcpy(slot->payload + sizeof n, r.splits.data(), r.splits.size() * sizeof n);
     return false;
+  }
+  if (r.placement != Placement::kHost) return false;  // pointers into device memory
+  if (r.kind == Kind::kJoin) {
+    // Zeros of any size up to the capacity: what a joined rank adds to a small allreduce.
+    std::memset(slot->payload, 0, sizeof slot->payload);
+    return true;
   }
   size_t bytes = 0;
   for (const TensorRef& t : r.tensors) bytes += t.num_bytes();

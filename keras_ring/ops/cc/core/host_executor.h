@@ -28,6 +28,10 @@ class HostExecutor : public Executor {
   // Ring steps of the slot exchange in progress, -1 when none runs (for the stall report).
   int exchange_steps() const { return exchange_steps_.load(); }
   Transport& transport() { return transport_; }
+  // Alltoall, right after Agree: every rank's splits, read from the slots and checked (the
+  // same verdict everywhere, so a refusal needs no further agreement).
+  Status AlltoallSplits(const std::vector<Signature>& sigs,
+                        std::vector<std::vector<int64_t>>* splits) const;
   // The algorithms' settings for `request` (its wait policy).
   AlgoConfig ConfigFor(const Request& request) const;
 
@@ -42,9 +46,6 @@ class HostExecutor : public Executor {
   // Reducescatter: elements of each rank's part, in rank order.
   std::vector<size_t> ReducescatterCounts(const Request& request) const;
   Status ExecuteReducescatter(Request& request);
-  // Alltoall: every rank's splits, read from the slots and checked (same verdict everywhere).
-  Status AlltoallSplits(const std::vector<Signature>& sigs,
-                        std::vector<std::vector<int64_t>>* splits) const;
   Status ExecuteAlltoall(Request& request, const std::vector<Signature>& sigs);
   // Join: takes part in the other ranks' allreduces with zeros until every rank joined.
   Status ExecuteJoin(Request& request, uint64_t seq, ExecutionStats* stats);

@@ -68,45 +68,144 @@ void FakeNcclWorld::Note(int rank, const std::string& entry) {
   ranks_[static_cast<size_t>(rank)].log.push_back(entry);
 }
 
-// Runs one launch for every rank: call j of every rank together.
+namespace {
+
+ReduceOp OpOf(int nccl_op) {
+  return nccl_op == kn::kNcclProd  ? ReduceOp::kProduct
+         : nccl_op == kn::kNcclMax ? ReduceOp::kMax
+         : nccl_op == kn::kNcclMin ? ReduceOp::kMin
+                                   : ReduceOp::kSum;  // Sum, Avg and PreMulSum ops add
+}
+
+}  // namespace
+
+std::vector<char> FakeNcclWorld::Combine(CommState& comm, const std::vector<const void*>& sends,
+                                         int dtype, int op, size_t count) {
+  const DataType t = FromNccl(dtype);
+  const size_t bytes = count * keras_ring::DataTypeSize(t);
+  auto premul = comm.premul_scalars.find(op);
+  std::vector<char> acc(bytes), peer(bytes);
+  for (size_t r = 0; r < sends.size() && bytes > 0; ++r) {
+    char* dst = r == 0 ? acc.data() : peer.data();
+    std::memcpy(dst, sends[r], bytes);
+    if (premul != comm.premul_scalars.end()) keras_ring::Scale(t, dst, count, premul->second);
+    if (r > 0) keras_ring::Reduce(t, OpOf(op), acc.data(), peer.data(), count);
+  }
+  if (op == kn::kNcclAvg) {
+    keras_ring::AverageScale(t, acc.data(), count, static_cast<int64_t>(sends.size()), 1.0);
+  }
+  return acc;
+}
+
+namespace {
+
+bool SameCall(const FakeCall& a, const FakeCall& b) {
+  return a.type == b.type && a.count == b.count && a.dtype == b.dtype && a.op == b.op &&
+         a.root == b.root;
+}
+
+void Put(void* dst, const std::vector<char>& data) {
+  if (!data.empty()) std::memcpy(dst, data.data(), data.size());
+}
+
+}  // namespace
+
+// Runs one launch for every rank: call j of every rank together. NCCL needs every rank to
+// make the same collective calls in a launch; where they differ nothing is computed.
 void FakeNcclWorld::Execute(CommState& comm, Launch& launch) {
   const size_t n = launch.calls.size();
+  for (size_t r = 1; r < n; ++r) {
+    bool same = launch.calls[r].size() == launch.calls[0].size();
+    for (size_t j = 0; same && j < launch.calls[0].size(); ++j) {
+      same = SameCall(launch.calls[r][j], launch.calls[0][j]);
+    }
+    if (!same) {
+      Note(static_cast<int>(r), "violation: calls differ from rank 0's in one launch");
+      *launch.done = true;
+      return;
+    }
+  }
+  auto sends = [&](size_t j, size_t offset) {
+    std::vector<const void*> v;
+    for (size_t r = 0; r < n; ++r) v.push_back(static_cast<const char*>(launch.calls[r][j].send) + offset);
+    return v;
+  };
   for (size_t j = 0; j < launch.calls[0].size(); ++j) {
-    const FakeCall& first = launch.calls[0][j];
-    if (first.type == FakeCall::kAllReduce) {
-      const DataType t = FromNccl(first.dtype);
-      const size_t bytes = first.count * keras_ring::DataTypeSize(t);
-      auto premul = comm.premul_scalars.find(first.op);
-      std::vector<char> acc(bytes), peer(bytes);
-      for (size_t r = 0; r < n; ++r) {
-        char* dst = r == 0 ? acc.data() : peer.data();
-        std::memcpy(dst, launch.calls[r][j].send, bytes);
-        if (premul != comm.premul_scalars.end()) keras_ring::Scale(t, dst, first.count, premul->second);
-        if (r == 0) continue;
-        const ReduceOp op = first.op == kn::kNcclProd ? ReduceOp::kProduct
-                            : first.op == kn::kNcclMax ? ReduceOp::kMax
-                            : first.op == kn::kNcclMin ? ReduceOp::kMin
-                                                       : ReduceOp::kSum;
-        keras_ring::Reduce(t, op, acc.data(), peer.data(), first.count);
+    const FakeCall& c = launch.calls[0][j];
+    const size_t esize = keras_ring::DataTypeSize(FromNccl(c.dtype));
+    switch (c.type) {
+      case FakeCall::kAllReduce: {
+        const std::vector<char> acc = Combine(comm, sends(j, 0), c.dtype, c.op, c.count);
+        for (size_t r = 0; r < n; ++r) Put(launch.calls[r][j].recv, acc);
+        break;
       }
-      if (first.op == kn::kNcclAvg) {
-        keras_ring::AverageScale(t, acc.data(), first.count, static_cast<int64_t>(n), 1.0);
+      case FakeCall::kReduce:  // the root's receive buffer only
+        Put(launch.calls[static_cast<size_t>(c.root)][j].recv,
+            Combine(comm, sends(j, 0), c.dtype, c.op, c.count));
+        break;
+      case FakeCall::kReduceScatter:  // block r of every rank's input, reduced, to rank r
+        for (size_t r = 0; r < n; ++r) {
+          Put(launch.calls[r][j].recv, Combine(comm, sends(j, r * c.count * esize), c.dtype, c.op, c.count));
+        }
+        break;
+      case FakeCall::kBroadcast: {
+        const char* p = static_cast<const char*>(launch.calls[static_cast<size_t>(c.root)][j].send);
+        const std::vector<char> data(p, p + c.count);
+        for (size_t r = 0; r < n; ++r) Put(launch.calls[r][j].recv, data);
+        break;
       }
-      for (size_t r = 0; r < n; ++r) std::memcpy(launch.calls[r][j].recv, acc.data(), bytes);
-    } else if (first.type == FakeCall::kBroadcast) {
-      std::vector<char> data(first.count);
-      std::memcpy(data.data(), launch.calls[static_cast<size_t>(first.root)][j].send, first.count);
-      for (size_t r = 0; r < n; ++r) std::memcpy(launch.calls[r][j].recv, data.data(), first.count);
-    } else {
-      std::vector<char> data;
-      for (size_t r = 0; r < n; ++r) {
-        const char* p = static_cast<const char*>(launch.calls[r][j].send);
-        data.insert(data.end(), p, p + first.count);
+      case FakeCall::kAllGather: {
+        std::vector<char> data;
+        for (size_t r = 0; r < n; ++r) {
+          const char* p = static_cast<const char*>(launch.calls[r][j].send);
+          data.insert(data.end(), p, p + c.count);
+        }
+        for (size_t r = 0; r < n; ++r) Put(launch.calls[r][j].recv, data);
+        break;
       }
-      for (size_t r = 0; r < n; ++r) std::memcpy(launch.calls[r][j].recv, data.data(), data.size());
+      case FakeCall::kSend:
+      case FakeCall::kRecv:  // never here: PostP2p pairs them
+        break;
     }
   }
   *launch.done = true;
+}
+
+std::shared_ptr<bool> FakeNcclWorld::PostP2p(CommState& comm, int rank,
+                                             const std::vector<FakeCall>& calls) {
+  auto launch = std::make_shared<P2pLaunch>();
+  launch->remaining = static_cast<int>(calls.size());
+  for (const FakeCall& c : calls) {
+    P2pCall mine{c, launch};
+    const bool send = c.type == FakeCall::kSend;
+    const std::pair<int, int> key = send ? std::make_pair(rank, c.root) : std::make_pair(c.root, rank);
+    std::vector<P2pCall>& waiting = send ? comm.recvs[key] : comm.sends[key];
+    if (waiting.empty() || hang.load()) {
+      (send ? comm.sends[key] : comm.recvs[key]).push_back(mine);
+      continue;
+    }
+    P2pCall other = waiting.front();
+    waiting.erase(waiting.begin());
+    if (send) {
+      Match(mine, other, key.first, key.second);
+    } else {
+      Match(other, mine, key.first, key.second);
+    }
+  }
+  if (launch->remaining == 0) *launch->done = true;
+  return launch->done;
+}
+
+void FakeNcclWorld::Match(P2pCall& send, P2pCall& recv, int from, int to) {
+  if (send.call.count != recv.call.count) {
+    Note(to, "violation: a receive of " + std::to_string(recv.call.count) + " bytes from rank " +
+                 std::to_string(from) + ", which sent " + std::to_string(send.call.count));
+  }
+  const size_t bytes = std::min(send.call.count, recv.call.count);
+  if (bytes > 0) std::memcpy(recv.call.recv, send.call.send, bytes);
+  for (P2pCall* c : {&send, &recv}) {
+    if (--c->launch->remaining == 0) *c->launch->done = true;
+  }
 }
 
 keras_ring::Status FakeDeviceApi::LoadNccl() {
@@ -348,15 +447,49 @@ int FakeDeviceApi::GroupEnd() {
                 const_cast<kn::Stream>(group_stream_));
 }
 
+namespace {
+
+FakeCall MakeCall(FakeCall::Type type, const void* send, void* recv, size_t count, int dtype,
+                  int op, int root) {
+  FakeCall call;
+  call.type = type;
+  call.send = send;
+  call.recv = recv;
+  call.count = count;
+  call.dtype = dtype;
+  call.op = op;
+  call.root = root;
+  return call;
+}
+
+// NCCL counts elements; broadcast, allgather and point to point are compared as bytes here.
+size_t Bytes(size_t count, int dtype) { return count * keras_ring::DataTypeSize(FromNccl(dtype)); }
+
+const char* CallName(FakeCall::Type type) {
+  switch (type) {
+    case FakeCall::kAllReduce: return "allreduce";
+    case FakeCall::kBroadcast: return "broadcast";
+    case FakeCall::kAllGather: return "allgather";
+    case FakeCall::kReduce: return "reduce";
+    case FakeCall::kReduceScatter: return "reducescatter";
+    case FakeCall::kSend: return "send";
+    case FakeCall::kRecv: return "recv";
+  }
+  return "?";
+}
+
+}  // namespace
+
 int FakeDeviceApi::Enqueue(const FakeCall& call, kn::Comm comm, kn::Stream stream) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const char* what = call.type == FakeCall::kAllReduce   ? "allreduce"
-                       : call.type == FakeCall::kBroadcast ? "broadcast"
-                                                           : "allgather";
+    const char* what = CallName(call.type);
     std::lock_guard<std::mutex> wlock(world_->mu_);
     CheckIdle(comm, what);
-    world_->Note(rank_, std::string(what) + "@" + Name(stream));
+    // NCCL allows it, but two ranks sending to each other outside a group deadlock.
+    if (call.p2p() && !in_group_) world_->Note(rank_, std::string("violation: ungrouped ") + what);
+    world_->Note(rank_, std::string(what) + "@" + Name(stream) +
+                            (call.p2p() ? " peer " + std::to_string(call.root) : ""));
     if (in_group_) {
       group_.push_back(call);
       group_comm_ = comm;
@@ -374,12 +507,20 @@ int FakeDeviceApi::Submit(std::vector<FakeCall> calls, kn::Comm comm, kn::Stream
   if (info.aborted) return kn::kNcclInvalidUsage;
   std::lock_guard<std::mutex> wlock(world_->mu_);
   FakeNcclWorld::CommState& c = world_->comms_[info.id];
-  const int seq = c.next_seq[rank_]++;
-  FakeNcclWorld::Launch& launch = c.launches[seq];
-  launch.calls.resize(static_cast<size_t>(world_->size_));
-  launch.calls[static_cast<size_t>(rank_)] = std::move(calls);
-  streams_[stream].push_back(launch.done);
-  if (++launch.arrived == world_->size_ && !world_->hang.load()) world_->Execute(c, launch);
+  const bool p2p = calls.front().p2p();
+  for (const FakeCall& call : calls) {
+    if (call.p2p() != p2p) world_->Note(rank_, "violation: collectives and send/recv in one group");
+  }
+  if (p2p) {
+    streams_[stream].push_back(world_->PostP2p(c, rank_, calls));
+  } else {
+    const int seq = c.next_seq[rank_]++;
+    FakeNcclWorld::Launch& launch = c.launches[seq];
+    launch.calls.resize(static_cast<size_t>(world_->size_));
+    launch.calls[static_cast<size_t>(rank_)] = std::move(calls);
+    streams_[stream].push_back(launch.done);
+    if (++launch.arrived == world_->size_ && !world_->hang.load()) world_->Execute(c, launch);
+  }
   info.stream = stream;
   if (!info.nonblocking || (world_->launch_polls.load() == 0 && !world_->launch_stuck.load())) {
     return 0;
@@ -391,35 +532,42 @@ int FakeDeviceApi::Submit(std::vector<FakeCall> calls, kn::Comm comm, kn::Stream
 
 int FakeDeviceApi::AllReduce(const void* send, void* recv, size_t count, int dtype, int op,
                              kn::Comm comm, kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kAllReduce;
-  call.send = send;
-  call.recv = recv;
-  call.count = count;
-  call.dtype = dtype;
-  call.op = op;
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kAllReduce, send, recv, count, dtype, op, 0), comm, stream);
 }
 
 int FakeDeviceApi::Broadcast(const void* send, void* recv, size_t count, int dtype, int root,
                              kn::Comm comm, kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kBroadcast;
-  call.send = send;
-  call.recv = recv;
-  call.count = count * keras_ring::DataTypeSize(FromNccl(dtype));
-  call.root = root;
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kBroadcast, send, recv, Bytes(count, dtype), dtype, 0, root),
+                 comm, stream);
 }
 
 int FakeDeviceApi::AllGather(const void* send, void* recv, size_t count, int dtype,
                              kn::Comm comm, kn::Stream stream) {
-  FakeCall call;
-  call.type = FakeCall::kAllGather;
-  call.send = send;
-  call.recv = recv;
-  call.count = count * keras_ring::DataTypeSize(FromNccl(dtype));
-  return Enqueue(call, comm, stream);
+  return Enqueue(MakeCall(FakeCall::kAllGather, send, recv, Bytes(count, dtype), dtype, 0, 0),
+                 comm, stream);
+}
+
+int FakeDeviceApi::Reduce(const void* send, void* recv, size_t count, int dtype, int op, int root,
+                          kn::Comm comm, kn::Stream stream) {
+  return Enqueue(MakeCall(FakeCall::kReduce, send, recv, count, dtype, op, root), comm, stream);
+}
+
+int FakeDeviceApi::ReduceScatter(const void* send, void* recv, size_t recv_count, int dtype,
+                                 int op, kn::Comm comm, kn::Stream stream) {
+  return Enqueue(MakeCall(FakeCall::kReduceScatter, send, recv, recv_count, dtype, op, 0), comm,
+                 stream);
+}
+
+int FakeDeviceApi::Send(const void* send, size_t count, int dtype, int peer, kn::Comm comm,
+                        kn::Stream stream) {
+  return Enqueue(MakeCall(FakeCall::kSend, send, nullptr, Bytes(count, dtype), dtype, 0, peer),
+                 comm, stream);
+}
+
+int FakeDeviceApi::Recv(void* recv, size_t count, int dtype, int peer, kn::Comm comm,
+                        kn::Stream stream) {
+  return Enqueue(MakeCall(FakeCall::kRecv, nullptr, recv, Bytes(count, dtype), dtype, 0, peer),
+                 comm, stream);
 }
 
 int FakeDeviceApi::RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence,

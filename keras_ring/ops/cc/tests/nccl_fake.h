@@ -27,6 +27,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../core/nccl/device_api.h"
@@ -34,13 +35,15 @@
 namespace kr_test {
 
 struct FakeCall {
-  enum Type { kAllReduce, kBroadcast, kAllGather } type = kAllReduce;
+  enum Type { kAllReduce, kBroadcast, kAllGather, kReduce, kReduceScatter, kSend, kRecv };
+  Type type = kAllReduce;
   const void* send = nullptr;
   void* recv = nullptr;
-  size_t count = 0;
+  size_t count = 0;  // elements (bytes for broadcast, allgather, send and receive)
   int dtype = 0;
   int op = 0;
-  int root = 0;
+  int root = 0;  // reduce and broadcast; send and receive: the peer
+  bool p2p() const { return type == kSend || type == kRecv; }
 };
 
 // State shared by the ranks: communicators by unique id, pending launches, knobs, counters.
@@ -73,7 +76,19 @@ class FakeNcclWorld {
     int arrived = 0;
     std::shared_ptr<bool> done = std::make_shared<bool>(false);
   };
+  // Point to point: a launch of sends and receives completes when each of its calls met its
+  // counterpart (the k-th send from p to q pairs with the k-th receive on q from p), in
+  // whatever launches the peers made them, as NCCL pairs them.
+  struct P2pLaunch {
+    int remaining = 0;
+    std::shared_ptr<bool> done = std::make_shared<bool>(false);
+  };
+  struct P2pCall {
+    FakeCall call;
+    std::shared_ptr<P2pLaunch> launch;
+  };
   struct CommState {
+    std::map<std::pair<int, int>, std::vector<P2pCall>> sends, recvs;  // by (from, to)
     int joined = 0;     // ranks that called init
     int finalized = 0;  // ranks that called finalize
     int next_seq[64] = {};
@@ -89,6 +104,12 @@ class FakeNcclWorld {
   };
 
   void Execute(CommState& comm, Launch& launch);
+  // The reduction of count elements at each rank's `sends` (op and premul scalars applied).
+  std::vector<char> Combine(CommState& comm, const std::vector<const void*>& sends, int dtype,
+                            int op, size_t count);
+  // Posts rank's point-to-point calls; returns the flag set once all of them were matched.
+  std::shared_ptr<bool> PostP2p(CommState& comm, int rank, const std::vector<FakeCall>& calls);
+  void Match(P2pCall& send, P2pCall& recv, int from, int to);
   void Note(int rank, const std::string& entry);  // needs mu_
 
   const int size_;
@@ -139,6 +160,14 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
                 keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream) override;
   int AllGather(const void* send, void* recv, size_t count, int dtype,
                 keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream) override;
+  int Reduce(const void* send, void* recv, size_t count, int dtype, int op, int root,
+             keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream) override;
+  int ReduceScatter(const void* send, void* recv, size_t recv_count, int dtype, int op,
+                    keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream) override;
+  int Send(const void* send, size_t count, int dtype, int peer, keras_ring::nccl::Comm comm,
+           keras_ring::nccl::Stream stream) override;
+  int Recv(void* recv, size_t count, int dtype, int peer, keras_ring::nccl::Comm comm,
+           keras_ring::nccl::Stream stream) override;
   int RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence,
                            keras_ring::nccl::Comm comm) override;
   int RedOpDestroy(int op, keras_ring::nccl::Comm comm) override;

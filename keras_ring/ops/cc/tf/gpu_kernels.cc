@@ -36,7 +36,9 @@ constexpr DataType kMoveTypes[] = {
 
 absl::Status AttachToGpuStream(::tensorflow::OpKernelContext* ctx, ::keras_ring::Runtime& runtime,
                                ::keras_ring::Request* request) {
-  for (int i = 0; i < ctx->num_inputs(); ++i) {
+  // The data inputs come first (alltoall's splits follow, in host memory by registration).
+  const int data_inputs = static_cast<int>(request->tensors.size());
+  for (int i = 0; i < data_inputs; ++i) {
     if (ctx->input_memory_type(i) != ::tensorflow::DEVICE_MEMORY) {
       return absl::InternalError("keras_ring: GPU kernel " + ctx->op_kernel().name() +
                                  " got input " + std::to_string(i) + " in host memory");
@@ -75,5 +77,18 @@ REGISTER_KERNEL_BUILDER(Name("KerasRingBroadcast")
                             .Device(::tensorflow::DEVICE_GPU)
                             .TypeConstraint("T", kMoveTypes),
                         BroadcastKernel);
+REGISTER_KERNEL_BUILDER(Name("KerasRingReducescatter")
+                            .Device(::tensorflow::DEVICE_GPU)
+                            .TypeConstraint("T", kReduceTypes),
+                        ReducescatterKernel);
+// The splits are read when the request is built and the received splits written by the
+// worker, both on the host. TensorFlow would place these int32 tensors in host memory anyway
+// (as for every int32 tensor of a GPU kernel); HostMemory says so where it is relied on.
+REGISTER_KERNEL_BUILDER(Name("KerasRingAlltoall")
+                            .Device(::tensorflow::DEVICE_GPU)
+                            .TypeConstraint("T", kMoveTypes)
+                            .HostMemory("splits")
+                            .HostMemory("received_splits"),
+                        AlltoallKernel);
 
 }  // namespace keras_ring_tf

@@ -1,5 +1,6 @@
 #include "backend.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -63,26 +64,32 @@ class DeviceGuard {
   int result_ = kCudaSuccess;
 };
 
+int64_t TotalRows(const std::vector<Signature>& sigs) {
+  int64_t rows = 0;
+  for (const Signature& s : sigs) rows += s.count;
+  return rows;
+}
+
+// Decided from the signatures (every rank's), so every rank skips NCCL alike: an alltoall
+// rank that sends and receives nothing still has peers exchanging among themselves.
 bool NothingToMove(const std::vector<Signature>& sigs, const Request& c) {
   if (c.kind == Kind::kAllgather) {
     return PlanGather(sigs, DataTypeSize(c.tensors[0].dtype)).total == 0;
   }
+  if (c.kind == Kind::kAlltoall) return TotalRows(sigs) * sigs[0].row_elems == 0;
   for (const TensorRef& t : c.tensors) {
     if (t.num_bytes() > 0) return false;
   }
   return true;
 }
 
+// Allgather and alltoall allocate their output once the rows are known.
+bool AllocatesOutput(Kind kind) { return kind == Kind::kAllgather || kind == Kind::kAlltoall; }
+
 std::string Seconds(double s) {
   std::ostringstream out;
   out << s;
   return out.str();
-}
-
-int64_t TotalRows(const std::vector<Signature>& sigs) {
-  int64_t rows = 0;
-  for (const Signature& s : sigs) rows += s.count;
-  return rows;
 }
 
 }  // namespace
@@ -236,21 +243,41 @@ Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs, 
                         StreamTicket& ticket) {
   // Everything decided before the first NCCL call depends only on the agreed signatures, so
   // every rank takes the same branch and a refusal is an ordinary, non-fatal error.
-  std::vector<ReducePlan> plans;
-  if (c.kind == Kind::kAllreduce || c.kind == Kind::kGroupedAllreduce) {
-    for (const TensorRef& t : c.tensors) {
-      plans.emplace_back();
-      KR_RETURN_IF_ERROR(
-          PlanReduce(t.dtype, c.op, c.prescale, c.postscale, size_, &plans.back()));
-    }
-  }
+  LaunchPlan plan;
+  KR_RETURN_IF_ERROR(Plan(sigs, c, &plan));
   if (c.kind == Kind::kBarrier) return Status::OK();
   if (NothingToMove(sigs, c)) {
-    if (c.kind != Kind::kAllgather) return Status::OK();
-    return c.allocate_output(TotalRows(sigs), &c.tensors[0].output);
+    if (!AllocatesOutput(c.kind)) return Status::OK();
+    const int64_t rows = c.kind == Kind::kAllgather ? TotalRows(sigs) : plan.exchange.total_rows;
+    return c.allocate_output(rows, &c.tensors[0].output);
   }
   KR_RETURN_IF_ERROR(Ready(control, ticket));
-  return RunOnStream(sigs, c, plans, ticket, State(ticket.device));
+  return RunOnStream(sigs, c, plan, ticket, State(ticket.device));
+}
+
+Status NcclBackend::Plan(const std::vector<Signature>& sigs, Request& c, LaunchPlan* plan) {
+  if (c.kind == Kind::kAllreduce || c.kind == Kind::kGroupedAllreduce ||
+      c.kind == Kind::kReducescatter) {
+    const char* what = c.kind == Kind::kReducescatter ? "reducescatter" : "allreduce";
+    for (const TensorRef& t : c.tensors) {
+      plan->reduce.emplace_back();
+      KR_RETURN_IF_ERROR(
+          PlanReduce(t.dtype, c.op, c.prescale, c.postscale, size_, &plan->reduce.back(), what));
+    }
+  }
+  if (c.kind == Kind::kAlltoall) {
+    // The splits came with the signatures; a bad one fails every rank alike, here.
+    std::vector<std::vector<int64_t>> splits;
+    KR_RETURN_IF_ERROR(host_.AlltoallSplits(sigs, &splits));
+    const size_t row_bytes =
+        static_cast<size_t>(sigs[0].row_elems) * DataTypeSize(c.tensors[0].dtype);
+    plan->exchange = PlanExchange(splits, rank_, row_bytes);
+    if (c.received_splits != nullptr) {
+      std::copy(plan->exchange.recv_rows.begin(), plan->exchange.recv_rows.end(),
+                c.received_splits);
+    }
+  }
+  return Status::OK();
 }
 
 Status NcclBackend::Ready(Transport& control, StreamTicket& ticket) {
@@ -272,18 +299,19 @@ Status NcclBackend::Ready(Transport& control, StreamTicket& ticket) {
 }
 
 Status NcclBackend::RunOnStream(const std::vector<Signature>& sigs, Request& c,
-                                const std::vector<ReducePlan>& plans, StreamTicket& ticket,
-                            DeviceState& d) {
+                                const LaunchPlan& plan, StreamTicket& ticket, DeviceState& d) {
   Communicator& comm = *d.comm;
   const StopCheck stop = StopAt(Deadline::After(timeout_seconds_));
   Event ready = ticket.ready;
   Event allocated = nullptr;
   Event done = nullptr;
   Status s;
-  if (c.kind == Kind::kAllgather) {
-    s = c.allocate_output(TotalRows(sigs), &c.tensors[0].output);
+  if (AllocatesOutput(c.kind)) {
+    const int64_t rows = c.kind == Kind::kAllgather ? TotalRows(sigs) : plan.exchange.total_rows;
+    s = c.allocate_output(rows, &c.tensors[0].output);
     if (!s.ok()) {
-      s = Status(Code::kAborted, "could not allocate the allgather output: " + s.message());
+      s = Status(Code::kAborted, std::string("could not allocate the ") + KindName(c.kind) +
+                                     " output: " + s.message());
     }
     // The new output may reuse memory that work queued on the caller's stream after the
     // submission still reads: start after everything queued there so far.
@@ -293,7 +321,7 @@ Status NcclBackend::RunOnStream(const std::vector<Signature>& sigs, Request& c,
   }
   if (s.ok()) s = Cuda(api_->StreamWaitEvent(d.stream, ready), "cudaStreamWaitEvent");
   // A nonblocking launch is settled before anything else is queued on the stream.
-  if (s.ok()) s = Launch(sigs, c, plans, comm, d.stream, stop);
+  if (s.ok()) s = Launch(sigs, c, plan, comm, d.stream, stop);
   if (s.ok()) s = TakeEvent(ticket.device, &done);
   if (s.ok()) s = Cuda(api_->EventRecord(done, d.stream), "cudaEventRecord");
   if (s.ok()) s = Cuda(api_->StreamWaitEvent(ticket.caller_stream, done), "cudaStreamWaitEvent");
@@ -385,12 +413,16 @@ Status NcclBackend::PeerFailure() {
 }
 
 Status NcclBackend::Launch(const std::vector<Signature>& sigs, Request& c,
-                           const std::vector<ReducePlan>& plans, Communicator& comm,
-                           Stream stream, const StopCheck& stop) {
+                           const LaunchPlan& plan, Communicator& comm, Stream stream,
+                           const StopCheck& stop) {
   switch (c.kind) {
     case Kind::kAllreduce:
     case Kind::kGroupedAllreduce:
-      return LaunchReduce(c, plans, comm, stream, stop);
+      return LaunchReduce(c, plan.reduce, comm, stream, stop);
+    case Kind::kReducescatter:
+      return LaunchReducescatter(c, plan.reduce[0], comm, stream, stop);
+    case Kind::kAlltoall:
+      return LaunchAlltoall(c, plan.exchange, comm, stream, stop);
     case Kind::kAllgather:
       return LaunchAllgather(sigs, c, comm, stream, stop);
     case Kind::kBroadcast: {
@@ -402,11 +434,8 @@ Status NcclBackend::Launch(const std::vector<Signature>& sigs, Request& c,
     }
     case Kind::kBarrier:
       break;
-    case Kind::kReducescatter:
-    case Kind::kAlltoall:  // their ops have CPU kernels only: TensorFlow stages GPU tensors
-    case Kind::kJoin:      // a host request (the C API's), never placed on a device
-      return Status(Code::kInvalidArgument,
-                    std::string(KindName(c.kind)) + " has no NCCL implementation yet");
+    case Kind::kJoin:  // a host request (the C API's), never placed on a device
+      return Status(Code::kInvalidArgument, "join has no NCCL implementation");
   }
   return Status::OK();
 }

@@ -52,6 +52,13 @@ struct StreamTicket : DeviceTicket {
   Status status;          // why the submission could not prepare, reported collectively
 };
 
+// What a collective's NCCL calls need, decided from the agreed signatures alone (so every
+// rank decides alike) before the first NCCL call.
+struct LaunchPlan {
+  std::vector<ReducePlan> reduce;  // allreduce: one per tensor; reducescatter: one
+  ExchangePlan exchange;           // alltoall
+};
+
 class NcclBackend : public Executor {
  public:
   NcclBackend(std::shared_ptr<DeviceApi> api, HostExecutor& host, int rank, int size,
@@ -87,17 +94,22 @@ class NcclBackend : public Executor {
   Status Run(Transport& control, const std::vector<Signature>& sigs, Request& c,
              StreamTicket& ticket);
   Status Ready(Transport& control, StreamTicket& ticket);
-  Status RunOnStream(const std::vector<Signature>& sigs, Request& c,
-                     const std::vector<ReducePlan>& plans, StreamTicket& ticket, DeviceState& d);
+  Status Plan(const std::vector<Signature>& sigs, Request& c, LaunchPlan* plan);
+  Status RunOnStream(const std::vector<Signature>& sigs, Request& c, const LaunchPlan& plan,
+                     StreamTicket& ticket, DeviceState& d);
   Status TakeEvent(int device, Event* event);
   Status Connect(Transport& control, int device, const Status& local);
-  Status Launch(const std::vector<Signature>& sigs, Request& c,
-                const std::vector<ReducePlan>& plans, Communicator& comm, Stream stream,
-                const StopCheck& stop);
+  Status Launch(const std::vector<Signature>& sigs, Request& c, const LaunchPlan& plan,
+                Communicator& comm, Stream stream, const StopCheck& stop);
   Status LaunchReduce(Request& c, const std::vector<ReducePlan>& plans, Communicator& comm,
                       Stream stream, const StopCheck& stop);
   Status LaunchAllgather(const std::vector<Signature>& sigs, Request& c, Communicator& comm,
                          Stream stream, const StopCheck& stop);
+  // scatter.cc: reducescatter and alltoall.
+  Status LaunchReducescatter(Request& c, const ReducePlan& plan, Communicator& comm,
+                             Stream stream, const StopCheck& stop);
+  Status LaunchAlltoall(Request& c, const ExchangePlan& plan, Communicator& comm, Stream stream,
+                        const StopCheck& stop);
   Status WaitFor(Event done, Communicator& comm, const std::string& what,
                  const StopCheck& stop);
   // Stops a wait at `deadline`, at shutdown, on a signal or when a peer failed.

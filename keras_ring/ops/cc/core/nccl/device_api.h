@@ -62,6 +62,16 @@ class DeviceApi {
                         Comm comm, Stream stream) = 0;
   virtual int AllGather(const void* send, void* recv, size_t count_per_rank, int dtype,
                         Comm comm, Stream stream) = 0;
+  // Only `root` receives (recv is ignored elsewhere); count elements from every rank.
+  virtual int Reduce(const void* send, void* recv, size_t count, int dtype, int op, int root,
+                     Comm comm, Stream stream) = 0;
+  // send holds nranks blocks of recv_count elements; rank r gets block r reduced.
+  virtual int ReduceScatter(const void* send, void* recv, size_t recv_count, int dtype, int op,
+                            Comm comm, Stream stream) = 0;
+  // Point to point; a rank's sends and receives with each other must be in one group.
+  virtual int Send(const void* send, size_t count, int dtype, int peer, Comm comm,
+                   Stream stream) = 0;
+  virtual int Recv(void* recv, size_t count, int dtype, int peer, Comm comm, Stream stream) = 0;
   virtual int RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence,
                                    Comm comm) = 0;
   virtual int RedOpDestroy(int op, Comm comm) = 0;

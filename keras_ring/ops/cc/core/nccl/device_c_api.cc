@@ -1,6 +1,7 @@
 #include "device_c_api.h"
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -78,6 +79,20 @@ int keras_ring_device_allreduce(const void* input, void* output, int64_t count, 
                                              err_len);
 }
 
+// Places a gathered or exchanged output of `total_rows` rows into the caller's buffer.
+std::function<Status(int64_t, void**)> IntoBuffer(void* output, int64_t output_rows,
+                                                  const char* what) {
+  return [output, output_rows, what](int64_t total_rows, void** out) -> Status {
+    if (total_rows > output_rows) {
+      return Status(Code::kInvalidArgument, "the output holds " + std::to_string(output_rows) +
+                                                " rows, the " + what + " needs " +
+                                                std::to_string(total_rows));
+    }
+    *out = output;
+    return Status::OK();
+  };
+}
+
 int keras_ring_device_allgather(const void* input, void* output, int64_t rows,
                                 int64_t row_elems, int64_t output_rows, int dtype, int device,
                                 void* stream, const char* name, char* err, size_t err_len) {
@@ -85,15 +100,39 @@ int keras_ring_device_allgather(const void* input, void* output, int64_t rows,
   r.kind = Kind::kAllgather;
   r.name = name != nullptr ? name : "";
   r.tensors.push_back(Tensor(dtype, {rows, row_elems}, input, nullptr));
-  r.allocate_output = [output, output_rows](int64_t total_rows, void** out) -> Status {
-    if (total_rows > output_rows) {
-      return Status(Code::kInvalidArgument, "the output holds " + std::to_string(output_rows) +
-                                                " rows, the allgather needs " +
-                                                std::to_string(total_rows));
-    }
-    *out = output;
-    return Status::OK();
-  };
+  r.allocate_output = IntoBuffer(output, output_rows, "allgather");
+  return RunOnDevice(std::move(r), device, stream, err, err_len);
+}
+
+int keras_ring_device_reducescatter(const void* input, void* output, int64_t rows,
+                                    int64_t row_elems, int dtype, int reduce_op,
+                                    double prescale, double postscale, int device, void* stream,
+                                    const char* name, char* err, size_t err_len) {
+  if (!keras_ring::IsValidReduceOp(reduce_op)) {
+    return Report(Status(Code::kInvalidArgument, "unknown reduce_op " + std::to_string(reduce_op)),
+                  err, err_len);
+  }
+  Request r;
+  r.kind = Kind::kReducescatter;
+  r.name = name != nullptr ? name : "";
+  r.op = static_cast<keras_ring::ReduceOp>(reduce_op);
+  r.prescale = prescale;
+  r.postscale = postscale;
+  r.tensors.push_back(Tensor(dtype, {rows, row_elems}, input, output));
+  return RunOnDevice(std::move(r), device, stream, err, err_len);
+}
+
+int keras_ring_device_alltoall(const void* input, void* output, int64_t rows,
+                               int64_t row_elems, int64_t output_rows, const int64_t* splits,
+                               int n_splits, int32_t* received_splits, int dtype, int device,
+                               void* stream, const char* name, char* err, size_t err_len) {
+  Request r;
+  r.kind = Kind::kAlltoall;
+  r.name = name != nullptr ? name : "";
+  r.tensors.push_back(Tensor(dtype, {rows, row_elems}, input, nullptr));
+  if (splits != nullptr && n_splits > 0) r.splits.assign(splits, splits + n_splits);
+  r.received_splits = received_splits;
+  r.allocate_output = IntoBuffer(output, output_rows, "alltoall");
   return RunOnDevice(std::move(r), device, stream, err, err_len);
 }
 

@@ -41,6 +41,20 @@ int keras_ring_device_grouped_allreduce(const void* const* inputs, void* const* 
                                         int reduce_op, double prescale, double postscale,
                                         int device, void* stream, const char* name, char* err,
                                         size_t err_len);
+// Reducescatter of `rows` rows of `row_elems` elements (the same shape on every rank):
+// `output` receives this rank's part, rows split as Horovod does (the first rows % size
+// ranks one row more).
+int keras_ring_device_reducescatter(const void* input, void* output, int64_t rows,
+                                    int64_t row_elems, int dtype, int reduce_op,
+                                    double prescale, double postscale, int device, void* stream,
+                                    const char* name, char* err, size_t err_len);
+// Alltoall: splits[p] of this rank's `rows` rows go to rank p (`splits` null and `n_splits`
+// 0: equal parts). `output` holds `output_rows` rows, which must be at least the rows
+// received; `received_splits` (size() entries, host memory, may be null) gets each rank's.
+int keras_ring_device_alltoall(const void* input, void* output, int64_t rows,
+                               int64_t row_elems, int64_t output_rows, const int64_t* splits,
+                               int n_splits, int32_t* received_splits, int dtype, int device,
+                               void* stream, const char* name, char* err, size_t err_len);
 
 // What the GPU backend holds now, for leak checks: CUDA events it made (each made once and
 // reused), NCCL communicators. Zeros before the first GPU collective.

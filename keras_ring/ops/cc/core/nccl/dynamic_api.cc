@@ -45,6 +45,10 @@ using GroupFn = int (*)();
 using AllReduceFn = int (*)(const void*, void*, size_t, int, int, Comm, Stream);
 using BroadcastFn = int (*)(const void*, void*, size_t, int, int, Comm, Stream);
 using AllGatherFn = int (*)(const void*, void*, size_t, int, Comm, Stream);
+using ReduceFn = int (*)(const void*, void*, size_t, int, int, int, Comm, Stream);
+using ReduceScatterFn = int (*)(const void*, void*, size_t, int, int, Comm, Stream);
+using SendFn = int (*)(const void*, size_t, int, int, Comm, Stream);
+using RecvFn = int (*)(void*, size_t, int, int, Comm, Stream);
 using PreMulSumFn = int (*)(int*, void*, int, int, Comm);
 using RedOpDestroyFn = int (*)(int, Comm);
 
@@ -76,6 +80,10 @@ struct NcclFns {
   AllReduceFn all_reduce = nullptr;
   BroadcastFn broadcast = nullptr;
   AllGatherFn all_gather = nullptr;
+  ReduceFn reduce = nullptr;
+  ReduceScatterFn reduce_scatter = nullptr;
+  SendFn send = nullptr;  // NCCL >= 2.7, like ncclRecv
+  RecvFn recv = nullptr;
   PreMulSumFn pre_mul_sum = nullptr;
   RedOpDestroyFn red_op_destroy = nullptr;
   ErrorStringFn error_string = nullptr;
@@ -209,6 +217,10 @@ Status ResolveNccl(void* h, NcclFns* f) {
   Resolve(h, "ncclAllReduce", &f->all_reduce, &missing);
   Resolve(h, "ncclBroadcast", &f->broadcast, &missing);
   Resolve(h, "ncclAllGather", &f->all_gather, &missing);
+  Resolve(h, "ncclReduce", &f->reduce, &missing);
+  Resolve(h, "ncclReduceScatter", &f->reduce_scatter, &missing);
+  Resolve(h, "ncclSend", &f->send, &missing);
+  Resolve(h, "ncclRecv", &f->recv, &missing);
   Resolve(h, "ncclRedOpCreatePreMulSum", &f->pre_mul_sum, &missing);
   Resolve(h, "ncclRedOpDestroy", &f->red_op_destroy, &missing);
   Resolve(h, "ncclGetErrorString", &f->error_string, &missing);
@@ -329,6 +341,20 @@ class DynamicApi : public DeviceApi {
   int AllGather(const void* send, void* recv, size_t count, int dtype, Comm c,
                 Stream s) override {
     return Call(nccl().all_gather, kNcclNotLoaded, send, recv, count, dtype, c, s);
+  }
+  int Reduce(const void* send, void* recv, size_t count, int dtype, int op, int root, Comm c,
+             Stream s) override {
+    return Call(nccl().reduce, kNcclNotLoaded, send, recv, count, dtype, op, root, c, s);
+  }
+  int ReduceScatter(const void* send, void* recv, size_t count, int dtype, int op, Comm c,
+                    Stream s) override {
+    return Call(nccl().reduce_scatter, kNcclNotLoaded, send, recv, count, dtype, op, c, s);
+  }
+  int Send(const void* send, size_t count, int dtype, int peer, Comm c, Stream s) override {
+    return Call(nccl().send, kNcclNotLoaded, send, count, dtype, peer, c, s);
+  }
+  int Recv(void* recv, size_t count, int dtype, int peer, Comm c, Stream s) override {
+    return Call(nccl().recv, kNcclNotLoaded, recv, count, dtype, peer, c, s);
   }
   int RedOpCreatePreMulSum(int* op, void* scalar, int dtype, int residence, Comm c) override {
     return Call(nccl().pre_mul_sum, kNcclNotLoaded, op, scalar, dtype, residence, c);

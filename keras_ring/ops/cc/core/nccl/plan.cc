@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "../reduce.h"
+#include "../request.h"
 
 namespace keras_ring {
 namespace nccl {
@@ -22,7 +23,7 @@ std::string Factor(double f) {
 
 }  // namespace
 
-Status NcclReduceType(DataType dtype, int* nccl_type) {
+Status NcclReduceType(DataType dtype, int* nccl_type, const char* collective) {
   switch (dtype) {
     case DataType::kFloat16: *nccl_type = kNcclFloat16; return Status::OK();
     case DataType::kBFloat16: *nccl_type = kNcclBfloat16; return Status::OK();
@@ -38,12 +39,13 @@ Status NcclReduceType(DataType dtype, int* nccl_type) {
       break;
   }
   return Status(Code::kInvalidArgument,
-                std::string("allreduce does not support ") + DataTypeName(dtype) + " tensors");
+                std::string("a GPU ") + collective + " does not support " + DataTypeName(dtype) +
+                    " tensors: NCCL has no such reduction type (place it on the CPU)");
 }
 
 Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale, int size,
-                  ReducePlan* plan) {
-  KR_RETURN_IF_ERROR(NcclReduceType(dtype, &plan->dtype));
+                  ReducePlan* plan, const char* collective) {
+  KR_RETURN_IF_ERROR(NcclReduceType(dtype, &plan->dtype, collective));
   plan->premul = false;
   plan->scalar = 1.0;
   const bool unscaled = prescale == 1.0 && postscale == 1.0;
@@ -61,12 +63,12 @@ Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale
   if (unscaled || (linear && factor == 1.0 && IsFloat(dtype))) return Status::OK();
   if (!linear || !IsFloat(dtype)) {
     return Status(Code::kInvalidArgument,
-                  std::string("a GPU allreduce with op ") + ReduceOpName(op) + " on " +
+                  std::string("a GPU ") + collective + " with op " + ReduceOpName(op) + " on " +
                       DataTypeName(dtype) + " and prescale_factor=" + Factor(prescale) +
                       ", postscale_factor=" + Factor(postscale) +
                       " is not supported: NCCL can fold scale factors only into Sum and "
                       "Average of floating-point tensors; scale the tensor outside the "
-                      "collective, or place this allreduce on the CPU");
+                      "collective, or place this " + collective + " on the CPU");
   }
   if (op == ReduceOp::kAverage) factor /= static_cast<double>(size);
   plan->premul = true;
@@ -108,6 +110,36 @@ GatherPlan PlanGather(const std::vector<Signature>& sigs, size_t element_bytes) 
     plan.bytes.push_back(bytes);
     plan.total += bytes;
     plan.uniform = plan.uniform && bytes == plan.bytes.front();
+  }
+  return plan;
+}
+
+ScatterPlan PlanScatter(int64_t rows, int64_t row_elems, int size) {
+  ScatterPlan plan;
+  plan.uniform = rows % size == 0;
+  size_t offset = 0;
+  for (int64_t r : ReducescatterRows(rows, size)) {
+    plan.offset.push_back(offset);
+    plan.count.push_back(static_cast<size_t>(r * row_elems));
+    offset += plan.count.back();
+  }
+  return plan;
+}
+
+ExchangePlan PlanExchange(const std::vector<std::vector<int64_t>>& splits, int rank,
+                          size_t row_bytes) {
+  ExchangePlan plan;
+  const size_t me = static_cast<size_t>(rank);
+  size_t sent = 0, received = 0;
+  for (size_t p = 0; p < splits.size(); ++p) {
+    plan.send_offset.push_back(sent);
+    plan.send_bytes.push_back(static_cast<size_t>(splits[me][p]) * row_bytes);
+    sent += plan.send_bytes.back();
+    plan.recv_offset.push_back(received);
+    plan.recv_bytes.push_back(static_cast<size_t>(splits[p][me]) * row_bytes);
+    received += plan.recv_bytes.back();
+    plan.recv_rows.push_back(static_cast<int32_t>(splits[p][me]));
+    plan.total_rows += splits[p][me];
   }
   return plan;
 }

@@ -23,8 +23,9 @@ struct ReducePlan {
   double scalar = 1.0;
 };
 
-// The NCCL type of `dtype` in a reduction (bool has none).
-Status NcclReduceType(DataType dtype, int* nccl_type);
+// The NCCL type of `dtype` in a reduction (bool has none). `collective` names the refused
+// collective in the error.
+Status NcclReduceType(DataType dtype, int* nccl_type, const char* collective = "allreduce");
 
 // NCCL has no post-scaling and no device kernels can be launched here, so scale factors are
 // folded into one pre-multiplication: postscale * reduce(prescale * x) equals
@@ -34,7 +35,7 @@ Status NcclReduceType(DataType dtype, int* nccl_type);
 // fractional factor: with factors other than 1 those are InvalidArgument (on every rank alike,
 // since the factors are part of the checked signature).
 Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale, int size,
-                  ReducePlan* plan);
+                  ReducePlan* plan, const char* collective = "allreduce");
 
 // The PreMulSum scalar as one element of `dtype` in the low bytes (NCCL reads the scalar in
 // the data's own type).
@@ -48,6 +49,27 @@ struct GatherPlan {
   bool uniform = false;  // all blocks equal: one ncclAllGather; else a group of broadcasts
 };
 GatherPlan PlanGather(const std::vector<Signature>& sigs, size_t element_bytes);
+
+// Reducescatter: each rank's part of the input in elements (rows split as Horovod does, the
+// first rows % size ranks one row more). Equal parts are one ncclReduceScatter; uneven ones a
+// group of ncclReduce, one per non-empty part with its owner as root (see scatter.cc).
+struct ScatterPlan {
+  std::vector<size_t> offset;  // elements, per rank
+  std::vector<size_t> count;   // elements, per rank
+  bool uniform = false;
+};
+ScatterPlan PlanScatter(int64_t rows, int64_t row_elems, int size);
+
+// Alltoall, from every rank's agreed splits (splits[p][q]: rows rank p sends to rank q):
+// what this rank sends to and receives from each peer, in bytes and at which offsets.
+struct ExchangePlan {
+  std::vector<size_t> send_offset, send_bytes;  // per peer, into the input
+  std::vector<size_t> recv_offset, recv_bytes;  // per peer, into the output
+  std::vector<int32_t> recv_rows;               // per peer: received_splits
+  int64_t total_rows = 0;                       // rows of the output
+};
+ExchangePlan PlanExchange(const std::vector<std::vector<int64_t>>& splits, int rank,
+                          size_t row_bytes);
 
 // An NCCL / CUDA result as a status. `call` names the function, `text` is the library's own
 // description. Errors after which the communicator cannot be trusted are fatal statuses.
