@@ -67,9 +67,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             check_variable(var, "BroadcastGlobalVariablesCallback: local_variables"))
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        if self.root_rank not in (self.process_set.ranks or range(size())):
+        ranks = self.process_set.ranks or range(size())
+        if self.root_rank not in ranks:
+            where = (f"this job of size {size()}" if self.process_set is global_process_set
+                     else f"{self.process_set}")
             raise ValueError(f"BroadcastGlobalVariablesCallback: root_rank={self.root_rank} "
-                             f"is not a rank of {self.process_set} (job of size {size()})")
+                             f"is not a rank of {where}")
         self._pending = True
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:

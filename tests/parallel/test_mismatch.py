@@ -114,3 +114,14 @@ def test_mismatch_inside_tf_function(world):
     with pytest.raises(tf.errors.FailedPreconditionError, match="in_function' shape mismatch"):
         step(tf.ones([5 + rank]))
     assert step(tf.ones([5])).numpy().tolist() == [1.0] * 5
+
+
+@pytest.mark.parametrize("shapes", [((2, 3), (3, 2)), ((6, 0, 1), (6, 0, 2))], ids=["transposed", "empty"])
+def test_grouped_shapes_that_differ_at_equal_sizes_are_a_mismatch(world, shapes):
+    # A single allreduce compares the whole shape; a grouped one must too, even when the
+    # element counts agree (and when there are no elements at all).
+    rank, size = world
+    mine = shapes[rank == size - 1]
+    with pytest.raises(kr.CollectiveMismatchError, match="shape mismatch"):
+        kr.grouped_allreduce([tf.ones([1]), tf.zeros(mine)], name="grouped_shapes")
+    assert kr.allreduce(tf.ones([1]), op=kr.Sum).numpy().tolist() == [size]

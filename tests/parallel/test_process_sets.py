@@ -38,7 +38,8 @@ def test_sets_know_their_ranks(world, sets):
     assert mine.included() and not sets[1 - rank % 2].included()
     assert mine.rank() == mine.ranks.index(rank) and sets[1 - rank % 2].rank() is None
     assert kr.global_process_set.ranks == list(range(size)) and kr.global_process_set.size() == size
-    included = tf.function(lambda: [kr.process_set_included_op(i) for i in (0, 1, 2, 9)])()
+    ids = (0, evens.process_set_id, odds.process_set_id, odds.process_set_id + 100)
+    included = tf.function(lambda: [kr.process_set_included_op(i) for i in ids])()
     assert [int(v) for v in included] == [1, int(rank % 2 == 0), int(rank % 2 == 1), -3]
 
 

@@ -16,13 +16,16 @@ std::vector<int64_t> ReducescatterRows(int64_t rows, int size) {
 
 namespace {
 
-// Grouped: the tensors' dtypes and sizes, hashed (equal counts can hide another layout).
+// Grouped: the tensors' dtypes and shapes, hashed (equal counts can hide another layout, and
+// a shape may differ at the same size: [2, 3] against [3, 2], or two empty tensors), as a
+// single allreduce compares its whole shape.
 void DescribeGroup(const Request& r, Signature* s) {
   uint64_t h = 1469598103934665603ull;
   int64_t total = 0;
   for (const TensorRef& t : r.tensors) {
     h = HashMix(h, static_cast<uint64_t>(t.dtype));
-    h = HashMix(h, static_cast<uint64_t>(t.num_elements()));
+    h = HashMix(h, static_cast<uint64_t>(t.shape.size()));
+    for (int64_t d : t.shape) h = HashMix(h, static_cast<uint64_t>(d));
     total += t.num_elements();
   }
   s->dtype = r.tensors.empty() ? 0 : static_cast<int32_t>(r.tensors[0].dtype);

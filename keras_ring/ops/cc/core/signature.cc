@@ -74,7 +74,7 @@ std::string ShapeString(const Signature& s) {
     char layout[32];
     std::snprintf(layout, sizeof layout, "%016llx", static_cast<unsigned long long>(s.layout_hash));
     return std::to_string(s.ndims) + " tensors, " + std::to_string(s.count) +
-           " elements (dtype/size layout " + layout + ")";
+           " elements (dtype/shape layout " + layout + ")";
   }
   std::ostringstream out;
   out << "shape [";
