@@ -110,5 +110,17 @@ def first_batch(epoch_iterator: Any) -> Any:
     return None
 
 
+def variable_classes() -> tuple[type, ...]:
+    """What a Keras variable is an instance of. Before Keras 3.6 or so, ``keras.Variable`` is
+    an export subclass that the backend's variables (what layers make) are not instances of;
+    the backend-independent base class in ``keras.src.backend.common.variables`` is common to
+    all, so both are accepted."""
+    import keras
+
+    base = [c for c in keras.Variable.__mro__
+            if c.__module__ == "keras.src.backend.common.variables"]
+    return (keras.Variable, *base[:1])
+
+
 def has_symbolic_build(model: Any) -> bool:
     return hasattr(model, "_maybe_symbolic_build") and hasattr(model, "_symbolic_build")

@@ -15,6 +15,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_ring import _keras_private
 from keras_ring._buckets import ReduceOptions, map_gradient, reduce_gradients
 from keras_ring.basics import size
 
@@ -26,7 +27,7 @@ def variable_keys(variable: Any) -> set[int]:
     either the ``keras.Variable`` or the ``tf.Variable`` behind it.
     """
     keys = {id(variable)}
-    if isinstance(variable, keras.Variable):
+    if isinstance(variable, _keras_private.variable_classes()):
         keys.add(id(variable.value))
     return keys
 
@@ -49,7 +50,7 @@ def check_local_layers(local_layers: Any, who: str) -> list[keras.layers.Layer]:
 
 
 def is_variable(value: Any) -> bool:
-    return isinstance(value, (tf.Variable, keras.Variable))
+    return isinstance(value, (tf.Variable, *_keras_private.variable_classes()))
 
 
 def check_variable(variable: Any, who: str) -> Any:

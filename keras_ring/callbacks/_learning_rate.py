@@ -6,6 +6,8 @@ from typing import Any
 
 import keras
 
+from keras_ring import _keras_private
+
 
 def optimizer_of(model: Any, who: str) -> keras.optimizers.Optimizer:
     optimizer = getattr(model, "optimizer", None)
@@ -28,7 +30,7 @@ def check_settable(optimizer: Any, who: str) -> None:
     # Keras keeps the rate as a variable or a schedule; it has no public way to ask which.
     rate = getattr(inner, "_learning_rate", None)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or (
-        callable(rate) and not isinstance(rate, keras.Variable)
+        callable(rate) and not isinstance(rate, _keras_private.variable_classes())
     ):
         raise ValueError(
             f"{who} sets the learning rate each batch, but this {type(inner).__name__} was "
