@@ -73,8 +73,7 @@ class ProcessSet:
         """Whether this process is one of the set's ranks (None before ``init()``)."""
         if not RUNTIME.initialized:
             return None
-        return RUNTIME.topology().rank in self._entry()[0] if self.process_set_id is not None \
-            else RUNTIME.topology().rank in self.ranks
+        return RUNTIME.topology().rank in self.ranks  # the registered ranks are these
 
     def _entry(self):
         return RUNTIME.process_set(self.process_set_id, "ProcessSet")
