@@ -21,7 +21,8 @@ CPP_TEST_SRC := $(wildcard keras_ring/ops/cc/tests/*.cc)
 OPS_SRC := $(CORE_SRC) $(CORE_HDR) $(wildcard keras_ring/ops/cc/tf/*)
 OPS_LIB := keras_ring/ops/_keras_ring_ops.so
 
-.PHONY: venv ops test test-cpp test-unit test-parallel test-multihost test-oldest demo bench \
+.PHONY: venv ops test test-cpp test-unit test-parallel test-elastic test-multihost test-oldest demo \
+	bench \
 	bench-multihost clean
 
 venv: $(STAMP) $(OPS_LIB)
@@ -59,6 +60,11 @@ test-parallel: venv
 	$(TEST_ENV) KERAS_RING_SHM=0 KERAS_RING_SEGMENT_BYTES=8192 $(GUARD) $(MPIRUN) -np 4 \
 		$(VPY) -m pytest tests/parallel/test_randomized.py -q
 
+# Elastic jobs through keras-ring-run: a worker killed, the world grown back, a failing
+# host blacklisted, below --min-np (each test starts its own job).
+test-elastic: venv
+	$(GUARD) $(VPY) -m pytest tests/elastic -q
+
 # Hosts made of network namespaces (needs root, as in CI): the parallel suite on 2 hosts x 2
 # ranks under mpirun, keras-ring-run -H, uneven hosts, faults and misconfigurations.
 test-multihost: venv
@@ -86,7 +92,7 @@ test-oldest: venv $(OLD_STAMP)
 	$(OLD_ENV) $(GUARD) $(OLD_VENV)/bin/mpirun -np 2 $(OLD_VENV)/bin/python -m pytest $(OLD_TESTS) -q
 	KERAS_RING_OTHER_PYTHON=$(CURDIR)/$(OLD_VENV)/bin/python $(GUARD) $(VPY) -m pytest tests/versions -q
 
-test: test-cpp test-unit test-parallel test-multihost test-oldest
+test: test-cpp test-unit test-parallel test-elastic test-multihost test-oldest
 
 demo: venv
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) examples/keras_fit.py

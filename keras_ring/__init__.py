@@ -53,6 +53,7 @@ _EXPORTS = {
     "SyncBatchNormalization": "keras_ring.sync_batch_normalization",
     "load_model": "keras_ring.saving",
     "callbacks": "keras_ring.callbacks",
+    "elastic": "keras_ring.elastic",
 }
 
 __all__ = list(_EXPORTS)

@@ -99,6 +99,14 @@ def unbuilt_layers(model: Any) -> bool:
     return not all(layer.built for layer in model._flatten_layers())
 
 
+def forget_traced_functions(model: Any) -> None:
+    """Makes the next fit/evaluate/predict trace its step anew (Keras keeps the traced
+    functions in these attributes and makes new ones when they are None)."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if hasattr(model, name):
+            setattr(model, name, None)
+
+
 def first_batch(epoch_iterator: Any) -> Any:
     """The first batch of a Keras TensorFlow epoch iterator, as Keras's own symbolic build
     takes it: 3.5-3.x hand out ``(step, iterator)`` from ``enumerate_epoch()``, newer ones

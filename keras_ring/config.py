@@ -21,6 +21,16 @@ SIZE_VARIABLE = "KERAS_RING_SIZE"
 RENDEZVOUS_VARIABLE = "KERAS_RING_RENDEZVOUS"
 START_TIMEOUT_VARIABLE = "KERAS_RING_START_TIMEOUT_SECONDS"
 
+# Elastic jobs (keras_ring.elastic): where the elastic rendezvous listens, this worker's id
+# (unique in the job; the driver sets it), the job's secret, how long a job may stay below
+# --min-np, and how long forming a world waits for a silent worker.
+ELASTIC_RENDEZVOUS_VARIABLE = "KERAS_RING_ELASTIC_RENDEZVOUS"
+ELASTIC_WORKER_VARIABLE = "KERAS_RING_ELASTIC_WORKER"
+ELASTIC_SECRET_VARIABLE = "KERAS_RING_ELASTIC_SECRET"
+ELASTIC_TIMEOUT_VARIABLE = "KERAS_RING_ELASTIC_TIMEOUT_SECONDS"
+ELASTIC_JOIN_VARIABLE = "KERAS_RING_ELASTIC_JOIN_SECONDS"
+DEFAULT_ELASTIC_TIMEOUT_SECONDS = 600.0
+
 # Variables that MPI launchers (MPICH/Hydra, Open MPI, Intel MPI, Slurm's PMI) set in ranks:
 # any of them means an MPI launcher started this process.
 MPI_LAUNCHER_VARIABLES = (

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-_WRAPPER_FLAG = "--keras-ring-rank-wrapper"
+WRAPPER_FLAG = "--keras-ring-rank-wrapper"
 _TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
 # Each rank's wrapper sends its output to the launcher in frames, so the launcher knows
 # whose bytes it holds even in partial lines: b"\x1eKR <token> <rank> <sink> <n>\n" and n
@@ -53,18 +53,36 @@ class LaunchError(Exception):
 
 # --- the launcher ---------------------------------------------------------------------------
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="keras-ring-run",
         description="Run a command as a keras_ring job of N ranks through mpirun.",
         epilog="Example: keras-ring-run -np 4 python train.py",
     )
-    parser.add_argument("-np", "-n", dest="np", type=int, required=True, metavar="N",
-                        help="number of ranks (may exceed the number of cores)")
+    parser.add_argument("-np", "-n", dest="np", type=int, default=None, metavar="N",
+                        help="number of ranks (may exceed the number of cores); in an "
+                        "elastic job, the initial number of workers (default --min-np)")
     parser.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
                         help="hosts and their slots, e.g. host1:2,host2:2 (default: this host)")
     parser.add_argument("--mpirun", default=None, metavar="PATH",
                         help="the mpirun to use (default: next to this Python, else on PATH)")
+    elastic = parser.add_argument_group(
+        "elastic jobs", "workers may leave and join; see keras_ring.elastic (no MPI)")
+    elastic.add_argument("--min-np", type=int, default=None, metavar="N",
+                         help="the fewest workers the job trains with")
+    elastic.add_argument("--max-np", type=int, default=None, metavar="M",
+                         help="the most workers the job trains with")
+    elastic.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
+                         help="prints the available hosts, one 'host:slots' line each")
+    elastic.add_argument("--discovery-interval", type=float, default=1.0, metavar="SECONDS",
+                         help="how often the script runs (default 1)")
+    elastic.add_argument("--blacklist-after", type=int, default=2, metavar="K",
+                         help="a host whose workers failed K times gets no more (default 2)")
+    elastic.add_argument("--remote-shell", default="ssh -o BatchMode=yes", metavar="CMD",
+                         help="starts a worker on another host: CMD HOST 'command line'")
+    elastic.add_argument("--rendezvous-address", default=None, metavar="ADDRESS",
+                         help="where workers reach this launcher (default: its first "
+                         "non-loopback address, loopback when every host is this one)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the program each rank runs, e.g. python train.py")
     args = parser.parse_args(argv)
@@ -72,9 +90,33 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.command = args.command[1:]
     if not args.command:
         parser.error("no command given: e.g. keras-ring-run -np 2 python train.py")
+    args.elastic = any(v is not None for v in (args.min_np, args.max_np,
+                                                 args.host_discovery_script))
+    if args.elastic:
+        _check_elastic(parser, args)
+    elif args.np is None:
+        parser.error("-np is required: e.g. keras-ring-run -np 2 python train.py")
     if args.np < 1:
         parser.error(f"-np must be at least 1, got {args.np}")
     return args
+
+
+def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    missing = [flag for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np),
+                                        ("--host-discovery-script", args.host_discovery_script))
+               if value is None]
+    if missing:
+        parser.error(f"an elastic job needs {', '.join(missing)} too (with --min-np, "
+                     "--max-np and --host-discovery-script)")
+    if args.hosts:
+        parser.error("-H and --host-discovery-script exclude each other: the script names "
+                     "the hosts of an elastic job")
+    args.np = args.min_np if args.np is None else args.np
+    if not 1 <= args.min_np <= args.np <= args.max_np:
+        parser.error(f"need 1 <= --min-np <= -np <= --max-np, got --min-np {args.min_np}, "
+                     f"-np {args.np}, --max-np {args.max_np}")
+    if args.blacklist_after < 1:
+        parser.error(f"--blacklist-after must be at least 1, got {args.blacklist_after}")
 
 
 def find_mpirun(explicit: str | None = None) -> str:
@@ -106,7 +148,7 @@ def mpi_flavour(mpirun: str) -> str:
 def mpirun_command(mpirun: str, flavour: str, np: int, hosts: str | None,
                    command: list[str]) -> list[str]:
     """The full mpirun command line: every rank runs ``command`` under the wrapper."""
-    wrapper = [sys.executable, "-I", str(Path(__file__).resolve()), _WRAPPER_FLAG, "--", *command]
+    wrapper = [sys.executable, "-I", str(Path(__file__).resolve()), WRAPPER_FLAG, "--", *command]
     if flavour == "openmpi":
         # Open MPI refuses more ranks than cores unless told; Hydra never refuses.
         cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "-x", _TOKEN_ENV]
@@ -139,7 +181,7 @@ class _Job:
 
     def _pump(self, source, sink) -> None:
         out = getattr(sink, "buffer", sink)
-        reader = _FrameReader(self.token, _Renderer(out), self._on_exit)
+        reader = _FrameReader(self.token, Renderer(out), self._on_exit)
         fd = source.fileno()
         while chunk := os.read(fd, 65536):
             reader.feed(chunk)
@@ -185,9 +227,9 @@ class _Job:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``keras-ring-run``; returns the job's exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == [_WRAPPER_FLAG]:
+    if argv[:1] == [WRAPPER_FLAG]:
         return _wrapper_main(argv[1:])
-    args = _parse(argv)
+    args = parse_args(argv)
     try:
         mpirun = find_mpirun(args.mpirun)
         cmd = mpirun_command(mpirun, mpi_flavour(mpirun), args.np, args.hosts, args.command)
@@ -308,7 +350,7 @@ def _report(rank: str, code: int) -> int:
 
 # --- the launcher's side of the frames ----------------------------------------------------------
 
-class _Renderer:
+class Renderer:
     """Writes the ranks' output to one stream with ``[rank] `` at the start of every line and
     after every carriage return, so a rank's progress bar updates in place; a rank's partial
     line is ended before another rank's output, so two ranks never share a line."""
@@ -354,7 +396,7 @@ class _Renderer:
 class _FrameReader:
     """Splits the merged output of mpirun into the ranks' frames (see ``_FRAME``)."""
 
-    def __init__(self, token: bytes, renderer: _Renderer, on_exit) -> None:
+    def __init__(self, token: bytes, renderer: Renderer, on_exit) -> None:
         self.token, self.renderer, self.on_exit = token, renderer, on_exit
         self.buffer = b""
 

@@ -179,19 +179,32 @@ def from_env(config: Config) -> PeerTable | None:
     host_id = config.host_id or socket.gethostname()
     if s.size == 1:
         return PeerTable(Topology.from_host_ids(0, [host_id]))
-    loopback_only = is_loopback(s.host)
-    listener = listen(multi_host=not loopback_only, backlog=s.size)
+    listener, offer = make_offer(config, host_id, is_loopback(s.host), s.size)
     try:
-        # No usable interface is no error yet: the address rank 0 sees may be enough.
-        addresses, _ = offered_addresses(config)
-        offer = Offer(host_id, listener.getsockname()[1], addresses,
-                      explicit=config.advertise_address is not None, stack=network_stack_id(),
-                      loopback_only=loopback_only)
         peers, token = exchange(s.rank, s.size, (s.host, s.port), offer, s.start_timeout)
         return build_table(s.rank, peers, token, listener)
     except BaseException:
         listener.close()
         raise
+
+
+def make_offer(config: Config, host_id: str, loopback_only: bool,
+               backlog: int) -> tuple[socket.socket, Offer]:
+    """A new runtime listener and what this rank tells the others about itself.
+
+    Args:
+        config: the address settings (KERAS_RING_ADVERTISE_ADDRESS & co.).
+        host_id: this rank's host identity.
+        loopback_only: every rank runs on this machine: listen on loopback only.
+        backlog: how many connections may wait at the listener.
+    """
+    listener = listen(multi_host=not loopback_only, backlog=backlog)
+    # No usable interface is no error yet: the address rank 0 sees may be enough.
+    addresses, _ = offered_addresses(config)
+    offer = Offer(host_id, listener.getsockname()[1], addresses,
+                  explicit=config.advertise_address is not None, stack=network_stack_id(),
+                  loopback_only=loopback_only)
+    return listener, offer
 
 
 def exchange(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer,
@@ -231,7 +244,7 @@ def exchange(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer,
     return _join(rank, size, rendezvous, offer, deadline, timeout)
 
 
-def _first(address: str, candidates: str) -> str:
+def route_first(address: str, candidates: str) -> str:
     """``candidates`` with ``address`` (one known to route) in front, unless it is loopback."""
     known = [] if is_loopback(address) else [address]
     return ",".join(dict.fromkeys(known + [a for a in candidates.split(",") if a]))
@@ -258,7 +271,7 @@ def _rendezvous_server(rendezvous: tuple[str, int], backlog: int) -> socket.sock
 
 def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
            timeout: float) -> tuple[list[Peer], int]:
-    where = _describe(rendezvous)
+    where = describe(rendezvous)
     try:
         server = _rendezvous_server(rendezvous, size)
     except OSError as e:
@@ -279,14 +292,14 @@ def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
                 problem = _check(hello, size, joined)
                 if problem:
                     _fail([conn] + [c for c, _, _ in joined.values()], problem)
-                joined[hello["rank"]] = (conn, _offer_of(hello), conn.getpeername()[0])
+                joined[hello["rank"]] = (conn, offer_of(hello), conn.getpeername()[0])
             offers = [me] + [joined[r][1] for r in range(1, size)]
-            problem = _check_world(offers, [""] + [joined[r][2] for r in range(1, size)])
+            problem = check_world(offers, [""] + [joined[r][2] for r in range(1, size)])
             if problem:
                 _fail([c for c, _, _ in joined.values()], problem)
             token = secrets.randbits(63)
             peers = [Peer(me.host_id, me.addresses, me.port, me.stack)] + [
-                Peer(o.host_id, o.addresses if o.explicit else _first(seen, o.addresses),
+                Peer(o.host_id, o.addresses if o.explicit else route_first(seen, o.addresses),
                      o.port, o.stack)
                 for _, o, seen in (joined[r] for r in range(1, size))]
             reply = {"token": token, "peers": [asdict(p) for p in peers],
@@ -299,12 +312,12 @@ def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
             conn.close()
 
 
-def _offer_of(hello: dict) -> Offer:
+def offer_of(hello: dict) -> Offer:
     return Offer(hello["host_id"], hello["port"], hello["addresses"], hello["explicit"],
                  hello["stack"], hello["loopback_only"])
 
 
-def _check_world(offers: list[Offer], seen: list[str]) -> str | None:
+def check_world(offers: list[Offer], seen: list[str]) -> str | None:
     """What is wrong with the claims of all ranks together; None if nothing."""
     problem = check_hosts([o.host_id for o in offers], [o.stack for o in offers])
     if problem:
@@ -336,15 +349,15 @@ def _accept_hello(server: socket.socket, deadline: float) -> tuple[socket.socket
         except socket.timeout:
             return None
         try:
-            hello = _receive(conn, min(deadline, time.monotonic() + _HELLO_SECONDS))
-            if hello.get("magic") == _MAGIC and _well_formed(hello):
+            hello = receive_message(conn, min(deadline, time.monotonic() + _HELLO_SECONDS))
+            if hello.get("magic") == _MAGIC and well_formed(hello):
                 return conn, hello
         except (OSError, ValueError):
             pass
         conn.close()  # not one of ours, or it gave up: keep waiting for the ranks
 
 
-def _well_formed(hello: dict) -> bool:
+def well_formed(hello: dict) -> bool:
     types = {"rank": int, "size": int, "host_id": str, "port": int, "addresses": str,
              "explicit": bool, "stack": str, "loopback_only": bool}
     return all(isinstance(hello.get(k), t) for k, t in types.items())
@@ -377,12 +390,12 @@ def _fail(conns: list[socket.socket], message: str) -> None:
 
 def _join(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer, deadline: float,
           timeout: float) -> tuple[list[Peer], int]:
-    where = _describe(rendezvous)
+    where = describe(rendezvous)
     with _connect(rendezvous, deadline, timeout) as conn:
         hello = dict(asdict(offer), magic=_MAGIC, rank=rank, size=size)
         try:
-            _send(conn, hello)
-            reply = _receive(conn, deadline)
+            send_message(conn, hello)
+            reply = receive_message(conn, deadline)
         except socket.timeout:
             raise InitError(f"rank {rank}: the rendezvous at {where} did not complete within "
                             f"{timeout:g} s ({START_TIMEOUT_VARIABLE}): rank 0 is still "
@@ -396,7 +409,7 @@ def _join(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer, deadl
              for p in reply["peers"]]
     if not reply["rank0_explicit"]:  # rank 0 is known to route where this rank reached it
         zero = peers[0]
-        peers[0] = Peer(zero.host_id, _first(rank0_address, zero.address), zero.port, zero.stack)
+        peers[0] = Peer(zero.host_id, route_first(rank0_address, zero.address), zero.port, zero.stack)
     return peers, int(reply["token"])
 
 
@@ -406,7 +419,7 @@ def _connect(rendezvous: tuple[str, int], deadline: float, timeout: float) -> so
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise InitError(f"could not reach rank 0 at {_describe(rendezvous)} "
+            raise InitError(f"could not reach rank 0 at {describe(rendezvous)} "
                             f"({RENDEZVOUS_VARIABLE}) within {timeout:g} s "
                             f"({START_TIMEOUT_VARIABLE}): {last_error}")
         try:
@@ -419,7 +432,7 @@ def _connect(rendezvous: tuple[str, int], deadline: float, timeout: float) -> so
 
 # --- messages: a 4-byte length, then JSON --------------------------------------------------------
 
-def _send(conn: socket.socket, message: dict) -> None:
+def send_message(conn: socket.socket, message: dict) -> None:
     data = json.dumps(message).encode()
     conn.sendall(struct.pack("!I", len(data)) + data)
 
@@ -428,12 +441,12 @@ def _send_quietly(conn: socket.socket, message: dict) -> None:
     # A rank that already gave up is no reason to fail the others.
     try:
         conn.settimeout(5.0)
-        _send(conn, message)
+        send_message(conn, message)
     except OSError:
         pass
 
 
-def _receive(conn: socket.socket, deadline: float) -> dict:
+def receive_message(conn: socket.socket, deadline: float) -> dict:
     (length,) = struct.unpack("!I", _read(conn, 4, deadline))
     if length > _MAX_MESSAGE_BYTES:
         raise ValueError(f"rendezvous message of {length} bytes is too long")
@@ -457,6 +470,6 @@ def _read(conn: socket.socket, n: int, deadline: float) -> bytes:
     return data
 
 
-def _describe(rendezvous: tuple[str, int]) -> str:
+def describe(rendezvous: tuple[str, int]) -> str:
     host, port = rendezvous
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -10,6 +10,7 @@ import threading
 from keras_ring import _lifecycle, errors, gpu, threads
 from keras_ring.bootstrap import bootstrap
 from keras_ring.config import Config
+from keras_ring.elastic import client as elastic_client
 from keras_ring.errors import InitError, NotInitializedError
 from keras_ring.ops.loader import Library, NativeConfig, library
 from keras_ring.peer_table import PeerTable, Topology
@@ -36,6 +37,9 @@ class Runtime:
         # Ids are never reused in this process (not even after shutdown and init): a stale
         # ProcessSet object is refused, never taken for a newer set.
         self._last_set_id = 0
+        # An elastic job's worker: its connection to the elastic rendezvous, opened at the
+        # first init() and kept until exit; every init() then joins the next world through it.
+        self._elastic: elastic_client.ElasticClient | None = None
 
     @property
     def initialized(self) -> bool:
@@ -76,14 +80,22 @@ class Runtime:
                 return
             config = Config.from_env()
             lib = library()
+            world = None  # a table of one world of an elastic job, closed once connected
+            if table is None:
+                table = world = self._next_elastic_world(config)
             if table is None:
                 if self._table is None:
                     self._table = bootstrap(config)
                 table = self._table
-            threads.configure(table.topology.local_size, config.intra_op_threads)
-            gpu.configure(lib, table.topology)  # before TensorFlow starts its GPUs
-            errors.install_tensorflow_hook()
-            self._start_native(lib, table, config, failure_exit)
+            try:
+                threads.configure(table.topology.local_size, config.intra_op_threads)
+                gpu.configure(lib, table.topology)  # before TensorFlow starts its GPUs
+                errors.install_tensorflow_hook()
+                # An elastic job outlives failed worlds: the survivors go on in a new one.
+                self._start_native(lib, table, config, failure_exit and world is None)
+            finally:
+                if world is not None:
+                    world.close()
             self._topology = table.topology
             self._via_mpi = table.via_mpi
             self._addresses = list(table.addresses)
@@ -95,6 +107,19 @@ class Runtime:
                 atexit.register(self._at_exit)
                 _chain_excepthook(self)
                 self._atexit_registered = True
+
+    def _next_elastic_world(self, config: Config) -> PeerTable | None:
+        """This worker's table in the next world of its elastic job; None if not elastic."""
+        if self._elastic is None:
+            if not elastic_client.requested():
+                return None
+            self._elastic = elastic_client.ElasticClient(config)
+        return self._elastic.next_world()
+
+    @property
+    def elastic(self) -> elastic_client.ElasticClient | None:
+        """The elastic rendezvous connection of an elastic job's worker, else None."""
+        return self._elastic
 
     # --- process sets: runtimes of their own among a subset of the ranks ------------------
 
@@ -192,6 +217,8 @@ class Runtime:
     def _at_exit(self) -> None:
         leaving_with = self._leaving_with
         self.shutdown(leaving_with)
+        if self._elastic is not None:
+            self._elastic.close()
         if leaving_with is not None:
             _abort_user_mpi()
 

@@ -220,7 +220,7 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
             def flush(self):
                 pass
 
-        reader = launcher._FrameReader(token, launcher._Renderer(Sink()),
+        reader = launcher._FrameReader(token, launcher.Renderer(Sink()),
                                        lambda r, c: exits.append((r, c)))
         for i in range(0, len(stream), chunk_size):
             reader.feed(stream[i:i + chunk_size])

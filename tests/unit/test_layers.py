@@ -27,8 +27,15 @@ LAYERS = {
     # 2. The exchanges that build it (Spark's is in keras_ring.spark, with its launcher).
     "keras_ring.mpi_exchange": 2,
     "keras_ring.rendezvous": 2,
+    # The elastic rendezvous (a server forming each world) and a worker's side of it.
+    "keras_ring.elastic": 2,  # loads its names lazily
+    "keras_ring.elastic.server": 2,
+    "keras_ring.elastic.client": 2,
     # 3. Which exchange runs.
     "keras_ring.bootstrap": 3,
+    # The elastic launcher (it starts workers) and keras-ring-run's entry point.
+    "keras_ring.elastic.driver": 3,
+    "keras_ring.cli": 3,
     # 4. The op library, TensorFlow's error classes, the steps higher layers add to init().
     "keras_ring.ops": 4,
     "keras_ring.ops.__main__": 4,
@@ -66,6 +73,12 @@ LAYERS = {
     "keras_ring.callbacks.metric_average": 7,
     "keras_ring.callbacks.rank_zero": 7,
     "keras_ring.saving": 7,
+    "keras_ring.callbacks.commit_state": 7,
+    "keras_ring.callbacks.update_batch_state": 7,
+    "keras_ring.callbacks.update_epoch_state": 7,
+    # Elastic training's states and its run decorator.
+    "keras_ring.elastic.state": 7,
+    "keras_ring.elastic.run": 7,
     # 8. Launchers on top of the runtime, and the package's own namespace.
     "keras_ring.spark": 8,
     "keras_ring": 8,

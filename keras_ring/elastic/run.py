@@ -1,0 +1,90 @@
+"""``keras_ring.elastic.run``: runs a training function again in every new world."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import tensorflow as tf
+
+from keras_ring import errors
+from keras_ring.basics import init, rank, size
+from keras_ring.elastic.state import HostsUpdatedInterrupt, State
+from keras_ring.runtime import RUNTIME
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# What ends a world without being the program's own fault: a peer died or stalled, or the
+# runtime was aborted because of that. A mismatch or a bad argument is a bug of the program
+# and ends the job as in a job that is not elastic.
+_WORLD_ENDED = (errors.PeerFailureError, errors.CollectiveTimeoutError,
+                errors.CollectiveAbortedError)
+
+
+def run(func: F) -> F:
+    """Makes ``func(state, ...)`` survive changes of the world.
+
+    Before every (re)start the state is synchronised from rank 0. When a peer fails, every
+    surviving rank restores the last commit, the survivors form a new world (with new ranks
+    and size; the state's reset callbacks run), sync and call ``func`` again; when new workers
+    wait at a commit (``HostsUpdatedInterrupt``), the same happens without the restore and
+    with the newcomers. A job that falls below ``--min-np`` fails after a bounded wait.
+
+    Args:
+        func: the training function; its first argument is the ``State``.
+
+    Example:
+
+    ```python
+    @keras_ring.elastic.run
+    def train(state):
+        model.fit(x, y, initial_epoch=state.epoch, epochs=10, callbacks=callbacks)
+
+    train(keras_ring.elastic.KerasState(model, epoch=0, batch=0))
+    ```
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise TypeError(f"keras_ring.elastic.run: the first argument of "
+                            f"{getattr(func, '__name__', func)!r} must be a "
+                            f"keras_ring.elastic State, got {type(state).__name__}")
+        if not RUNTIME.initialized:
+            init()
+        if RUNTIME.elastic is None:  # not started as an elastic job: one world, as usual
+            state.sync()
+            return func(state, *args, **kwargs)
+        while True:
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                pass  # committed just now: nothing to restore
+            except tf.errors.OpError as e:
+                error = errors.translate(e)
+                if not isinstance(error, _WORLD_ENDED):
+                    raise
+                _say(f"the world of {size()} broke ({type(error).__name__}); restoring the "
+                     "last commit")
+                state.restore()
+            _next_world(state)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _next_world(state: State) -> None:
+    """Leaves the current world and joins the next one (``shutdown`` + ``init``)."""
+    started = time.monotonic()
+    RUNTIME.shutdown()
+    init()
+    state.on_reset()
+    _say(f"rank {rank()} of {size()} in world {RUNTIME.elastic.generation} after "
+         f"{time.monotonic() - started:.2f} s")
+
+
+def _say(message: str) -> None:
+    print(f"keras_ring.elastic: {message}", file=sys.stderr, flush=True)
