@@ -64,7 +64,8 @@ class _Process:
     worker_id: str
     host: str
     proc: subprocess.Popen
-    stopping: bool = False  # the driver stops it: its exit is no failure of its host
+    stopping: bool = False  # the driver stops it: its exit is no failure of its host...
+    dropped: bool = False  # ...unless the rendezvous dropped it as stalled
     pumps: list[threading.Thread] = field(default_factory=list)
 
 
@@ -241,7 +242,7 @@ class ElasticDriver:
             self.exit_codes[worker_id] = code
             if code == 0:
                 self._finishing = True  # a worker finished training: the job is ending
-            elif not process.stopping:
+            elif process.dropped or not process.stopping:
                 self.say(f"worker {worker_id} on {process.host} exited with {code}")
                 self._count_failure(process.host)
 
@@ -256,6 +257,7 @@ class ElasticDriver:
         process = self.processes.get(worker_id)
         if process is not None:
             self.say(f"worker {worker_id} did not rejoin in time: stopping it")
+            process.dropped = True
             self._stop(process)
 
     def _stop(self, process: _Process) -> None:
