@@ -110,6 +110,7 @@ bench: venv build/allreduce_floor
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/scatter.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/scatter.py --max-bytes 16777216
 	$(GUARD) $(VPY) benchmarks/keras_scaling.py --ranks 2
+	$(GUARD) $(VPY) benchmarks/elastic_reset.py --repeat 3
 
 # Across two network-namespace hosts (needs root): keras_ring and MPI_Allreduce on one link.
 bench-multihost: venv
