@@ -28,7 +28,12 @@ from keras_ring.rendezvous import (Peer, build_table, describe, make_offer, pars
 _POLL_SECONDS = 30.0
 
 
-class WorkerRemovedError(InitError):
+class RendezvousError(InitError):
+    """The elastic rendezvous cannot give this worker a world: the job failed (below
+    ``--min-np`` too long), finished, or no longer counts this worker."""
+
+
+class WorkerRemovedError(RendezvousError):
     """The elastic rendezvous no longer counts this worker in the job."""
 
 
@@ -64,7 +69,7 @@ class ElasticClient:
         reply = self._request(hello, start, "the greeting")
         if "error" in reply:
             self.close()
-            raise InitError(f"worker {self.worker_id}: the elastic rendezvous at "
+            raise RendezvousError(f"worker {self.worker_id}: the elastic rendezvous at "
                             f"{describe(self.address)} refused it: {reply['error']}")
 
     def next_world(self) -> PeerTable:
@@ -84,7 +89,7 @@ class ElasticClient:
             reply = self._request({"op": "join", "offer": asdict(offer)},
                                   self.elastic_timeout + 60.0, "joining the next world")
             if "error" in reply:
-                raise InitError(f"worker {self.worker_id}: {reply['error']}")
+                raise RendezvousError(f"worker {self.worker_id}: {reply['error']}")
             peers = [Peer(p["host_id"], p["address"], int(p["port"]), p["stack"])
                      for p in reply["peers"]]
             self.generation = int(reply["generation"])
@@ -98,6 +103,10 @@ class ElasticClient:
         reply = self._request({"op": "poll", "generation": self.generation}, _POLL_SECONDS,
                               "asking for new workers")
         return bool(reply.get("updated"))
+
+    def finished(self) -> None:
+        """Tells the rendezvous that training finished: no world forms after this one."""
+        self._request({"op": "finished"}, _POLL_SECONDS, "reporting the end of training")
 
     def close(self) -> None:
         if self._conn is not None:
@@ -113,8 +122,8 @@ class ElasticClient:
             send_message(self._conn, message)
             return receive_message(self._conn, time.monotonic() + timeout)
         except socket.timeout:
-            raise InitError(f"worker {self.worker_id}: the elastic rendezvous at {where} did "
-                            f"not answer within {timeout:g} s ({what})") from None
+            raise RendezvousError(f"worker {self.worker_id}: the elastic rendezvous at {where} "
+                                  f"did not answer within {timeout:g} s ({what})") from None
         except (OSError, ValueError) as e:
             self.close()
             raise WorkerRemovedError(

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from keras_ring import errors
 from keras_ring.basics import init, rank, size
+from keras_ring.elastic.client import RendezvousError
 from keras_ring.elastic.state import HostsUpdatedInterrupt, State
 from keras_ring.runtime import RUNTIME
 
@@ -61,7 +62,9 @@ def run(func: F) -> F:
         while True:
             try:
                 state.sync()
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                RUNTIME.elastic.finished()
+                return result
             except HostsUpdatedInterrupt:
                 pass  # committed just now: nothing to restore
             except tf.errors.OpError as e:
@@ -77,10 +80,22 @@ def run(func: F) -> F:
 
 
 def _next_world(state: State) -> None:
-    """Leaves the current world and joins the next one (``shutdown`` + ``init``)."""
+    """Leaves the current world and joins the next one (``shutdown`` + ``init``); a world
+    that breaks while it connects (a member died meanwhile) is left for the next one, up to
+    the job's elastic timeout."""
     started = time.monotonic()
-    RUNTIME.shutdown()
-    init()
+    client = RUNTIME.elastic
+    while True:
+        RUNTIME.shutdown()
+        try:
+            init()
+            break
+        except RendezvousError:
+            raise  # the job cannot go on (the message says why)
+        except errors.InitError as e:
+            if time.monotonic() - started > client.elastic_timeout:
+                raise
+            _say(f"world {client.generation} broke while connecting ({e}); joining the next")
     state.on_reset()
     _say(f"rank {rank()} of {size()} in world {RUNTIME.elastic.generation} after "
          f"{time.monotonic() - started:.2f} s")

@@ -122,6 +122,7 @@ class WorldServer:
         self.generation = 0
         self.members: list[str] = []  # the current world's workers, in rank order
         self.failure: str | None = None  # set when the job cannot go on
+        self.finished = False  # a member reported the end of training
         self._round = _Round()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="keras_ring-elastic",
@@ -202,6 +203,9 @@ class WorldServer:
             worker.waiting_since = time.monotonic()
         elif op == "poll":
             _tell(worker.conn, {"updated": self._updates_waiting()})
+        elif op == "finished":
+            self.finished = self.finished or worker.worker_id in self.members
+            _tell(worker.conn, {"ok": True})
         else:
             _tell(worker.conn, {"error": f"unknown request {op!r}"})
 
@@ -214,13 +218,18 @@ class WorldServer:
         """Whether newcomers wait for a place that the running world could give them."""
         newcomers = [w for w in self._workers.values()
                      if w.offer is not None and w.worker_id not in self.members]
-        return bool(newcomers) and len(self.members) < self.limits.max_np
+        return bool(newcomers) and len(self.members) < self.limits.max_np and not self.finished
 
     # --- forming a world --------------------------------------------------------------------
 
     def _try_form(self, now: float) -> None:
         joining = [w for w in self._workers.values() if w.offer is not None]
         if not joining or self.failure is not None:
+            return
+        if self.finished:  # nothing to train any more: newcomers must not start afresh
+            for worker in joining:
+                _tell(worker.conn, {"error": "the job finished training; no world forms"})
+                worker.offer = None
             return
         limits = self.limits
         members = [w for w in joining if w.worker_id in self.members]

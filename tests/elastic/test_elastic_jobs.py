@@ -162,3 +162,33 @@ def test_elastic_arguments_are_checked(args, message):
                           timeout=120)
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr
+
+
+def test_a_scheduler_drives_the_rendezvous_without_the_launcher(tmp_path):
+    # `python -m keras_ring.elastic.server` alone; the test plays the scheduler that starts
+    # the workers (with the environment rendezvous variables) and restarts nobody.
+    server = subprocess.Popen([sys.executable, "-m", "keras_ring.elastic.server", "--port", "0",
+                               "--min-np", "2", "--max-np", "3", "-np", "3", "--secret", "k8s"],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        port = int(re.search(r"on port (\d+)", server.stdout.readline())[1])
+        env = {k: v for k, v in os.environ.items() if not k.startswith(
+            ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_", "KERAS_RING_"))}
+        env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT), KR_EPOCHS="4",
+                   KERAS_RING_TIMEOUT_SECONDS="120", KR_DIE_ON_HOST="pod2", KR_DIE_AT="1:2",
+                   KERAS_RING_ELASTIC_RENDEZVOUS=f"127.0.0.1:{port}",
+                   KERAS_RING_ELASTIC_SECRET="k8s")
+        workers = [subprocess.Popen([sys.executable, str(HERE / "train_worker.py")],
+                                    env=dict(env, KERAS_RING_HOST_ID=f"pod{i}",
+                                             KERAS_RING_ELASTIC_WORKER=f"pod{i}"),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                   for i in range(3)]
+        outs = [w.communicate(timeout=GUARD)[0] for w in workers]
+    finally:
+        server.kill()
+        server.wait()
+    assert [w.returncode for w in workers] == [0, 0, -signal.SIGKILL], outs
+    results = [json.loads(re.search(r"^RESULT (\{.*\})$", out, re.M)[1]) for out in outs[:2]]
+    assert [r["size"] for r in results] == [2, 2], results
+    assert results[0]["checksum"] == results[1]["checksum"], results

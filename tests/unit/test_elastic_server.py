@@ -145,3 +145,18 @@ def test_strangers_and_duplicates_are_refused(make_server, secret, second_id, ex
     refused = Worker(server, second_id, secret=secret)
     assert expected in refused.hello["error"], refused.hello
     assert first.ask({"op": "poll", "generation": 0}) == {"updated": False}  # still there
+
+
+def test_after_training_finished_no_world_forms_for_a_newcomer(make_server):
+    server = make_server(min_np=1, max_np=3, initial_np=2)
+    a, b = Worker(server, "a"), Worker(server, "b")
+    a.join()
+    b.join()
+    a.world(), b.world()
+    c = Worker(server, "c")
+    c.join()
+    assert a.ask({"op": "finished"}) == {"ok": True}
+    assert a.ask({"op": "poll", "generation": 1}) == {"updated": False}
+    a.close()
+    b.close()  # the members leave; the newcomer alone must not start training afresh
+    assert "the job finished training" in c.world()["error"]
