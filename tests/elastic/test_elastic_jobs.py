@@ -27,8 +27,9 @@ RUN = Path(sys.executable).parent / "keras-ring-run"
 GUARD = 600  # seconds a job may take before it counts as hung
 
 
-def run_job(tmp_path: Path, hosts: list[str], args: list[str], **env_extra: str):
-    """Runs an elastic job of train_worker.py; (exit code, output, records by kind)."""
+def run_job(tmp_path: Path, hosts: list[str], args: list[str], worker: str = "train_worker.py",
+            **env_extra: str):
+    """Runs an elastic job of ``worker``; (exit code, output, records by kind)."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text("".join(h + "\n" for h in hosts))
     discover = tmp_path / "discover.sh"
@@ -41,8 +42,7 @@ def run_job(tmp_path: Path, hosts: list[str], args: list[str], **env_extra: str)
                KERAS_RING_ELASTIC_JOIN_SECONDS="60", KR_MARKER=marker, **env_extra)
     env = {k: v.replace("{hosts}", str(hosts_file)) for k, v in env.items()}
     cmd = [str(RUN), "--host-discovery-script", str(discover), "--remote-shell",
-           str(HERE / "fake_ssh"), *args, sys.executable, str(HERE / "train_worker.py"),
-           marker]
+           str(HERE / "fake_ssh"), *args, sys.executable, str(HERE / worker), marker]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -103,6 +103,21 @@ def test_a_killed_worker_leaves_then_a_new_host_brings_the_world_back(tmp_path):
     assert len(resumed) == 2, records["RESET"]
     print(f"failure to first step of the new world: {max(resumed):.2f} s")
     _no_shared_memory_left(records)
+
+
+def test_a_custom_loop_with_tensorflow_state_goes_on_after_a_death(tmp_path):
+    # Horovod's TensorFlow 2 elastic shape: a tf.function step with DistributedGradientTape,
+    # commits every 5 steps, the step retraced in a reset callback.
+    code, out, records = run_job(
+        tmp_path, ["localhost:2", "hostC:1"],
+        ["-np", "3", "--min-np", "2", "--max-np", "3", "--blacklist-after", "1"],
+        worker="custom_loop_worker.py", KR_DIE_ON_HOST="hostC", KR_DIE_AT_STEP="23")
+    assert code == 0, out[-6000:]
+    assert len(records["DEATH"]) == 1, out[-6000:]
+    results = records["RESULT"]
+    assert [r["size"] for r in results] == [2, 2], results
+    assert len({r["checksum"] for r in results}) == 1, results
+    assert all(r["step"] == 60 and r["loss"] < 0.05 for r in results), results
 
 
 def test_an_uninterrupted_job_reaches_the_same_accuracy_band(tmp_path):

@@ -1,0 +1,78 @@
+"""An elastic worker with a custom training loop, the way Horovod's TensorFlow 2 elastic
+example is written: ``TensorFlowState`` over the model's and optimizer's variables, a
+``tf.function`` step with ``DistributedGradientTape``, a commit every few steps, and the step
+traced anew in a reset callback. Prints ``RESULT`` (and ``DEATH``) records like
+train_worker.py; ``KR_DIE_ON_HOST``/``KR_DIE_AT_STEP`` kill a worker in its first world.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import tensorflow as tf
+
+import keras_ring
+from keras_ring import elastic
+
+HOST = os.environ.get("KERAS_RING_HOST_ID", "")
+STEPS = 60
+COMMIT_EVERY = 5
+
+
+def record(kind: str, **fields) -> None:
+    print(f"{kind} {json.dumps(dict(fields, pid=os.getpid()))}", flush=True)
+
+
+def main() -> None:
+    keras_ring.init()
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(512, 4)).astype("float32")
+    y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.1
+    tf.random.set_seed(100 + keras_ring.rank())  # differ: the sync must fix it
+    w = tf.Variable(tf.random.normal((4, 1)))
+    b = tf.Variable(tf.zeros((1,)))
+    optimizer = tf.keras.optimizers.SGD(0.05)
+    optimizer.build([w, b])
+    state = elastic.TensorFlowState([w, b, *optimizer.variables], step=0)
+    die_at = int(os.environ.get("KR_DIE_AT_STEP", "-1"))
+    dying = HOST == os.environ.get("KR_DIE_ON_HOST")
+
+    def make_step():
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((xb @ w + b - yb) ** 2)
+            tape = keras_ring.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, [w, b])
+            optimizer.apply_gradients(zip(grads, [w, b]))
+            return loss
+        return step
+
+    holder = {"step": make_step()}
+    state.register_reset_callbacks([lambda: holder.update(step=make_step())])
+
+    @elastic.run
+    def train(state):
+        n, r = keras_ring.size(), keras_ring.rank()
+        while state.step < STEPS:
+            if dying and state.step == die_at:
+                record("DEATH", host=HOST)
+                os.kill(os.getpid(), signal.SIGKILL)
+            rows = slice(state.step % 8 * 64, state.step % 8 * 64 + 64)
+            holder["step"](x[rows][r::n], y[rows][r::n])
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    loss = float(np.mean((x @ w.numpy() + b.numpy() - y) ** 2))
+    record("RESULT", rank=keras_ring.rank(), size=keras_ring.size(), host=HOST,
+           checksum=float(w.numpy().sum() + b.numpy().sum()), loss=loss, step=state.step)
+    keras_ring.shutdown()
+
+
+if __name__ == "__main__":
+    main()
