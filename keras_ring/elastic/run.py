@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -85,6 +86,9 @@ def _next_world(state: State) -> None:
     the job's elastic timeout."""
     started = time.monotonic()
     client = RUNTIME.elastic
+    # An exception out of fit leaves its data iterator (and the iterator's threads) in a
+    # reference cycle with the traceback: collect it now, not after many resets.
+    gc.collect()
     while True:
         RUNTIME.shutdown()
         try:

@@ -93,6 +93,13 @@ def test_a_killed_worker_leaves_then_a_new_host_brings_the_world_back(tmp_path):
     assert "host hostC blacklisted after 1 failed worker(s)" in out
     assert len(records["DEATH"]) == 1, out[-6000:]
     assert _worlds(records) == [3, 2, 3], (records["RESET"], out[-6000:])
+    # Two resets later, in a world of the same size, a survivor holds what it held in the
+    # first: no thread, descriptor or socket of an old world is left.
+    for pid in {r["pid"] for r in records["RESET"] if r["size"] == 2}:
+        mine = [r for r in records["RESET"] if r["pid"] == pid]
+        first, last = mine[0], mine[-1]
+        assert (last["threads"], last["fds"], last["sockets"]) == (
+            first["threads"], first["fds"], first["sockets"]), mine
     results = records["RESULT"]
     assert sorted(r["host"] for r in results) == ["hostD", "localhost", "localhost"], results
     assert len({r["checksum"] for r in results}) == 1, results  # identical weights

@@ -56,6 +56,18 @@ def record(kind: str, **fields) -> None:
     print(f"{kind} {json.dumps(dict(fields, pid=os.getpid()))}", flush=True)
 
 
+def resources() -> dict:
+    """This process's threads, open descriptors and sockets (to tell leaks across worlds)."""
+    fds = os.listdir("/proc/self/fd")
+    sockets = 0
+    for fd in fds:
+        try:
+            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # the descriptor listdir itself used, closed meanwhile
+    return {"threads": len(os.listdir("/proc/self/task")), "fds": len(fds), "sockets": sockets}
+
+
 def wait_for_newcomer(bound: float = 240.0) -> None:
     """Rank 0 of the shrunken world: until a new worker waits to join (the others wait in
     their next collective meanwhile, within KERAS_RING_TIMEOUT_SECONDS)."""
@@ -93,7 +105,7 @@ class Faults(keras.callbacks.Callback):
         if self.fresh:
             self.fresh = False
             record("RESET", rank=keras_ring.rank(), size=keras_ring.size(), time=time.time(),
-                   epoch=self.state.epoch)
+                   epoch=self.state.epoch, **resources())
         elif self.grew:
             self.grew = False
             wait_for_newcomer()
