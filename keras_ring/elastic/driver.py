@@ -97,8 +97,10 @@ class ElasticDriver:
     # --- the job ----------------------------------------------------------------------------
 
     def run(self) -> int:
+        """Runs the job to its end; Ctrl-C (or SIGTERM) stops every worker (exit code 130)."""
         self.server.start()
         next_discovery = 0.0
+        previous = signal.signal(signal.SIGTERM, _interrupt)
         try:
             while True:
                 now = time.monotonic()
@@ -112,7 +114,11 @@ class ElasticDriver:
                 if not self._finishing:
                     self._fill_slots()
                 time.sleep(_TICK_SECONDS)
+        except KeyboardInterrupt:
+            self.say("interrupted: stopping every worker")
+            return 130
         finally:
+            signal.signal(signal.SIGTERM, previous)
             self._stop_all()
             self.server.close()
 
@@ -284,6 +290,10 @@ class ElasticDriver:
     def say(self, message: str) -> None:
         with self._out_lock:
             self._out[1].raw(f"keras-ring-run: {message}\n".encode())
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _is_local(host: str) -> bool:

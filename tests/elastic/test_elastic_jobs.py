@@ -214,3 +214,28 @@ def test_a_scheduler_drives_the_rendezvous_without_the_launcher(tmp_path):
     results = [json.loads(re.search(r"^RESULT (\{.*\})$", out, re.M)[1]) for out in outs[:2]]
     assert [r["size"] for r in results] == [2, 2], results
     assert results[0]["checksum"] == results[1]["checksum"], results
+
+
+def test_ctrl_c_stops_every_worker(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT), KR_EPOCHS="1000")
+    proc = subprocess.Popen([str(RUN), "-np", "2", "--min-np", "2", "--max-np", "2",
+                             "--host-discovery-script", str(discover), sys.executable,
+                             str(HERE / "train_worker.py"), marker],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # wait until both workers train, then press Ctrl-C
+        seen.append(line)
+        if sum("RESET" in s for s in seen) == 2:
+            proc.send_signal(signal.SIGINT)
+            break
+    out = "".join(seen) + proc.communicate(timeout=GUARD)[0]
+    assert proc.returncode == 130, out[-4000:]
+    assert "interrupted: stopping every worker" in out
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert not left.strip(), left
