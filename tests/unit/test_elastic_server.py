@@ -38,6 +38,15 @@ class Worker:
         self.conn.close()
 
 
+def first_world(server: WorldServer, *ids: str) -> list[Worker]:
+    """Workers ``ids`` connected, joined, and given the first world (ranks in that order)."""
+    workers = [Worker(server, i) for i in ids]
+    for w in workers:
+        w.join()
+    assert [w.world()["rank"] for w in workers] == list(range(len(ids)))
+    return workers
+
+
 @pytest.fixture
 def make_server():
     servers = []
@@ -67,10 +76,7 @@ def test_the_first_world_forms_when_np_workers_joined(make_server):
 
 def test_survivors_keep_their_order_and_newcomers_come_last(make_server):
     server = make_server(min_np=2, max_np=3, initial_np=3)
-    a, b, c = Worker(server, "a"), Worker(server, "b"), Worker(server, "c")
-    for w in (a, b, c):
-        w.join()
-    assert [w.world()["rank"] for w in (a, b, c)] == [0, 1, 2]
+    a, b, c = first_world(server, "a", "b", "c")
     a.close()  # rank 0 dies; a newcomer connects
     d = Worker(server, "d")
     d.join()
@@ -83,10 +89,7 @@ def test_survivors_keep_their_order_and_newcomers_come_last(make_server):
 
 def test_newcomers_wait_for_a_commit_and_are_announced_by_poll(make_server):
     server = make_server(min_np=2, max_np=3, initial_np=2)
-    a, b = Worker(server, "a"), Worker(server, "b")
-    a.join()
-    b.join()
-    a.world(), b.world()
+    a, b = first_world(server, "a", "b")
     assert a.ask({"op": "poll", "generation": 1}) == {"updated": False}
     c = Worker(server, "c")
     c.join()
@@ -102,10 +105,7 @@ def test_newcomers_wait_for_a_commit_and_are_announced_by_poll(make_server):
 
 def test_a_full_world_announces_no_newcomer(make_server):
     server = make_server(min_np=1, max_np=2, initial_np=2)
-    a, b = Worker(server, "a"), Worker(server, "b")
-    a.join()
-    b.join()
-    a.world(), b.world()
+    a, b = first_world(server, "a", "b")
     c = Worker(server, "c")
     c.join()
     assert a.ask({"op": "poll", "generation": 1}) == {"updated": False}
@@ -113,11 +113,7 @@ def test_a_full_world_announces_no_newcomer(make_server):
 
 def test_a_silent_member_is_dropped_after_the_join_window(make_server):
     server = make_server(min_np=2, max_np=3, initial_np=3, join_seconds=1.0)
-    a, b, c = Worker(server, "a"), Worker(server, "b"), Worker(server, "c")
-    for w in (a, b, c):
-        w.join()
-    for w in (a, b, c):
-        w.world()
+    a, b, c = first_world(server, "a", "b", "c")
     a.join()
     b.join()  # c stalls: it never asks
     worlds = [a.world(), b.world()]
@@ -149,10 +145,7 @@ def test_strangers_and_duplicates_are_refused(make_server, secret, second_id, ex
 
 def test_after_training_finished_no_world_forms_for_a_newcomer(make_server):
     server = make_server(min_np=1, max_np=3, initial_np=2)
-    a, b = Worker(server, "a"), Worker(server, "b")
-    a.join()
-    b.join()
-    a.world(), b.world()
+    a, b = first_world(server, "a", "b")
     c = Worker(server, "c")
     c.join()
     assert a.ask({"op": "finished"}) == {"ok": True}
