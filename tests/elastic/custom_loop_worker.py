@@ -2,7 +2,8 @@
 example is written: ``TensorFlowState`` over the model's and optimizer's variables, a
 ``tf.function`` step with ``DistributedGradientTape``, a commit every few steps, and the step
 traced anew in a reset callback. Prints ``RESULT`` (and ``DEATH``) records like
-train_worker.py; ``KR_DIE_ON_HOST``/``KR_DIE_AT_STEP`` kill a worker in its first world.
+train_worker.py; ``KR_DIE_ON_HOST`` (or ``KR_DIE_WORKER``, a worker id) and ``KR_DIE_AT_STEP`` kill a worker in
+its first world.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import tensorflow as tf
 
 import keras_ring
+import keras_ring.runtime
 from keras_ring import elastic
 
 HOST = os.environ.get("KERAS_RING_HOST_ID", "")
@@ -38,7 +41,8 @@ def main() -> None:
     optimizer.build([w, b])
     state = elastic.TensorFlowState([w, b, *optimizer.variables], step=0)
     die_at = int(os.environ.get("KR_DIE_AT_STEP", "-1"))
-    dying = HOST == os.environ.get("KR_DIE_ON_HOST")
+    dying = HOST == os.environ.get("KR_DIE_ON_HOST") or os.environ.get(
+        "KERAS_RING_ELASTIC_WORKER") == os.environ.get("KR_DIE_WORKER")
 
     def make_step():
         @tf.function
@@ -51,12 +55,28 @@ def main() -> None:
             return loss
         return step
 
-    holder = {"step": make_step()}
+    holder = {"step": make_step(), "first_size": keras_ring.size(), "waited": False}
     state.register_reset_callbacks([lambda: holder.update(step=make_step())])
+
+    def wait_for_replacement():
+        # KR_WAIT_NEWCOMER: rank 0 of the shrunken world waits (bounded) for the replacement
+        # to wait at the rendezvous, so that it joins at the next commit however slow its
+        # start; the other ranks wait in their next collective meanwhile.
+        if (holder["waited"] or not os.environ.get("KR_WAIT_NEWCOMER")
+                or keras_ring.size() >= holder["first_size"] or keras_ring.rank() != 0):
+            return
+        holder["waited"] = True
+        client = keras_ring.runtime.RUNTIME.elastic
+        deadline = time.monotonic() + 240
+        while not client.updates_waiting():
+            if time.monotonic() > deadline:
+                raise RuntimeError("no replacement arrived within 240 s")
+            time.sleep(0.05)
 
     @elastic.run
     def train(state):
         n, r = keras_ring.size(), keras_ring.rank()
+        wait_for_replacement()
         while state.step < STEPS:
             if dying and state.step == die_at:
                 record("DEATH", host=HOST)

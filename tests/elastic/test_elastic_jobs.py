@@ -114,17 +114,22 @@ def test_a_killed_worker_leaves_then_a_new_host_brings_the_world_back(tmp_path):
 
 def test_a_custom_loop_with_tensorflow_state_goes_on_after_a_death(tmp_path):
     # Horovod's TensorFlow 2 elastic shape: a tf.function step with DistributedGradientTape,
-    # commits every 5 steps, the step retraced in a reset callback.
+    # commits every 5 steps, the step retraced in a reset callback. The worker that dies
+    # shares memory with a survivor (localhost.1 and .2 are started first, in that order);
+    # localhost is not blacklisted after one failure, so a replacement (localhost.4) joins.
     code, out, records = run_job(
         tmp_path, ["localhost:2", "hostC:1"],
-        ["-np", "3", "--min-np", "2", "--max-np", "3", "--blacklist-after", "1"],
-        worker="custom_loop_worker.py", KR_DIE_ON_HOST="hostC", KR_DIE_AT_STEP="23")
+        ["-np", "3", "--min-np", "2", "--max-np", "3", "--blacklist-after", "2"],
+        worker="custom_loop_worker.py", KR_DIE_WORKER="localhost.2", KR_DIE_AT_STEP="23",
+        KR_WAIT_NEWCOMER="1")
     assert code == 0, out[-6000:]
     assert len(records["DEATH"]) == 1, out[-6000:]
     results = records["RESULT"]
-    assert [r["size"] for r in results] == [2, 2], results
+    assert sorted(r["worker"] for r in results) == ["hostC.3", "localhost.1", "localhost.4"]
+    assert [r["size"] for r in results] == [3, 3, 3], results
     assert len({r["checksum"] for r in results}) == 1, results
     assert all(r["step"] == 60 and r["loss"] < 0.05 for r in results), results
+    _no_shared_memory_left(records)
 
 
 def test_an_uninterrupted_job_reaches_the_same_accuracy_band(tmp_path):

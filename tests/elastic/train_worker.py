@@ -5,7 +5,8 @@ records the tests read: ``EPOCH`` (the world an epoch ended in), ``RESET`` (the 
 after a change of world), ``RESULT`` (the final weights' checksum), ``DEATH`` (right before a
 worker kills itself). What happens is set by the test through the environment:
 
-- ``KR_DIE_ON_HOST=host`` and ``KR_DIE_AT=epoch:batch``: the worker on that host kills
+- ``KR_DIE_ON_HOST=host`` (or ``KR_DIE_WORKER=id``) and ``KR_DIE_AT=epoch:batch``: the
+  worker on that host (or with that id) kills
   itself (SIGKILL: no clean-up at all) when it reaches that batch, in its first world only;
 - ``KR_FAIL_ON_HOST=host``: the worker on that host exits with code 3 at start;
 - ``KR_GROW_FILE=path`` and ``KR_GROW_LINE=host:slots``: rank 0 appends that line to the
@@ -25,6 +26,7 @@ import time
 import numpy as np
 
 HOST = os.environ.get("KERAS_RING_HOST_ID", "")
+WORKER = os.environ.get("KERAS_RING_ELASTIC_WORKER", "")
 if HOST and HOST == os.environ.get("KR_FAIL_ON_HOST"):
     sys.exit(3)
 
@@ -89,7 +91,8 @@ class Faults(keras.callbacks.Callback):
         self.fresh = False
         die_at = os.environ.get("KR_DIE_AT", "")
         self.die_at = tuple(map(int, die_at.split(":"))) if die_at else None
-        self.dying = HOST == os.environ.get("KR_DIE_ON_HOST")
+        self.dying = HOST == os.environ.get("KR_DIE_ON_HOST") or WORKER == os.environ.get(
+            "KR_DIE_WORKER")
         self.grew = False
 
     def on_train_begin(self, logs=None):
