@@ -38,6 +38,9 @@ struct RuntimeOptions {
   // After a fatal failure (own or a peer's), end the process this long after unless it
   // ended by itself (see failure_exit.h); <= 0: never.
   double failure_exit_seconds = 0.0;
+  // Device collectives launched on the stream and not yet completed, at most (NCCL); the
+  // next one waits for a slot. 1: each completes before the next launches.
+  int device_max_in_flight = 64;
 };
 
 // The error of a collective on a process set this rank runs no runtime for.
@@ -89,6 +92,13 @@ class Runtime {
   // Every set's runtime, process sets before the global one.
   static std::vector<std::shared_ptr<Runtime>> UninstallAll();
 
+  // Completes a request that the device executor deferred (ExecutionStats::deferred), as the
+  // executing thread would have: a failure becomes this runtime's error for it (and breaks
+  // the runtime when fatal), the timeline records it, then its done runs. Any thread (the
+  // device executor's completion thread); never with the executor's locks held.
+  void CompleteDeferred(Request& request, uint64_t seq, const ExecutionStats& stats,
+                        const Status& s);
+
   // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }
 
@@ -96,10 +106,14 @@ class Runtime {
   void StopWith(const Status& cause);
   void WorkerLoop();
   // Executes one request (the caller holds executing_) and returns its result; done is not
-  // called here.
-  Status RunOne(Request& request);
+  // called here. *deferred: the device executor took it and will complete it itself.
+  Status RunOne(Request& request, bool* deferred);
   // Runs it on its executor and turns a failure into this runtime's error for it.
   Status Execute(Request& request, uint64_t seq, ExecutionStats* stats);
+  // `s` (not OK) as this runtime's error for `label`; a fatal one breaks the runtime. From
+  // the executing thread (`executing`) or from a deferred completion.
+  Status Failed(const std::string& label, const Status& s, bool executing);
+  Executor* DeviceExecutor();  // null until the first device collective
   // Warns about stalls and watches for peers that failed or died, also while idle.
   void WatchdogLoop();
   // A fatal failure: arms the process's failure exit.
@@ -124,6 +138,7 @@ class Runtime {
   uint64_t seq_ = 0;        // of the last request run (only the executing thread touches it)
   Status broken_;  // first fatal error; every later request fails with it (executor only)
   Status peer_failure_;  // a peer's failure seen by the watchdog (guarded by mu_)
+  Status deferred_failure_;  // a deferred request's fatal failure (guarded by mu_)
   std::thread worker_;
 
   // What the executing thread is doing, for the stall watchdog (which only reads these).
