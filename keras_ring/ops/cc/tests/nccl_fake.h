@@ -60,9 +60,18 @@ class FakeNcclWorld {
   std::atomic<bool> nonblocking{true};     // NCCL >= 2.14: ncclCommInitRankConfig exists
   std::atomic<int> launch_polls{0};        // a launch stays in progress for this many polls
   std::atomic<bool> launch_stuck{false};   // launches stay in progress (a lazy connect hangs)
+  std::atomic<int> hang_from_launch{-1};   // collective launches from this one on (counted
+                                           // per communicator from 0) never complete
+  std::atomic<int> event_polls{0};         // an event is reached only after this many more
+                                           // queries (a GPU slower than the host)
+  std::atomic<bool> hold{false};           // collective launches wait for ReleaseHeld()
   std::function<void(int rank)> on_launch;  // called at each launch (set before the ranks run)
   void SetLoadNcclError(int rank, const std::string& message);
   void SetInitResult(int rank, int result);
+  // Completes the held launches that every rank made, in order (held ones stay held after).
+  void ReleaseHeld();
+  // The most collective launches of `rank` not yet completed at once (its device's depth).
+  int MaxPending(int rank);
 
   // What happened on `rank`, in order ("init", "record ready@caller", ...).
   std::vector<std::string> Log(int rank);
@@ -101,6 +110,7 @@ class FakeNcclWorld {
     std::string nccl_error;
     int init_result = 0;
     int live = 0;
+    int max_pending = 0;
   };
 
   void Execute(CommState& comm, Launch& launch);
@@ -202,6 +212,7 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
   std::map<const void*, std::string> names_;  // handle -> "stream1", "event3"
   std::map<const void*, std::vector<std::shared_ptr<bool>>> streams_;  // pending launches
   std::map<const void*, std::vector<std::shared_ptr<bool>>> events_;   // recorded snapshot
+  std::map<const void*, int> event_polls_left_;                        // see event_polls
   std::map<const void*, CommInfo> comms_;
   bool in_group_ = false;
   std::vector<FakeCall> group_;
@@ -209,6 +220,9 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
   const void* group_stream_ = nullptr;
   std::mutex mu_;  // the backend calls from the worker, its init helper and submitters
 };
+
+// The keras_ring type of an NCCL data type (int8 for the ones without).
+keras_ring::DataType FromNccl(int nccl_type);
 
 // A caller stream for rank r (TensorFlow's compute stream in production).
 inline keras_ring::nccl::Stream CallerStream(int rank) {
