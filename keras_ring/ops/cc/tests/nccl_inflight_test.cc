@@ -255,9 +255,10 @@ TEST(NcclInFlight_ShutdownWithCollectivesInFlightFailsThemAllAndLeavesNothing) {
 }
 
 TEST(NcclInFlight_HostCollectivesAndBarriersDoNotOvertakeDeviceOnes) {
-  // Per rank: two device allreduces, a device barrier, a host allreduce, a device allreduce.
-  // The GPU holds the first two back: the barrier and the host collective complete only
-  // after them, and the last one after the host collective.
+  // Per rank: a device allreduce, a host allreduce, a device allreduce, a device barrier, a
+  // device allreduce, with the GPU holding each launch back until released: the host
+  // collective completes only after the device one before it, the barrier only after the
+  // device one before it.
   GpuWorld w(2);
   w.fake->hold = true;
   Job job(2);
@@ -267,21 +268,24 @@ TEST(NcclInFlight_HostCollectivesAndBarriersDoNotOvertakeDeviceOnes) {
     for (int i = 0; i < 3; ++i) mine.push_back(Input(r, i));
     Completions& c = job.Of(r);
     SubmitOnDevice(w, r, At(mine, 0), 0, c);
-    SubmitOnDevice(w, r, At(mine, 1), 1, c);
+    At(host, r) = {static_cast<float>(r + 10)};
+    Request on_host = InPlace(At(host, r));
+    on_host.done = c.For(1);
+    At(w.runtimes, r)->Submit(std::move(on_host));
+    SubmitOnDevice(w, r, At(mine, 1), 2, c);
     Request barrier;
     barrier.kind = Kind::kBarrier;
     barrier.name = "fence";
     w.Attach(r, &barrier);
-    barrier.done = c.For(2);
+    barrier.done = c.For(3);
     At(w.runtimes, r)->Submit(std::move(barrier));
-    At(host, r) = {static_cast<float>(r + 10)};
-    Request on_host = InPlace(At(host, r));
-    on_host.done = c.For(3);
-    At(w.runtimes, r)->Submit(std::move(on_host));
     SubmitOnDevice(w, r, At(mine, 2), 4, c);
   }
-  CHECK(AllLaunched(w, 2));
+  CHECK(AllLaunched(w, 1));
   for (int r = 0; r < 2; ++r) CHECK_EQ(job.Of(r).Get().size(), 0u) << "rank " << r;
+  w.fake->ReleaseHeld();  // the first; the second is held in its turn
+  CHECK(AllLaunched(w, 2));
+  for (int r = 0; r < 2; ++r) CHECK(job.Of(r).WaitFor(2)) << "rank " << r;
   w.fake->hold = false;
   w.fake->ReleaseHeld();
   for (int r = 0; r < 2; ++r) {
@@ -290,7 +294,7 @@ TEST(NcclInFlight_HostCollectivesAndBarriersDoNotOvertakeDeviceOnes) {
     CheckInOrder(done, r);
     for (const auto& d : done) CHECK_OK(d.second);
     CHECK_EQ(At(host, r)[0], 21.0f);
-    CHECK(At(At(job.data, r), 2) == Sum(2, 2));
+    for (int i = 0; i < 3; ++i) CHECK(At(At(job.data, r), i) == Sum(2, i)) << r << " " << i;
   }
 }
 
