@@ -332,3 +332,32 @@ def test_gpu_check_runs_the_scatter_checks_through_the_c_api():
     import inspect
     source = inspect.getsource(gc.run_checks)
     assert "scatter.check_reducescatter" in source and "scatter.check_alltoall" in source
+
+
+def test_in_flight_table_shows_every_window_and_repeat():
+    text = gc.inflight.in_flight_table({64: [15.25, 14.0], 1: [80.0, 79.5]}, 2)
+    lines = text.splitlines()
+    assert "2 ranks" in lines[0] and "1024 B" in lines[0]
+    rows = [line.split() for line in lines if not line.startswith("#")]
+    assert rows == [["1", "80.0", "79.5"], ["64", "15.2", "14.0"]]  # windows in order
+
+
+def test_gpu_check_measures_collectives_in_flight_through_the_c_api():
+    assert hasattr(gc.Core, "allreduce_window")
+    assert gc.inflight.WINDOWS == (1, 64)
+    import inspect
+    assert "inflight.check_in_flight" in inspect.getsource(gc.run_checks)
+
+
+def test_the_barrier_names_the_global_process_set():
+    calls = []
+
+    class C:
+        def keras_ring_barrier(self, *args):
+            calls.append(args)
+            return 0
+
+    core = gc.Core.__new__(gc.Core)
+    core.c, core.err = C(), bytearray(16)
+    core.barrier()
+    assert calls and calls[0][0] == 0 and calls[0][1] == b"gpu_check"
