@@ -2,8 +2,10 @@
 // orders and supervises; executors run. Requests execute strictly in submission order (one
 // at a time, on the background worker or, when the runtime is idle, on the submitting
 // thread), each by the executor for its placement: the host executor (signatures, inline
-// data, ring over the transport) or the device executor (NCCL), made on first use. A
-// watchdog warns about stalls and watches the peers; the first fatal failure is kept and
+// data, ring over the transport) or the device executor (NCCL), made on first use. The
+// device executor may defer a request's completion (launched on the GPU, completed later by
+// its own thread through CompleteDeferred, in order); a host request first waits for those.
+// A watchdog warns about stalls and watches the peers; the first fatal failure is kept and
 // fails every later request.
 #pragma once
 
