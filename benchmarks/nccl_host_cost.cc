@@ -1,13 +1,15 @@
 // The host-side cost of one NCCL collective: the runtime and the NCCL backend driven through
 // the fake GPU of the C++ tests (keras_ring/ops/cc/tests/nccl_fake.h), whose "device" finishes
-// a small allreduce as soon as every rank launched it. What is left is what the host spends
-// per collective: the signature agreement, the launch calls, the completion. Ranks are threads
-// of this process over the local transport, each submitting `count` in-place allreduces and
-// keeping `window` of them outstanding (1: each waits for the previous one; 64: as a step's
-// gradient buckets do). Prints microseconds per collective (wall time / count, slowest rank)
-// for each window, `repeat` times.
+// a small allreduce `device_us` after every rank launched it (and after the one before it on
+// the stream): 0 leaves only what the host spends per collective (the signature agreement,
+// the launch calls, the completion); 20 is about a small NCCL allreduce within one node. Ranks
+// are threads of this process over the local transport, each submitting `count` in-place
+// allreduces and keeping `window` of them outstanding (1: each waits for the previous one; 64:
+// as a step's gradient buckets do). Prints, for each window and `repeat` times, microseconds
+// per collective: wall time / count on the slowest rank, and the process's CPU time /
+// (count * ranks), i.e. per collective per rank (less noisy on a shared machine).
 //
-//   make build/nccl_host_cost && ./build/nccl_host_cost [ranks count bytes depth repeat]
+//   make build/nccl_host_cost && ./build/nccl_host_cost [ranks count bytes depth repeat device_us]
 //
 // The same measurement on a GPU, through the real NCCL: benchmarks/gpu_check.sh (in flight).
 // Built with -DKR_BENCH_BASELINE against an older core (one collective at a time), it measures
@@ -22,6 +24,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include <sys/resource.h>
 
 #include "core/local_transport.h"
 #include "core/nccl/backend.h"
@@ -77,10 +81,23 @@ double RunRank(keras_ring::Runtime& runtime, const std::shared_ptr<kr_test::Fake
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Microseconds per collective on the slowest rank, on a fresh world (its first collective,
-// which makes the communicator, is run before the clock starts).
-double Measure(int ranks, int count, size_t bytes, int window, int depth) {
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+struct Cost {
+  double wall_us;  // per collective, slowest rank
+  double cpu_us;   // per collective per rank
+};
+
+// On a fresh world (its first collective, which makes the communicator, is run before the
+// clock starts).
+Cost Measure(int ranks, int count, size_t bytes, int window, int depth, int device_us) {
   auto fake = std::make_shared<kr_test::FakeNcclWorld>(ranks);
+  fake->device_us = device_us;
   auto fabric = std::make_shared<keras_ring::LocalFabric>(ranks);
   std::vector<std::unique_ptr<keras_ring::Runtime>> runtimes;
   std::vector<std::shared_ptr<kr_test::FakeDeviceApi>> apis;
@@ -101,7 +118,9 @@ double Measure(int ranks, int count, size_t bytes, int window, int depth) {
   }
   std::vector<double> seconds(static_cast<size_t>(ranks));
   std::vector<int> failed(static_cast<size_t>(ranks));
+  double cpu = 0;
   for (int pass = 0; pass < 2; ++pass) {  // warm-up (communicator, events), then timed
+    cpu = CpuSeconds();
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks; ++r) {
       threads.emplace_back([&, r] {
@@ -111,6 +130,7 @@ double Measure(int ranks, int count, size_t bytes, int window, int depth) {
       });
     }
     for (std::thread& t : threads) t.join();
+    cpu = CpuSeconds() - cpu;
   }
   std::vector<std::thread> teardown;
   for (auto& rt : runtimes) teardown.emplace_back([&rt] { rt.reset(); });
@@ -121,7 +141,8 @@ double Measure(int ranks, int count, size_t bytes, int window, int depth) {
       std::exit(1);
     }
   }
-  return *std::max_element(seconds.begin(), seconds.end()) * 1e6 / count;
+  return {*std::max_element(seconds.begin(), seconds.end()) * 1e6 / count,
+          cpu * 1e6 / count / ranks};
 }
 
 }  // namespace
@@ -132,18 +153,21 @@ int main(int argc, char** argv) {
   const size_t bytes = argc > 3 ? static_cast<size_t>(std::atoll(argv[3])) : 1024;
   const int depth = argc > 4 ? std::atoi(argv[4]) : 64;
   const int repeat = argc > 5 ? std::atoi(argv[5]) : 3;
+  const int device_us = argc > 6 ? std::atoi(argv[6]) : 0;
 #ifdef KR_BENCH_BASELINE
   const char* build = "baseline (one collective at a time)";
 #else
   const char* build = "in flight";
 #endif
   std::printf("# NCCL host cost through the fake GPU: %s, %d ranks, %d allreduces of %zu B, "
-              "device_max_in_flight=%d\n# window  us/collective (each repeat)\n",
-              build, ranks, count, bytes, depth);
+              "device_max_in_flight=%d, %d us on the fake GPU each\n"
+              "# window  wall/cpu us per collective (each repeat)\n",
+              build, ranks, count, bytes, depth, device_us);
   for (int window : {1, 64}) {
     std::printf("%8d ", window);
     for (int i = 0; i < repeat; ++i) {
-      std::printf(" %8.1f", Measure(ranks, count, bytes, window, depth));
+      const Cost c = Measure(ranks, count, bytes, window, depth, device_us);
+      std::printf("  %6.1f/%-6.1f", c.wall_us, c.cpu_us);
       std::fflush(stdout);
     }
     std::printf("\n");

@@ -119,6 +119,7 @@ void Runtime::Submit(Request request) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_) {
       queue_.push_back(std::move(request));
+      queued_.store(queue_.size());
       cv_.notify_all();
       return;
     }
@@ -175,6 +176,7 @@ void Runtime::WorkerLoop() {
       if (queue_.empty()) break;  // stopping and drained
       request = std::move(queue_.front());
       queue_.pop_front();
+      queued_.store(queue_.size());
       if (stopping_) {
         lock.unlock();
         request.done(Status(Code::kCancelled, "keras_ring: shut down before " +

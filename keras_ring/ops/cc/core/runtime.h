@@ -101,6 +101,10 @@ class Runtime {
   void CompleteDeferred(Request& request, uint64_t seq, const ExecutionStats& stats,
                         const Status& s);
 
+  // Requests waiting to run (a hint: a device executor looks at a lone collective's
+  // completion itself only while nothing else waits). Any thread.
+  size_t queued() const { return queued_.load(); }
+
   // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }
 
@@ -134,6 +138,7 @@ class Runtime {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Request> queue_;
+  std::atomic<size_t> queued_{0};  // queue_.size(), readable without mu_
   bool stopping_ = false;
   Status stop_cause_;       // what peers are told when stopping_: a shutdown or a failure
   bool executing_ = false;  // a request runs, on the worker or on a caller's thread

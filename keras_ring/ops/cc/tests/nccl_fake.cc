@@ -102,7 +102,9 @@ int FakeDeviceApi::EventRecord(kn::Event event, kn::Stream stream) {
   // Completed launches no longer hold anything back (and a long run stays cheap).
   std::vector<std::shared_ptr<bool>>& pending = streams_[stream];
   pending.erase(std::remove_if(pending.begin(), pending.end(),
-                               [](const std::shared_ptr<bool>& done) { return *done; }),
+                               [this](const std::shared_ptr<bool>& done) {
+                                 return world_->Reached(done);
+                               }),
                 pending.end());
   events_[event] = pending;
   event_polls_left_[event] = world_->event_polls.load();
@@ -126,7 +128,7 @@ int FakeDeviceApi::EventQuery(kn::Event event) {
   std::lock_guard<std::mutex> lock(mu_);
   std::lock_guard<std::mutex> wlock(world_->mu_);
   for (const auto& done : events_[event]) {
-    if (!*done) return kn::kCudaErrorNotReady;
+    if (!world_->Reached(done)) return kn::kCudaErrorNotReady;
   }
   int& left = event_polls_left_[event];
   if (left > 0) {

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -65,6 +66,8 @@ class FakeNcclWorld {
   std::atomic<int> event_polls{0};         // an event is reached only after this many more
                                            // queries (a GPU slower than the host)
   std::atomic<bool> hold{false};           // collective launches wait for ReleaseHeld()
+  std::atomic<int> device_us{0};           // each collective launch then runs this long on
+                                           // the "GPU", after the one before it
   std::function<void(int rank)> on_launch;  // called at each launch (set before the ranks run)
   void SetLoadNcclError(int rank, const std::string& message);
   void SetInitResult(int rank, int result);
@@ -104,6 +107,7 @@ class FakeNcclWorld {
     std::map<int, Launch> launches;
     std::map<int, double> premul_scalars;  // op id -> scalar
     int next_op = 5;                       // after the built-in ops
+    std::chrono::steady_clock::time_point busy_until{};  // its launches' GPU time (device_us)
   };
   struct RankState {
     std::vector<std::string> log;
@@ -121,12 +125,14 @@ class FakeNcclWorld {
   std::shared_ptr<bool> PostP2p(CommState& comm, int rank, const std::vector<FakeCall>& calls);
   void Match(P2pCall& send, P2pCall& recv, int from, int to);
   void Note(int rank, const std::string& entry);  // needs mu_
+  bool Reached(const std::shared_ptr<bool>& done);  // done, and its GPU time over (needs mu_)
 
   const int size_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<RankState> ranks_;
   std::map<std::string, CommState> comms_;  // by unique id
+  std::map<const bool*, std::chrono::steady_clock::time_point> finish_at_;  // see device_us
   int next_id_ = 1;
 };
 

@@ -1,5 +1,6 @@
 // The state the fake ranks share (nccl_fake.h): launches that meet across ranks and compute
 // everybody's results, point-to-point pairing, knobs and logs.
+#include <algorithm>
 #include <cstring>
 
 #include "../core/reduce.h"
@@ -171,6 +172,20 @@ void FakeNcclWorld::Execute(CommState& comm, Launch& launch) {
     }
   }
   *launch.done = true;
+  if (device_us.load() > 0) {  // the results are in place; the event waits for the GPU time
+    const auto now = std::chrono::steady_clock::now();
+    comm.busy_until = std::max(comm.busy_until, now) + std::chrono::microseconds(device_us.load());
+    finish_at_[launch.done.get()] = comm.busy_until;
+  }
+}
+
+bool FakeNcclWorld::Reached(const std::shared_ptr<bool>& done) {
+  if (!*done) return false;
+  auto it = finish_at_.find(done.get());
+  if (it == finish_at_.end()) return true;
+  if (std::chrono::steady_clock::now() < it->second) return false;
+  finish_at_.erase(it);
+  return true;
 }
 
 std::shared_ptr<bool> FakeNcclWorld::PostP2p(CommState& comm, int rank,

@@ -100,11 +100,11 @@ StreamTicket::~StreamTicket() {
 
 NcclBackend::NcclBackend(std::shared_ptr<DeviceApi> api, HostExecutor& host, int rank,
                          int size, double timeout_seconds, int max_in_flight,
-                         Completion complete)
+                         Completion complete, WorkWaiting work_waiting)
     : api_(std::move(api)), host_(host), rank_(rank), size_(size),
       timeout_seconds_(timeout_seconds),
       max_in_flight_(static_cast<size_t>(std::max(max_in_flight, 1))),
-      complete_(std::move(complete)) {
+      complete_(std::move(complete)), work_waiting_(std::move(work_waiting)) {
   completer_ = std::thread([this] { CompletionLoop(); });
 }
 
@@ -562,7 +562,8 @@ void AttachNccl(Runtime& runtime, int device, Stream caller_stream, Request* req
         runtime.options().device_max_in_flight,
         [owner](Request& r, uint64_t seq, const ExecutionStats& stats, const Status& s) {
           owner->CompleteDeferred(r, seq, stats, s);
-        });
+        },
+        [owner] { return owner->queued() > 0; });
   });
   request->placement = Placement::kDevice;
   // Another device executor would get no ticket and refuse the request (never silently).

@@ -76,11 +76,14 @@ struct LaunchPlan {
 using Completion =
     std::function<void(Request& request, uint64_t seq, const ExecutionStats& stats,
                        const Status& s)>;
+// Whether requests wait to run behind the one executing: Runtime::queued() > 0.
+using WorkWaiting = std::function<bool()>;
 
 class NcclBackend : public Executor {
  public:
   NcclBackend(std::shared_ptr<DeviceApi> api, HostExecutor& host, int rank, int size,
-              double timeout_seconds, int max_in_flight, Completion complete);
+              double timeout_seconds, int max_in_flight, Completion complete,
+              WorkWaiting work_waiting);
   // After the worker stopped: completes what is still in flight (aborted by the shutdown
   // that came first), finalizes and destroys the communicators (aborts them after a failure,
   // or when the peers do not finish within the deadline), then the streams and events.
@@ -178,6 +181,7 @@ class NcclBackend : public Executor {
   const double timeout_seconds_;
   const size_t max_in_flight_;
   const Completion complete_;
+  const WorkWaiting work_waiting_;
   std::atomic<int64_t> events_made_{0};
   std::atomic<bool> aborted_{false};
   std::atomic<bool> peer_failed_{false};

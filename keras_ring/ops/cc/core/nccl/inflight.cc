@@ -23,6 +23,12 @@
 namespace keras_ring {
 namespace nccl {
 
+namespace {
+// How often the worker looks at a lone collective's event before handing it over: about as
+// long as PollBackoff yields before it starts to sleep.
+constexpr int kInlinePolls = 100;
+}  // namespace
+
 bool NcclBackend::OnCompletionThread() const {
   return std::this_thread::get_id() == completer_.get_id();
 }
@@ -56,6 +62,28 @@ Status NcclBackend::WaitForSlot(const StopCheck& stop) {
 }
 
 void NcclBackend::Defer(InFlight entry) {
+  // With nothing else in flight and no request waiting for the worker, a short look first (as
+  // the worker always did before): a small collective is often complete by then, and
+  // completing it here spares the hand-over to the completion thread, a wake-up on each side,
+  // which is much of a lone collective's host cost. The look ends as soon as a request
+  // arrives, so a burst still piles up in flight. Only "reached" is taken here; anything else
+  // is the completion thread's to judge.
+  bool alone = false;
+  if (!OnCompletionThread()) {
+    std::lock_guard<std::mutex> lock(flight_mu_);
+    alone = in_flight_.empty();  // only this thread adds, so it stays empty meanwhile
+  }
+  for (int polls = 0; alone && polls < kInlinePolls && !work_waiting_(); ++polls) {
+    if (api_->EventQuery(entry.done) == kCudaSuccess) {
+      {
+        std::lock_guard<std::mutex> lock(flight_mu_);
+        max_seen_ = std::max<size_t>(max_seen_, 1);
+      }
+      Finish(entry, Status::OK());  // no lock held: its done may run anything
+      return;
+    }
+    std::this_thread::yield();
+  }
   {
     std::lock_guard<std::mutex> lock(flight_mu_);
     in_flight_.push_back(std::move(entry));
