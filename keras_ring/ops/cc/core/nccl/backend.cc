@@ -321,13 +321,12 @@ Status NcclBackend::RunOnStream(const std::vector<Signature>& sigs, Request& c,
                                 uint64_t seq, ExecutionStats* stats) {
   const Deadline deadline = Deadline::After(timeout_seconds_);
   const StopCheck stop = StopAt(deadline);
-  KR_RETURN_IF_ERROR(WaitForSlot(stop));
+  Status s = WaitForSlot(stop);
   Event allocated = nullptr;
   Event done = nullptr;
-  Status s;
   {
     std::lock_guard<std::mutex> lock(comm_mu_);
-    s = GpuFailure();  // a collective in flight failed (and aborted the communicators)
+    if (s.ok()) s = GpuFailure();  // one in flight failed (and aborted the communicators)
     if (s.ok()) s = LaunchOnStream(sigs, c, plan, ticket, d, stop, &allocated, &done);
     if (!s.ok() && !d.comm->aborted()) {
       d.comm->Abort();  // the peers may be inside the collective already
