@@ -174,8 +174,9 @@ TEST(NcclInFlight_AStallInTheKthOfNFailsItAndEveryLaterOneOnEveryRank) {
         CHECK_CONTAINS(s.message(), "NCCL allreduce did not complete within 0.5 s");
         CHECK_CONTAINS(s.message(), "(its NCCL communicator was aborted)");
       } else {
-        CHECK_CONTAINS(s.message(), "in flight on the GPU behind NCCL allreduce #" +
-                                        std::to_string(k + 1) + ", which failed");
+        CHECK_CONTAINS(s.message(), "in flight on the GPU behind allreduce 'step" +
+                                        std::to_string(k) + "' (#" + std::to_string(k + 1) +
+                                        "), which failed");
       }
     }
   }

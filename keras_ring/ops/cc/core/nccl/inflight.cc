@@ -71,7 +71,7 @@ void NcclBackend::Defer(InFlight entry) {
   bool alone = false;
   if (!OnCompletionThread()) {
     std::lock_guard<std::mutex> lock(flight_mu_);
-    alone = in_flight_.empty();  // only this thread adds, so it stays empty meanwhile
+    alone = in_flight_.empty();  // only the executing thread adds: it stays empty meanwhile
   }
   for (int polls = 0; alone && polls < kInlinePolls && !work_waiting_(); ++polls) {
     if (api_->EventQuery(entry.done) == kCudaSuccess) {
@@ -109,6 +109,7 @@ void NcclBackend::CompletionLoop() {
     InFlight& front = in_flight_.front();
     lock.unlock();
     const Status s = Poll(front, &current_device);
+    const std::string label = SignatureOf(front.request, front.seq).Label();
     Finish(front, s);
     size_t finished = 1;
     if (!s.ok()) {
@@ -116,8 +117,8 @@ void NcclBackend::CompletionLoop() {
       lock.lock();
       const size_t behind = in_flight_.size() - 1;
       lock.unlock();
-      const std::string cause = "it was in flight on the GPU behind " + front.what + " #" +
-                                std::to_string(front.seq) + ", which failed: " + s.message();
+      const std::string cause = "it was in flight on the GPU behind " + label + " (#" +
+                                std::to_string(front.seq) + "), which failed: " + s.message();
       for (size_t i = 1; i <= behind; ++i) {
         lock.lock();
         InFlight& next = in_flight_[i];
