@@ -103,8 +103,17 @@ build/allreduce_floor: benchmarks/allreduce_floor.cc $(CORE_SRC) $(CORE_HDR)
 	$(CXX) -std=c++17 -O3 -Wall -Wextra -Werror -Ikeras_ring/ops/cc -o $@ $< \
 		keras_ring/ops/cc/core/copy.cc keras_ring/ops/cc/core/reduce.cc keras_ring/ops/cc/core/common.cc
 
-bench: venv build/allreduce_floor
+# The host-side cost of one NCCL collective (1 and 64 in flight), through the fake GPU of the
+# C++ tests: no GPU needed. benchmarks/gpu_check.sh measures the same on a GPU.
+NCCL_FAKE_SRC := keras_ring/ops/cc/tests/nccl_fake.cc keras_ring/ops/cc/tests/nccl_fake_world.cc
+build/nccl_host_cost: benchmarks/nccl_host_cost.cc $(CORE_SRC) $(CORE_HDR) $(NCCL_FAKE_SRC)
+	mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -pthread -Ikeras_ring/ops/cc -o $@ $< \
+		$(CORE_SRC) $(NCCL_FAKE_SRC) -ldl
+
+bench: venv build/allreduce_floor build/nccl_host_cost
 	./build/allreduce_floor
+	./build/nccl_host_cost
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/scatter.py

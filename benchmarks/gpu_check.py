@@ -16,8 +16,10 @@ job of its own. Exit status 0 means every check passed.
     mpirun -np 2 python benchmarks/gpu_check.py --lib ...   (ranks found through mpi4py)
     python benchmarks/gpu_check.py --lib ... --faults 2
 
-keras_ring's device C API waits for each collective (its worker polls completion), so its
-small-message times include that round trip; torch's are nccl-tests style (back to back).
+keras_ring's device C API waits for each collective (its completion thread sees the event),
+so its small-message times in the busbw table include that round trip; torch's are
+nccl-tests style (back to back). gpu_check_inflight.py measures the host-side cost per
+collective with 1 and 64 outstanding (the runtime keeps up to 64 in flight on the stream).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # keras_ring.ops.loader and keras_ring.gpu import
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_cases as cases  # noqa: E402
 import gpu_check_faults as faults  # noqa: E402
+import gpu_check_inflight as inflight  # noqa: E402
 import gpu_check_scatter as scatter  # noqa: E402
 
 DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4, "uint8": 5,
@@ -220,7 +223,8 @@ class Core:
             self.err, len(self.err)))
 
     def barrier(self):
-        self._check(self.c.keras_ring_barrier(b"gpu_check", self.err, len(self.err)))
+        # Process set 0, the global one (the argument came with process sets).
+        self._check(self.c.keras_ring_barrier(0, b"gpu_check", self.err, len(self.err)))
 
     def shutdown(self):
         self.c.keras_ring_shutdown()
@@ -228,6 +232,7 @@ class Core:
 
 cases.load(Core, DTYPES, OPS)  # grouped allreduce, the backend's object counts
 scatter.load(Core, DTYPES, OPS)  # reducescatter, alltoall
+inflight.load(Core)  # allreduces with several outstanding
 
 
 def nccl_candidates() -> list[str]:
@@ -472,6 +477,7 @@ def run_checks(core, cp, checks: Checks, rank: int, n: int, device: int) -> dict
     cases.check_edge_cases(this, core, cp, checks, rank, n, device)
     extra.update(cases.check_many_small(this, core, cp, checks, rank, n, device))
     extra.update(cases.check_process(checks, cp, rank, device))
+    extra.update(inflight.check_in_flight(this, core, cp, checks, rank, n, device))
     return extra
 
 

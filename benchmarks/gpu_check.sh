@@ -7,7 +7,8 @@
 # older NCCL the check fails rather than run fewer ranks. The ranks check allreduce (single
 # and grouped), allgather and broadcast on CuPy arrays against NumPy, edge cases, 10,000 small
 # collectives with stable GPU memory, the libraries loaded and the GPUs holding their
-# contexts, print an nccl-tests-style busbw table next to torch.distributed's NCCL
+# contexts, the host-side cost per collective with 1 and 64 in flight (gpu_check_inflight.py;
+# "in flight" in the log), print an nccl-tests-style busbw table next to torch.distributed's NCCL
 # allreduce, then run the failure scenarios (a rank killed, a GPU stalled, init after
 # shutdown) as jobs of their own. NCCL_DEBUG=WARN: NCCL's own warnings land in the log.
 #

@@ -332,3 +332,93 @@ def test_gpu_check_runs_the_scatter_checks_through_the_c_api():
     import inspect
     source = inspect.getsource(gc.run_checks)
     assert "scatter.check_reducescatter" in source and "scatter.check_alltoall" in source
+
+
+def test_in_flight_table_shows_every_window_and_repeat():
+    text = gc.inflight.in_flight_table({64: [15.25, 14.0], 1: [80.0, 79.5]}, 2)
+    lines = text.splitlines()
+    assert "2 ranks" in lines[0] and "1024 B" in lines[0]
+    rows = [line.split() for line in lines if not line.startswith("#")]
+    assert rows == [["1", "80.0", "79.5"], ["64", "15.2", "14.0"]]  # windows in order
+
+
+def test_gpu_check_measures_collectives_in_flight_through_the_c_api():
+    assert hasattr(gc.Core, "allreduce_window")
+    assert gc.inflight.WINDOWS == (1, 64)
+    import inspect
+    assert "inflight.check_in_flight" in inspect.getsource(gc.run_checks)
+
+
+def test_the_barrier_names_the_global_process_set():
+    calls = []
+
+    class C:
+        def keras_ring_barrier(self, *args):
+            calls.append(args)
+            return 0
+
+    core = gc.Core.__new__(gc.Core)
+    core.c, core.err = C(), bytearray(16)
+    core.barrier()
+    assert calls and calls[0][0] == 0 and calls[0][1] == b"gpu_check"
+
+
+class _WindowWorld:
+    """Ranks as threads for gpu_check_inflight: allreduce_window reduces each buffer across
+    the ranks with Max in NumPy (`wrong`: one buffer gets the Min instead)."""
+
+    def __init__(self, n, wrong=False):
+        import threading
+        self.n, self.wrong, self.slots = n, wrong, [None] * n
+        self.fence = threading.Barrier(n)
+
+    def barrier(self):
+        self.fence.wait()
+
+    def allreduce_window(self, buffers, count, dtype, op, n, window, device, stream=0):
+        import threading
+        assert op == gc.OPS["Max"] and 1 <= window <= 64 and n >= window
+        rank = int(threading.current_thread().name)
+        self.slots[rank] = [np.array(b) for b in buffers]
+        self.fence.wait()
+        for i, b in enumerate(buffers):
+            reduce = np.min if self.wrong and i == 5 else np.max
+            b[...] = reduce([s[i] for s in self.slots], axis=0)
+        self.fence.wait()
+        return 0.0
+
+
+class _CupyWithFull(_NumpyAsCupy):
+    full = staticmethod(np.full)
+
+    class cuda:
+        class runtime:
+            @staticmethod
+            def deviceSynchronize():
+                pass
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_in_flight_check_passes_on_right_results_and_fails_on_wrong_ones(n):
+    import threading
+
+    def run(world):
+        results = [gc.Checks(r) for r in range(n)]
+        extra = [None] * n
+
+        def rank(r):
+            extra[r] = gc.inflight.check_in_flight(gc, world, _CupyWithFull, results[r], r, n, 0)
+
+        threads = [threading.Thread(name=str(r), target=rank, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        return results, extra
+
+    good, extra = run(_WindowWorld(n))
+    assert all(c.failed == [] and c.passed == 1 for c in good), [c.failed for c in good]
+    assert sorted(extra[0]["in_flight_us"]) == ["1", "64"]
+    assert all(len(v) == gc.inflight.REPEATS for v in extra[0]["in_flight_us"].values())
+    bad, _ = run(_WindowWorld(n, wrong=True))
+    assert all(c.failed for c in bad)

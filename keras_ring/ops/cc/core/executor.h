@@ -12,9 +12,13 @@ namespace keras_ring {
 
 // What a run recorded for the timeline.
 struct ExecutionStats {
+  Clock::time_point started{};  // when the runtime handed it over
   Clock::time_point agreed{};  // when the signatures had been exchanged
   bool inlined = false;        // completed inside the exchange (small data)
   uint64_t extra_seqs = 0;     // join: the others' collectives it took part in
+  // The executor took the request (moved it out, done included) and completes it later
+  // through the runtime's CompleteDeferred: a device collective in flight on its stream.
+  bool deferred = false;
 };
 
 class Executor {
@@ -30,6 +34,10 @@ class Executor {
   // wait on peers with it, and tear down without their cooperation. Any thread (the worker,
   // or the watchdog while the worker waits on the device).
   virtual void PeerFailed(const Status& /*cause*/) {}
+  // Returns once every request this executor deferred has completed (done called). Called
+  // by the runtime before a request that must not overtake them (a host collective).
+  // Bounded: each deferred request ends by its deadline. Never called with a lock held.
+  virtual void Drain() {}
 };
 
 }  // namespace keras_ring

@@ -70,7 +70,14 @@ Runtime::~Runtime() {
   Stop();
   if (worker_.joinable()) worker_.join();
   if (watchdog_.joinable()) watchdog_.join();
-  device_.reset();  // no collective can use it any more
+  // No collective can use it any more; its collectives still in flight complete (aborted)
+  // into this runtime while it is destroyed, so it must not be reachable meanwhile.
+  std::unique_ptr<Executor> device;
+  {
+    std::lock_guard<std::mutex> lock(device_mu_);
+    device = std::move(device_);
+  }
+  device.reset();
 }
 
 void Runtime::Stop() { StopWith(ShutdownCause()); }
@@ -112,6 +119,7 @@ void Runtime::Submit(Request request) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_) {
       queue_.push_back(std::move(request));
+      queued_.store(queue_.size());
       cv_.notify_all();
       return;
     }
@@ -132,13 +140,14 @@ void Runtime::SubmitOrRun(Request request) {
   }
   if (!claimed) return Submit(std::move(request));  // the queue keeps the order
   request.submitted = Clock::now();
-  const Status s = RunOne(request);
+  bool deferred = false;
+  const Status s = RunOne(request, &deferred);
   {
     std::lock_guard<std::mutex> lock(mu_);
     executing_ = false;
   }
   cv_.notify_all();  // requests queued meanwhile are the worker's now
-  request.done(s);
+  if (!deferred) request.done(s);
 }
 
 Status Runtime::Run(Request request) {
@@ -167,6 +176,7 @@ void Runtime::WorkerLoop() {
       if (queue_.empty()) break;  // stopping and drained
       request = std::move(queue_.front());
       queue_.pop_front();
+      queued_.store(queue_.size());
       if (stopping_) {
         lock.unlock();
         request.done(Status(Code::kCancelled, "keras_ring: shut down before " +
@@ -176,12 +186,13 @@ void Runtime::WorkerLoop() {
       }
       executing_ = true;
     }
-    const Status s = RunOne(request);
+    bool deferred = false;
+    const Status s = RunOne(request, &deferred);
     {
       std::lock_guard<std::mutex> lock(mu_);
       executing_ = false;
     }
-    request.done(s);
+    if (!deferred) request.done(s);
   }
   Status cause;
   {
@@ -191,7 +202,7 @@ void Runtime::WorkerLoop() {
   if (transport_) transport_->AbortWith(cause);
 }
 
-Status Runtime::RunOne(Request& request) {
+Status Runtime::RunOne(Request& request, bool* deferred) {
   const uint64_t seq = ++seq_;
   {
     std::lock_guard<std::mutex> lock(label_mu_);
@@ -201,34 +212,54 @@ Status Runtime::RunOne(Request& request) {
   busy_since_ns_.store(started.time_since_epoch().count());
   busy_seq_.store(seq);
   ExecutionStats stats;
+  stats.started = started;
   stats.agreed = started;
   Status s = Execute(request, seq, &stats);
   seq_ += stats.extra_seqs;  // a joined rank took part in that many collectives
   busy_seq_.store(0);
-  if (options_.timeline) RecordTimeline(request, seq, started, stats, s);
+  *deferred = stats.deferred;  // then the request was moved out: its completion records it
+  if (options_.timeline && !stats.deferred) RecordTimeline(request, seq, started, stats, s);
   return s;
 }
 
+void Runtime::CompleteDeferred(Request& request, uint64_t seq, const ExecutionStats& stats,
+                               const Status& s) {
+  const Status result = s.ok() ? s : Failed(SignatureOf(request, seq).Label(), s, false);
+  if (options_.timeline) RecordTimeline(request, seq, stats.started, stats, result);
+  request.done(result);
+}
+
+Executor* Runtime::DeviceExecutor() {
+  std::lock_guard<std::mutex> lock(device_mu_);
+  return device_.get();
+}
+
 Status Runtime::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
+  // Device collectives may still be in flight (completing on their own): one that runs here
+  // must not overtake them, and sees their failure. The device executor orders its own.
+  Executor* device = DeviceExecutor();
+  const bool on_device = request.placement == Placement::kDevice;
+  if (device != nullptr && !on_device) device->Drain();
   if (broken_.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    broken_ = peer_failure_;
+    broken_ = !peer_failure_.ok() ? peer_failure_ : deferred_failure_;
   }
   const std::string label = SignatureOf(request, seq).Label();
   if (!broken_.ok()) {
+    if (device != nullptr) device->Drain();
     return broken_.InCollective(label, "keras_ring: cannot run " + label +
                                            " because an earlier collective failed: " +
                                            broken_.message());
   }
-  Executor* executor = host_.get();
-  if (request.placement == Placement::kDevice) {
-    std::lock_guard<std::mutex> lock(device_mu_);
-    executor = device_.get();
-  }
+  Executor* executor = on_device ? device : host_.get();
   Status s = executor != nullptr
                  ? executor->Execute(request, seq, stats)
                  : Status(Code::kInternal, "no device executor for a device collective");
   if (s.ok()) return s;
+  return Failed(label, s, true);
+}
+
+Status Runtime::Failed(const std::string& label, const Status& s, bool executing) {
   std::string message = "keras_ring: " + label + " failed on rank " +
                          std::to_string(options_.rank) + ": " + s.message();
   if (s.code() == Code::kDeadlineExceeded) {
@@ -239,7 +270,12 @@ Status Runtime::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
   if (s.fatal()) {
     // The byte streams may be out of step now: stop trusting them, and close them so every
     // peer sees this rank gone at once instead of waiting for its own timeout.
-    broken_ = failed;
+    if (executing) {
+      broken_ = failed;
+    } else {  // the executing thread picks it up before its next request
+      std::lock_guard<std::mutex> lock(mu_);
+      if (deferred_failure_.ok()) deferred_failure_ = failed;
+    }
     transport_->AbortWith(s);  // the bare cause, naming the rank to blame
     OnFatal(failed);
     std::lock_guard<std::mutex> lock(device_mu_);

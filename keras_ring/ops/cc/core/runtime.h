@@ -2,8 +2,10 @@
 // orders and supervises; executors run. Requests execute strictly in submission order (one
 // at a time, on the background worker or, when the runtime is idle, on the submitting
 // thread), each by the executor for its placement: the host executor (signatures, inline
-// data, ring over the transport) or the device executor (NCCL), made on first use. A
-// watchdog warns about stalls and watches the peers; the first fatal failure is kept and
+// data, ring over the transport) or the device executor (NCCL), made on first use. The
+// device executor may defer a request's completion (launched on the GPU, completed later by
+// its own thread through CompleteDeferred, in order); a host request first waits for those.
+// A watchdog warns about stalls and watches the peers; the first fatal failure is kept and
 // fails every later request.
 #pragma once
 
@@ -38,6 +40,9 @@ struct RuntimeOptions {
   // After a fatal failure (own or a peer's), end the process this long after unless it
   // ended by itself (see failure_exit.h); <= 0: never.
   double failure_exit_seconds = 0.0;
+  // Device collectives launched on the stream and not yet completed, at most (NCCL); the
+  // next one waits for a slot. 1: each completes before the next launches.
+  int device_max_in_flight = 64;
 };
 
 // The error of a collective on a process set this rank runs no runtime for.
@@ -89,6 +94,17 @@ class Runtime {
   // Every set's runtime, process sets before the global one.
   static std::vector<std::shared_ptr<Runtime>> UninstallAll();
 
+  // Completes a request that the device executor deferred (ExecutionStats::deferred), as the
+  // executing thread would have: a failure becomes this runtime's error for it (and breaks
+  // the runtime when fatal), the timeline records it, then its done runs. Any thread (the
+  // device executor's completion thread); never with the executor's locks held.
+  void CompleteDeferred(Request& request, uint64_t seq, const ExecutionStats& stats,
+                        const Status& s);
+
+  // Requests waiting to run (a hint: a device executor looks at a lone collective's
+  // completion itself only while nothing else waits). Any thread.
+  size_t queued() const { return queued_.load(); }
+
   // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }
 
@@ -96,10 +112,14 @@ class Runtime {
   void StopWith(const Status& cause);
   void WorkerLoop();
   // Executes one request (the caller holds executing_) and returns its result; done is not
-  // called here.
-  Status RunOne(Request& request);
+  // called here. *deferred: the device executor took it and will complete it itself.
+  Status RunOne(Request& request, bool* deferred);
   // Runs it on its executor and turns a failure into this runtime's error for it.
   Status Execute(Request& request, uint64_t seq, ExecutionStats* stats);
+  // `s` (not OK) as this runtime's error for `label`; a fatal one breaks the runtime. From
+  // the executing thread (`executing`) or from a deferred completion.
+  Status Failed(const std::string& label, const Status& s, bool executing);
+  Executor* DeviceExecutor();  // null until the first device collective
   // Warns about stalls and watches for peers that failed or died, also while idle.
   void WatchdogLoop();
   // A fatal failure: arms the process's failure exit.
@@ -118,12 +138,14 @@ class Runtime {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Request> queue_;
+  std::atomic<size_t> queued_{0};  // queue_.size(), readable without mu_
   bool stopping_ = false;
   Status stop_cause_;       // what peers are told when stopping_: a shutdown or a failure
   bool executing_ = false;  // a request runs, on the worker or on a caller's thread
   uint64_t seq_ = 0;        // of the last request run (only the executing thread touches it)
   Status broken_;  // first fatal error; every later request fails with it (executor only)
   Status peer_failure_;  // a peer's failure seen by the watchdog (guarded by mu_)
+  Status deferred_failure_;  // a deferred request's fatal failure (guarded by mu_)
   std::thread worker_;
 
   // What the executing thread is doing, for the stall watchdog (which only reads these).

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -60,9 +61,20 @@ class FakeNcclWorld {
   std::atomic<bool> nonblocking{true};     // NCCL >= 2.14: ncclCommInitRankConfig exists
   std::atomic<int> launch_polls{0};        // a launch stays in progress for this many polls
   std::atomic<bool> launch_stuck{false};   // launches stay in progress (a lazy connect hangs)
+  std::atomic<int> hang_from_launch{-1};   // collective launches from this one on (counted
+                                           // per communicator from 0) never complete
+  std::atomic<int> event_polls{0};         // an event is reached only after this many more
+                                           // queries (a GPU slower than the host)
+  std::atomic<bool> hold{false};           // collective launches wait for ReleaseHeld()
+  std::atomic<int> device_us{0};           // each collective launch then runs this long on
+                                           // the "GPU", after the one before it
   std::function<void(int rank)> on_launch;  // called at each launch (set before the ranks run)
   void SetLoadNcclError(int rank, const std::string& message);
   void SetInitResult(int rank, int result);
+  // Completes the held launches that every rank made, in order (held ones stay held after).
+  void ReleaseHeld();
+  // The most collective launches of `rank` not yet completed at once (its device's depth).
+  int MaxPending(int rank);
 
   // What happened on `rank`, in order ("init", "record ready@caller", ...).
   std::vector<std::string> Log(int rank);
@@ -95,12 +107,14 @@ class FakeNcclWorld {
     std::map<int, Launch> launches;
     std::map<int, double> premul_scalars;  // op id -> scalar
     int next_op = 5;                       // after the built-in ops
+    std::chrono::steady_clock::time_point busy_until{};  // its launches' GPU time (device_us)
   };
   struct RankState {
     std::vector<std::string> log;
     std::string nccl_error;
     int init_result = 0;
     int live = 0;
+    int max_pending = 0;
   };
 
   void Execute(CommState& comm, Launch& launch);
@@ -111,12 +125,14 @@ class FakeNcclWorld {
   std::shared_ptr<bool> PostP2p(CommState& comm, int rank, const std::vector<FakeCall>& calls);
   void Match(P2pCall& send, P2pCall& recv, int from, int to);
   void Note(int rank, const std::string& entry);  // needs mu_
+  bool Reached(const std::shared_ptr<bool>& done);  // done, and its GPU time over (needs mu_)
 
   const int size_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<RankState> ranks_;
   std::map<std::string, CommState> comms_;  // by unique id
+  std::map<const bool*, std::chrono::steady_clock::time_point> finish_at_;  // see device_us
   int next_id_ = 1;
 };
 
@@ -202,6 +218,7 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
   std::map<const void*, std::string> names_;  // handle -> "stream1", "event3"
   std::map<const void*, std::vector<std::shared_ptr<bool>>> streams_;  // pending launches
   std::map<const void*, std::vector<std::shared_ptr<bool>>> events_;   // recorded snapshot
+  std::map<const void*, int> event_polls_left_;                        // see event_polls
   std::map<const void*, CommInfo> comms_;
   bool in_group_ = false;
   std::vector<FakeCall> group_;
@@ -209,6 +226,9 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
   const void* group_stream_ = nullptr;
   std::mutex mu_;  // the backend calls from the worker, its init helper and submitters
 };
+
+// The keras_ring type of an NCCL data type (int8 for the ones without).
+keras_ring::DataType FromNccl(int nccl_type);
 
 // A caller stream for rank r (TensorFlow's compute stream in production).
 inline keras_ring::nccl::Stream CallerStream(int rank) {

@@ -235,9 +235,8 @@ std::string EventOf(const std::string& entry) {
 TEST(Nccl_QueuedCollectivesRunOnTheStreamInSubmissionOrder) {
   // Three collectives queued back to back on one buffer, each reading the previous one's
   // output: every one waits on the stream for its own inputs, launches, and hands its result
-  // back to the caller's stream before the next one starts. (TensorFlow's stream also waits
-  // for each collective, so one collective is in flight at a time: the overlap of backprop
-  // with gradient allreduce is the performance issue's, not a correctness question.)
+  // back to the caller's stream before the next one starts (on the GPU; the host does not
+  // wait in between: nccl_inflight_test.cc).
   GpuWorld w(2);
   w.Each([&](int r) {
     std::vector<float> x = {1.0f + static_cast<float>(r)};

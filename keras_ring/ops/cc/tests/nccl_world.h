@@ -47,7 +47,7 @@ class WatchedLocalTransport : public keras_ring::LocalTransport {
 
 class GpuWorld {
  public:
-  explicit GpuWorld(int n, double timeout_seconds = 10.0)
+  explicit GpuWorld(int n, double timeout_seconds = 10.0, int max_in_flight = 64)
       : fake(std::make_shared<FakeNcclWorld>(n)) {
     auto fabric = std::make_shared<keras_ring::LocalFabric>(n);
     for (int r = 0; r < n; ++r) {
@@ -56,6 +56,7 @@ class GpuWorld {
       options.size = n;
       options.timeout_seconds = timeout_seconds;
       options.stall_warning_seconds = 0;
+      options.device_max_in_flight = max_in_flight;
       auto transport = std::make_unique<WatchedLocalTransport>(fabric, r);
       transports.push_back(transport.get());
       runtimes.push_back(std::make_unique<keras_ring::Runtime>(options, std::move(transport)));
@@ -76,6 +77,12 @@ class GpuWorld {
                          int device = 0) {
     if (on_device) Attach(r, &request, device);
     return At(runtimes, r)->Run(std::move(request));
+  }
+  // Rank r's NCCL backend (null before its first device collective).
+  keras_ring::nccl::NcclBackend* Backend(int r) {
+    keras_ring::Executor* executor = At(runtimes, r)->device_executor(
+        [](keras_ring::HostExecutor&) { return std::unique_ptr<keras_ring::Executor>(); });
+    return dynamic_cast<keras_ring::nccl::NcclBackend*>(executor);
   }
   // fn(rank) on one thread per rank.
   void Each(const std::function<void(int)>& fn) {
@@ -126,6 +133,16 @@ inline keras_ring::Request InPlace(std::vector<float>& x,
   return Allreduce(Tensor(keras_ring::DataType::kFloat32, {static_cast<int64_t>(x.size())},
                           x.data(), x.data()),
                    op, pre);
+}
+
+// Waits until `done()` holds (a condition, not a sleep); false after `seconds` (a hang guard).
+inline bool WaitUntil(const std::function<bool()>& done, double seconds = 10.0) {
+  const auto start = keras_ring::Clock::now();
+  while (!done()) {
+    if (SecondsSince(start) > seconds) return false;
+    std::this_thread::yield();
+  }
+  return true;
 }
 
 // Index of the first log entry at or after `from` that starts with `prefix`, or -1.

@@ -99,11 +99,22 @@ StreamTicket::~StreamTicket() {
 }
 
 NcclBackend::NcclBackend(std::shared_ptr<DeviceApi> api, HostExecutor& host, int rank,
-                         int size, double timeout_seconds)
+                         int size, double timeout_seconds, int max_in_flight,
+                         Completion complete, WorkWaiting work_waiting)
     : api_(std::move(api)), host_(host), rank_(rank), size_(size),
-      timeout_seconds_(timeout_seconds) {}
+      timeout_seconds_(timeout_seconds),
+      max_in_flight_(static_cast<size_t>(std::max(max_in_flight, 1))),
+      complete_(std::move(complete)), work_waiting_(std::move(work_waiting)) {
+  completer_ = std::thread([this] { CompletionLoop(); });
+}
 
 NcclBackend::~NcclBackend() {
+  {
+    std::lock_guard<std::mutex> lock(flight_mu_);
+    stopping_ = true;  // the loop ends once what is in flight completed
+  }
+  flight_cv_.notify_all();
+  if (completer_.joinable()) completer_.join();
   ReleaseCommunicators();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& entry : devices_) {
@@ -228,19 +239,25 @@ std::shared_ptr<StreamTicket> NcclBackend::Prepare(int device, Stream caller_str
 Status NcclBackend::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
   auto* ticket = dynamic_cast<StreamTicket*>(request.device_ticket.get());
   if (ticket == nullptr) {
+    Drain();
     return Status(Code::kInternal, "a device collective without NCCL's ticket reached NCCL");
   }
   // Which communicator this rank would use is agreed like the shape.
   request.device_comm = CommunicatorFor(ticket->device);
   std::vector<Signature> sigs;
   bool inlined = false;  // never: device data does not ride in the slots
-  KR_RETURN_IF_ERROR(host_.Agree(request, seq, &sigs, &inlined));
-  stats->agreed = Clock::now();
-  return Run(host_.transport(), sigs, request, *ticket);
+  Status s = host_.Agree(request, seq, &sigs, &inlined);
+  if (s.ok()) {
+    stats->agreed = Clock::now();
+    s = Run(host_.transport(), sigs, request, *ticket, seq, stats);
+  }
+  // Completed here rather than in flight: after those in flight, in submission order.
+  if (!stats->deferred) Drain();
+  return s;
 }
 
 Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs, Request& c,
-                        StreamTicket& ticket) {
+                        StreamTicket& ticket, uint64_t seq, ExecutionStats* stats) {
   // Everything decided before the first NCCL call depends only on the agreed signatures, so
   // every rank takes the same branch and a refusal is an ordinary, non-fatal error.
   LaunchPlan plan;
@@ -252,7 +269,7 @@ Status NcclBackend::Run(Transport& control, const std::vector<Signature>& sigs, 
     return c.allocate_output(rows, &c.tensors[0].output);
   }
   KR_RETURN_IF_ERROR(Ready(control, ticket));
-  return RunOnStream(sigs, c, plan, ticket, State(ticket.device));
+  return RunOnStream(sigs, c, plan, ticket, State(ticket.device), seq, stats);
 }
 
 Status NcclBackend::Plan(const std::vector<Signature>& sigs, Request& c, LaunchPlan* plan) {
@@ -294,46 +311,73 @@ Status NcclBackend::Ready(Transport& control, StreamTicket& ticket) {
   if (local.ok()) return Status::OK();
   // The peers are about to run this collective with us: failing alone would leave them
   // waiting, so break the communicator (they see the abort or time out).
+  std::lock_guard<std::mutex> lock(comm_mu_);
   d.comm->Abort();
   return Status(Code::kAborted, local.message());
 }
 
 Status NcclBackend::RunOnStream(const std::vector<Signature>& sigs, Request& c,
-                                const LaunchPlan& plan, StreamTicket& ticket, DeviceState& d) {
-  Communicator& comm = *d.comm;
-  const StopCheck stop = StopAt(Deadline::After(timeout_seconds_));
-  Event ready = ticket.ready;
+                                const LaunchPlan& plan, StreamTicket& ticket, DeviceState& d,
+                                uint64_t seq, ExecutionStats* stats) {
+  const Deadline deadline = Deadline::After(timeout_seconds_);
+  const StopCheck stop = StopAt(deadline);
+  Status s = WaitForSlot(stop);
   Event allocated = nullptr;
   Event done = nullptr;
-  Status s;
+  {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (s.ok()) s = GpuFailure();  // one in flight failed (and aborted the communicators)
+    if (s.ok()) s = LaunchOnStream(sigs, c, plan, ticket, d, stop, &allocated, &done);
+    if (!s.ok() && !d.comm->aborted()) {
+      d.comm->Abort();  // the peers may be inside the collective already
+      s = Status(s.code(), s.message() + " (its NCCL communicator was aborted)", s.peer());
+    }
+  }
+  if (!s.ok()) {
+    if (done != nullptr) ReleaseEvent(ticket.device, done);
+    if (allocated != nullptr) ReleaseEvent(ticket.device, allocated);
+    return s;
+  }
+  InFlight f;
+  f.seq = seq;
+  f.stats = *stats;
+  f.device = ticket.device;
+  f.done = done;
+  f.allocated = allocated;
+  f.deadline = deadline;
+  f.what = std::string("NCCL ") + KindName(c.kind);
+  f.request = std::move(c);  // the runtime's copy is left empty: it completes from here
+  stats->deferred = true;
+  Defer(std::move(f));
+  return Status::OK();
+}
+
+Status NcclBackend::LaunchOnStream(const std::vector<Signature>& sigs, Request& c,
+                                   const LaunchPlan& plan, StreamTicket& ticket, DeviceState& d,
+                                   const StopCheck& stop, Event* allocated, Event* done) {
+  Event ready = ticket.ready;
   if (AllocatesOutput(c.kind)) {
     const int64_t rows = c.kind == Kind::kAllgather ? TotalRows(sigs) : plan.exchange.total_rows;
-    s = c.allocate_output(rows, &c.tensors[0].output);
+    const Status s = c.allocate_output(rows, &c.tensors[0].output);
     if (!s.ok()) {
-      s = Status(Code::kAborted, std::string("could not allocate the ") + KindName(c.kind) +
-                                     " output: " + s.message());
+      return Status(Code::kAborted, std::string("could not allocate the ") + KindName(c.kind) +
+                                        " output: " + s.message());
     }
     // The new output may reuse memory that work queued on the caller's stream after the
     // submission still reads: start after everything queued there so far.
-    if (s.ok()) s = TakeEvent(ticket.device, &allocated);
-    if (s.ok()) s = Cuda(api_->EventRecord(allocated, ticket.caller_stream), "cudaEventRecord");
-    ready = allocated;
+    KR_RETURN_IF_ERROR(TakeEvent(ticket.device, allocated));
+    KR_RETURN_IF_ERROR(
+        Cuda(api_->EventRecord(*allocated, ticket.caller_stream), "cudaEventRecord"));
+    ready = *allocated;
   }
-  if (s.ok()) s = Cuda(api_->StreamWaitEvent(d.stream, ready), "cudaStreamWaitEvent");
+  KR_RETURN_IF_ERROR(Cuda(api_->StreamWaitEvent(d.stream, ready), "cudaStreamWaitEvent"));
   // A nonblocking launch is settled before anything else is queued on the stream.
-  if (s.ok()) s = Launch(sigs, c, plan, comm, d.stream, stop);
-  if (s.ok()) s = TakeEvent(ticket.device, &done);
-  if (s.ok()) s = Cuda(api_->EventRecord(done, d.stream), "cudaEventRecord");
-  if (s.ok()) s = Cuda(api_->StreamWaitEvent(ticket.caller_stream, done), "cudaStreamWaitEvent");
-  if (s.ok()) {
-    s = WaitFor(done, comm, std::string("NCCL ") + KindName(c.kind), stop);
-  } else if (!comm.aborted()) {
-    comm.Abort();  // the peers may be inside the collective already
-    s = Status(s.code(), s.message() + " (its NCCL communicator was aborted)", s.peer());
-  }
-  if (done != nullptr) ReleaseEvent(ticket.device, done);
-  if (allocated != nullptr) ReleaseEvent(ticket.device, allocated);
-  return s;
+  KR_RETURN_IF_ERROR(Launch(sigs, c, plan, *d.comm, d.stream, stop));
+  KR_RETURN_IF_ERROR(TakeEvent(ticket.device, done));
+  KR_RETURN_IF_ERROR(Cuda(api_->EventRecord(*done, d.stream), "cudaEventRecord"));
+  // TensorFlow's stream reads the result after this point; the op's done() comes later still,
+  // once the completion thread saw the event reached.
+  return Cuda(api_->StreamWaitEvent(ticket.caller_stream, *done), "cudaStreamWaitEvent");
 }
 
 Status NcclBackend::Connect(Transport& control, int device, const Status& local) {
@@ -373,22 +417,27 @@ Status NcclBackend::Connect(Transport& control, int device, const Status& local)
   std::unique_ptr<Communicator> comm;
   KR_RETURN_IF_ERROR(Communicator::Create(*api_, size_, id.id, rank_,
                                           StopAt(Deadline::After(timeout_seconds_)), &comm));
-  DeviceState& d = State(device);
+  std::lock_guard<std::mutex> lock(mu_);  // the completion thread may look for it to abort
+  DeviceState& d = devices_[device];
   d.comm = std::move(comm);
   d.ordinal = communicators_made_++;
   return Status::OK();
 }
 
 StopCheck NcclBackend::StopAt(const Deadline& deadline) {
-  return [this, deadline](const std::string& what) { return StopReason(deadline, what); };
+  return [this, deadline](const std::string& what) {
+    return StopReason(deadline, what, &next_liveness_poll_);
+  };
 }
 
-Status NcclBackend::StopReason(const Deadline& deadline, const std::string& what) {
+Status NcclBackend::StopReason(const Deadline& deadline, const std::string& what,
+                               Clock::time_point* next_liveness_poll) {
   if (aborted_.load()) {
     return Status(Code::kAborted, "keras_ring shut down while " + what + " was running");
   }
   KR_RETURN_IF_ERROR(InterruptStatus());
-  KR_RETURN_IF_ERROR(PeerFailure());
+  KR_RETURN_IF_ERROR(PeerFailure(next_liveness_poll));
+  KR_RETURN_IF_ERROR(GpuFailure());
   if (deadline.expired()) {
     return Status(Code::kDeadlineExceeded,
                   what + " did not complete within " + Seconds(timeout_seconds_) +
@@ -397,7 +446,7 @@ Status NcclBackend::StopReason(const Deadline& deadline, const std::string& what
   return Status::OK();
 }
 
-Status NcclBackend::PeerFailure() {
+Status NcclBackend::PeerFailure(Clock::time_point* next_poll) {
   if (peer_failed_.load()) {
     std::lock_guard<std::mutex> lock(failure_mu_);
     return peer_failure_;
@@ -407,8 +456,8 @@ Status NcclBackend::PeerFailure() {
   // peer's abort notice). The watchdog looks every 250 ms and calls PeerFailed; between its
   // visits the worker looks too, every 10 ms (a poll with no timeout, nothing consumed).
   const Clock::time_point now = Clock::now();
-  if (now < next_liveness_poll_) return Status::OK();
-  next_liveness_poll_ = now + std::chrono::milliseconds(10);
+  if (now < *next_poll) return Status::OK();
+  *next_poll = now + std::chrono::milliseconds(10);
   return host_.transport().PollPeerFailure();
 }
 
@@ -503,27 +552,17 @@ Status NcclBackend::LaunchAllgather(const std::vector<Signature>& sigs, Request&
   return s.ok() ? end : s;
 }
 
-Status NcclBackend::WaitFor(Event done, Communicator& comm, const std::string& what,
-                            const StopCheck& stop) {
-  for (int polls = 0;; ++polls) {
-    const int q = api_->EventQuery(done);
-    if (q == kCudaSuccess) return Status::OK();
-    Status s = q == kCudaErrorNotReady ? Status::OK() : Cuda(q, "cudaEventQuery");
-    if (s.ok()) s = comm.AsyncError(what);
-    if (s.ok()) s = stop(what);
-    if (!s.ok()) {
-      comm.Abort();
-      return Status(s.code(), s.message() + " (its NCCL communicator was aborted)", s.peer());
-    }
-    PollBackoff(polls);
-  }
-}
-
 void AttachNccl(Runtime& runtime, int device, Stream caller_stream, Request* request,
                 const std::shared_ptr<DeviceApi>& api) {
   Executor* executor = runtime.device_executor([&](HostExecutor& host) {
-    return std::make_unique<NcclBackend>(api, host, runtime.rank(), runtime.size(),
-                                         runtime.options().timeout_seconds);
+    Runtime* owner = &runtime;  // outlives its executor
+    return std::make_unique<NcclBackend>(
+        api, host, runtime.rank(), runtime.size(), runtime.options().timeout_seconds,
+        runtime.options().device_max_in_flight,
+        [owner](Request& r, uint64_t seq, const ExecutionStats& stats, const Status& s) {
+          owner->CompleteDeferred(r, seq, stats, s);
+        },
+        [owner] { return owner->queued() > 0; });
   });
   request->placement = Placement::kDevice;
   // Another device executor would get no ticket and refuse the request (never silently).

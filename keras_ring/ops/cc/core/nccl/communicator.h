@@ -1,6 +1,7 @@
 // One NCCL communicator, owned like a file handle: made collectively by every rank, used by
-// one thread at a time (the runtime's worker), and ended exactly once, either cooperatively
-// (ncclCommFinalize, then ncclCommDestroy) or by ncclCommAbort.
+// one thread at a time (the runtime's worker launching, or the backend's completion thread
+// polling or aborting: the backend serialises them), and ended exactly once, either
+// cooperatively (ncclCommFinalize, then ncclCommDestroy) or by ncclCommAbort.
 //
 // Communicators are nonblocking where NCCL has them (>= 2.14): every call returns at once,
 // with ncclInProgress while its work still runs on NCCL's threads (setting up, connecting

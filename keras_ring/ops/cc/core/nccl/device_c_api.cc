@@ -1,7 +1,10 @@
 #include "device_c_api.h"
 
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <utility>
@@ -170,6 +173,54 @@ int keras_ring_device_grouped_allreduce(const void* const* inputs, void* const* 
     r.tensors.push_back(Tensor(dtypes[i], {counts[i]}, inputs[i], outputs[i]));
   }
   return RunOnDevice(std::move(r), device, stream, err, err_len);
+}
+
+int keras_ring_device_allreduce_window(void* const* buffers, int k, int64_t count, int dtype,
+                                       int reduce_op, int n, int window, int device,
+                                       void* stream, double* seconds, char* err,
+                                       size_t err_len) {
+  std::shared_ptr<Runtime> runtime = Runtime::Get();
+  if (runtime == nullptr || k < 1 || window < 1 || n < 0 ||
+      !keras_ring::IsValidDataType(dtype) || !keras_ring::IsValidReduceOp(reduce_op)) {
+    return Report(Status(runtime == nullptr ? Code::kFailedPrecondition : Code::kInvalidArgument,
+                         runtime == nullptr ? "keras_ring has not been initialized"
+                                            : "bad arguments to allreduce_window"),
+                  err, err_len);
+  }
+  struct Outstanding {
+    std::mutex mu;
+    std::condition_variable cv;
+    int completed = 0;
+    Status first;
+  } out;
+  const auto start = keras_ring::Clock::now();
+  for (int i = 0; i < n; ++i) {
+    {
+      // Bounded: the runtime completes every request by its deadline.
+      std::unique_lock<std::mutex> lock(out.mu);
+      out.cv.wait(lock, [&] { return i - out.completed < window; });
+    }
+    void* buffer = buffers[i % k];
+    Request r;
+    r.kind = Kind::kAllreduce;
+    r.name = "window";
+    r.op = static_cast<keras_ring::ReduceOp>(reduce_op);
+    r.tensors.push_back(Tensor(dtype, {count}, buffer, buffer));
+    keras_ring::nccl::AttachNccl(*runtime, device, stream, &r);
+    r.done = [&out](const Status& s) {
+      std::lock_guard<std::mutex> lock(out.mu);
+      if (out.first.ok() && !s.ok()) out.first = s;
+      out.completed++;
+      out.cv.notify_all();
+    };
+    runtime->Submit(std::move(r));
+  }
+  std::unique_lock<std::mutex> lock(out.mu);
+  out.cv.wait(lock, [&] { return out.completed == n; });
+  if (seconds != nullptr) {
+    *seconds = std::chrono::duration<double>(keras_ring::Clock::now() - start).count();
+  }
+  return Report(out.first, err, err_len);
 }
 
 int keras_ring_device_objects(int64_t* events, int64_t* communicators) {

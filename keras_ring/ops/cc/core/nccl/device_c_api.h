@@ -56,6 +56,15 @@ int keras_ring_device_alltoall(const void* input, void* output, int64_t rows,
                                int n_splits, int32_t* received_splits, int dtype, int device,
                                void* stream, const char* name, char* err, size_t err_len);
 
+// `n` allreduces submitted back to back, at most `window` of them outstanding (submitted and
+// not yet completed): collective i reduces `count` elements of buffers[i % k] in place. Returns
+// once all completed, with the first failure; *seconds gets the wall time from the first
+// submission to the last completion (the host-side cost per collective, with small buffers).
+int keras_ring_device_allreduce_window(void* const* buffers, int k, int64_t count, int dtype,
+                                       int reduce_op, int n, int window, int device,
+                                       void* stream, double* seconds, char* err,
+                                       size_t err_len);
+
 // What the GPU backend holds now, for leak checks: CUDA events it made (each made once and
 // reused), NCCL communicators. Zeros before the first GPU collective.
 int keras_ring_device_objects(int64_t* events, int64_t* communicators);
