@@ -19,6 +19,12 @@ struct AlgoConfig {
   // stay in cache anyway, and skipping the read-for-ownership nearly halves the traffic.
   size_t stream_bytes = 32 << 20;
   bool may_yield = false;  // see Deadline::may_yield
+  // Collectives open with the fast agreement (fast_agree.h) before falling back to the full
+  // signature exchange. Must be equal on all ranks: it decides the first message's shape.
+  bool fast_agree = true;
+  // Allreduces of at most this many bytes run by recursive doubling (log2 n rounds of the
+  // whole vector) instead of the ring (2(n-1) rounds of 1/n of it), after a fast agreement.
+  size_t doubling_max_bytes = 64 << 10;
 
   // The bound of one wait: every step of an algorithm gets a fresh one.
   Deadline NextDeadline() const { return Deadline::After(timeout_seconds).Yielding(may_yield); }

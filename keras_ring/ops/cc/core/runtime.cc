@@ -322,14 +322,11 @@ std::string Runtime::StallReport(double waited_seconds) {
   const int r = options_.rank;
   std::string msg = "keras_ring: WARNING: rank " + std::to_string(r) + " has waited " +
                     std::to_string(static_cast<int>(waited_seconds)) + " s in " + label;
-  const int steps = host_->exchange_steps();
-  if (steps >= 0) {
-    // After k ring steps the slots of ranks r-1 .. r-k have arrived; the stalled rank is
-    // among the others.
+  std::vector<int> waiting_for;
+  if (host_->NotYetHeardFrom(&waiting_for)) {
+    // The stalled rank is among those not heard from yet in the agreement.
     std::string missing;
-    for (int k = steps + 1; k < n; ++k) {
-      missing += (missing.empty() ? "" : ", ") + std::to_string(((r - k) % n + n) % n);
-    }
+    for (int q : waiting_for) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
     msg += ": ranks not yet heard from: " + missing +
            " (one of them has not submitted this collective, or is stalled)";
   } else {
