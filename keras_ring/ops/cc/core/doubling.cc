@@ -50,6 +50,7 @@ Status RecursiveDoubling(Transport& t, const AlgoConfig& cfg, char* state, char*
   };
   int rounds = 0;
   for (int m = 1; m < p; m *= 2) ++rounds;
+  const bool buffered = t.BufferedSendBytes() >= bytes;
   if (r >= p) {
     // An extra: hand the state to the core rank, then wait for the finished one.
     const int core = r - p;
@@ -76,7 +77,12 @@ Status RecursiveDoubling(Transport& t, const AlgoConfig& cfg, char* state, char*
   }
   for (int k = 0, m = 1; m < p; ++k, m *= 2) {
     const int peer = r ^ m;
-    Status s = t.SendRecv(peer, mine, bytes, peer, other, bytes, DepthDeadline(cfg, k + 1));
+    const Deadline deadline = DepthDeadline(cfg, k + 1);
+    // A link that buffers the whole state takes the send at once: then a plain receive,
+    // cheaper than the general exchange, which must make progress both ways at once.
+    Status s = buffered ? t.Send(peer, mine, bytes, deadline)
+                        : t.SendRecv(peer, mine, bytes, peer, other, bytes, deadline);
+    if (s.ok() && buffered) s = t.Recv(peer, other, bytes, deadline);
     if (!s.ok()) return fail(peer, s);
     Held held;
     held.first = peer & ~(m - 1);

@@ -61,6 +61,8 @@ Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> trans
   AlgoConfig algo;
   algo.timeout_seconds = options_.timeout_seconds;
   algo.segment_bytes = options_.segment_bytes;
+  algo.fast_agree = options_.fast_agree;
+  algo.doubling_max_bytes = options_.doubling_max_bytes;
   host_ = std::make_unique<HostExecutor>(options_.rank, options_.size, *transport_, algo);
   worker_ = std::thread([this] { WorkerLoop(); });
   if (options_.size > 1) watchdog_ = std::thread([this] { WatchdogLoop(); });
