@@ -97,8 +97,19 @@ build/allreduce_floor: benchmarks/allreduce_floor.cc $(CORE_SRC) $(CORE_HDR)
 	$(CXX) -std=c++17 -O3 -Wall -Wextra -Werror -Ikeras_ring/ops/cc -o $@ $< \
 		keras_ring/ops/cc/core/copy.cc keras_ring/ops/cc/core/reduce.cc keras_ring/ops/cc/core/common.cc
 
-bench: venv build/allreduce_floor
+# Opening a collective against world size: threads over the local transport, up to 32 ranks.
+build/agreement: benchmarks/agreement.cc $(CORE_SRC) $(CORE_HDR)
+	mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -pthread -Ikeras_ring/ops/cc -o $@ $< \
+		$(CORE_SRC) -ldl
+
+bench: venv build/allreduce_floor build/agreement
 	./build/allreduce_floor
+	./build/agreement 32
+	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/agreement.py
+	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/agreement.py
+	$(GUARD) $(MPIRUN) -np 8 $(VPY) benchmarks/agreement.py
+	KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 8 $(VPY) benchmarks/agreement.py
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/scatter.py

@@ -125,24 +125,73 @@ std::vector<int> DoublingNotHeardFrom(int rank, int n, int progress) {
   return missing;
 }
 
+namespace {
+
+// One doubling round of a vector: sends `mine` to `peer` while its vector arrives and is
+// combined, lower ranks' first, into `dst` (neither operand: a transport may still be reading
+// `mine` for the send, and Reduce's destination may not be its second operand). On shm the
+// peer's bytes are reduced straight out of the ring, with no scratch copy.
+Status ReduceRound(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op, int peer,
+                   bool mine_is_lower, const char* mine, char* dst, size_t bytes) {
+  const size_t esize = DataTypeSize(dtype);
+  const ReduceFn combine = [&](void* out, const void* local, const void* theirs, size_t len) {
+    if (mine_is_lower) {
+      Reduce(dtype, op, out, local, theirs, len / esize);
+    } else {
+      Reduce(dtype, op, out, theirs, local, len / esize);
+    }
+  };
+  const size_t seg = std::max(esize, cfg.segment_bytes / esize * esize);
+  std::vector<SendPiece> send(1);
+  std::vector<RecvPiece> recv(1);
+  size_t off = 0;
+  do {
+    const size_t len = std::min(seg, bytes - off);
+    send[0] = SendPiece{mine + off, len};
+    recv[0] = RecvPiece{dst + off, mine + off, len};
+    KR_RETURN_IF_ERROR(t.SendRecvPieces(peer, send, peer, recv, esize, &combine,
+                                        cfg.NextDeadline()));
+    off += len;
+  } while (off < bytes);
+  return Status::OK();
+}
+
+}  // namespace
+
 Status DoublingAllreduce(Transport& t, const AlgoConfig& cfg, DataType dtype, ReduceOp op,
                          const void* input, void* output, size_t count, double prescale,
                          double postscale, std::vector<char>* scratch) {
+  const int n = t.size();
+  const int r = t.rank();
+  const int p = PowerOfTwoBelow(n);
   const size_t bytes = count * DataTypeSize(dtype);
   if (input != output && bytes > 0) std::memcpy(output, input, bytes);
   Scale(dtype, output, count, prescale);
-  scratch->resize(bytes);
-  const DoublingCombine reduce = [&](char* mine, char* peer, bool mine_is_lower, const Held&) {
-    // dst may be Reduce's first operand, not its second: the result lands in the lower's.
-    char* lower = mine_is_lower ? mine : peer;
-    Reduce(dtype, op, lower, lower, mine_is_lower ? peer : mine, count);
-    return lower;
-  };
-  char* result = nullptr;
-  KR_RETURN_IF_ERROR(RecursiveDoubling(t, cfg, static_cast<char*>(output), scratch->data(), bytes,
-                                       reduce, &result));
-  FinishReduction(dtype, op, result, count, t.size(), postscale);
-  if (result != output && bytes > 0) std::memcpy(output, result, bytes);
+  if (n > 1 && bytes > 0) {
+    scratch->resize(bytes);
+    char* mine = static_cast<char*>(output);
+    char* other = scratch->data();
+    if (r >= p) {
+      // An extra: hand the vector to the core rank, get the finished one back.
+      KR_RETURN_IF_ERROR(t.Send(r - p, mine, bytes, cfg.NextDeadline()));
+      KR_RETURN_IF_ERROR(t.Recv(r - p, mine, bytes, cfg.NextDeadline()));
+      return Status::OK();  // finished (and scaled) by the core rank
+    }
+    if (r + p < n) {
+      KR_RETURN_IF_ERROR(t.Recv(r + p, other, bytes, cfg.NextDeadline()));
+      Reduce(dtype, op, mine, mine, other, count);  // the extra's is the upper
+    }
+    for (int m = 1; m < p; m *= 2) {
+      const int peer = r ^ m;
+      KR_RETURN_IF_ERROR(ReduceRound(t, cfg, dtype, op, peer, r < peer, mine, other, bytes));
+      std::swap(mine, other);
+    }
+    FinishReduction(dtype, op, mine, count, n, postscale);
+    if (r + p < n) KR_RETURN_IF_ERROR(t.Send(r + p, mine, bytes, cfg.NextDeadline()));
+    if (mine != output) std::memcpy(output, mine, bytes);
+    return Status::OK();
+  }
+  FinishReduction(dtype, op, output, count, n, postscale);
   return Status::OK();
 }
 
