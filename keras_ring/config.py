@@ -120,7 +120,7 @@ class Config:
     timeline_path: str | None
     intra_op_threads: int | None  # None: automatic; 0: leave TensorFlow's default
     fast_agree: bool = True  # collectives open with the O(log n) fast agreement
-    doubling_max_bytes: int = 64 << 10  # allreduces up to this size: recursive doubling
+    doubling_max_bytes: int = 32 << 10  # allreduces up to this size: recursive doubling
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -142,6 +142,6 @@ class Config:
                 if os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip() else None
             ),
             fast_agree=_bool("KERAS_RING_FAST_AGREE", True),
-            doubling_max_bytes=int_from_env("KERAS_RING_DOUBLING_MAX_BYTES", 64 << 10,
+            doubling_max_bytes=int_from_env("KERAS_RING_DOUBLING_MAX_BYTES", 32 << 10,
                                             minimum=0),
         )

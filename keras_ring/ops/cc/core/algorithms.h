@@ -24,7 +24,9 @@ struct AlgoConfig {
   bool fast_agree = true;
   // Allreduces of at most this many bytes run by recursive doubling (log2 n rounds of the
   // whole vector) instead of the ring (2(n-1) rounds of 1/n of it), after a fast agreement.
-  size_t doubling_max_bytes = 64 << 10;
+  // 32 KiB: below it doubling won or tied at 2 and 4 ranks on shm and TCP, at 64 KiB it lost
+  // on a quiet machine (docs/performance.md, benchmarks/allreduce_paths.cc).
+  size_t doubling_max_bytes = 32 << 10;
 
   // The bound of one wait: every step of an algorithm gets a fresh one.
   Deadline NextDeadline() const { return Deadline::After(timeout_seconds).Yielding(may_yield); }
