@@ -100,7 +100,8 @@ void Rank(int r, int n, bool tcp, size_t max_bytes, bool barrier_row, const std:
     std::vector<double> times[2];
     for (int k = 0; k < 2; ++k) once(old_ex, old_seq), once(new_ex, new_seq);
     for (int batch = 0; batch < 9; ++batch) {
-      for (int which = 0; which < 2; ++which) {
+      for (int k = 0; k < 2; ++k) {
+        const int which = (batch + k) % 2;  // each goes first in every other batch
         HostExecutor& ex = which == 0 ? old_ex : new_ex;
         uint64_t& seq = which == 0 ? old_seq : new_seq;
         once(ex, seq);  // lines the ranks up
