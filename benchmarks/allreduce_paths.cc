@@ -8,7 +8,7 @@
 //
 // Build and run (make bench does): g++ -std=c++17 -O2 -pthread -Ikeras_ring/ops/cc
 //   benchmarks/allreduce_paths.cc keras_ring/ops/cc/core/*.cc keras_ring/ops/cc/core/nccl/*.cc
-//   -ldl && ./a.out 2 [tcp|shm] [max_bytes]
+//   -ldl && ./a.out 2 [tcp|shm] [max_bytes] [barrier|nobarrier] [same]
 // The first row times barriers (a collective that is only its agreement): the agreement's
 // cost in real processes, against world size.
 #include <arpa/inet.h>
@@ -55,7 +55,8 @@ void Check(const Status& s, int rank) {
   }
 }
 
-void Rank(int r, int n, bool tcp, size_t max_bytes, bool barrier_row, const std::vector<int>& fds,
+void Rank(int r, int n, bool tcp, size_t max_bytes, bool barrier_row, bool same,
+          const std::vector<int>& fds,
           const std::vector<PeerAddress>& peers) {
   HostTransportConfig config;
   config.rank = r;
@@ -69,8 +70,10 @@ void Rank(int r, int n, bool tcp, size_t max_bytes, bool barrier_row, const std:
   std::unique_ptr<Transport> t;
   Check(ConnectHostTransport(config, &t), r);
   AlgoConfig old_cfg, new_cfg;
-  old_cfg.fast_agree = false;
-  old_cfg.doubling_max_bytes = 0;
+  if (!same) {  // "same": an A/A run, both with the defaults, to see the bench's own bias
+    old_cfg.fast_agree = false;
+    old_cfg.doubling_max_bytes = 0;
+  }
   HostExecutor old_ex(r, n, *t, old_cfg), new_ex(r, n, *t, new_cfg);
   uint64_t old_seq = 1, new_seq = 1;
   if (r == 0) {
@@ -131,6 +134,7 @@ int main(int argc, char** argv) {
   const bool tcp = argc > 2 && std::string(argv[2]) == "tcp";
   const size_t max_bytes = argc > 3 ? std::strtoull(argv[3], nullptr, 10) : (16u << 20);
   const bool barrier_row = !(argc > 4 && std::string(argv[4]) == "nobarrier");
+  const bool same = argc > 5 && std::string(argv[5]) == "same";
   std::vector<int> fds(static_cast<size_t>(n));
   std::vector<PeerAddress> peers(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
@@ -142,7 +146,7 @@ int main(int argc, char** argv) {
   for (int r = 0; r < n; ++r) {
     const pid_t pid = fork();
     if (pid == 0) {
-      Rank(r, n, tcp, max_bytes, barrier_row, fds, peers);
+      Rank(r, n, tcp, max_bytes, barrier_row, same, fds, peers);
       std::fflush(stdout);
       _exit(0);
     }
