@@ -99,7 +99,8 @@ void Rank(int r, int n, bool tcp, size_t max_bytes, bool barrier_row, bool same,
       ExecutionStats stats;
       Check(ex.Execute(q, seq++, &stats), r);
     };
-    const int iters = static_cast<int>(std::max<size_t>(5, std::min<size_t>(400, (8u << 20) / bytes)));
+    const int iters =
+        static_cast<int>(std::max<size_t>(5, std::min<size_t>(400, (8u << 20) / bytes)));
     std::vector<double> times[2];
     for (int k = 0; k < 2; ++k) once(old_ex, old_seq), once(new_ex, new_seq);
     for (int batch = 0; batch < 9; ++batch) {

@@ -225,7 +225,8 @@ Status FastAgreement::Run(Transport& t, const AlgoConfig& cfg, uint64_t config,
   uint64_t digest[2];
   DigestSignature(mine, t.size(), config, digest, &msg.header.flags);
   for (int i = 0; i < 2; ++i) msg.header.lo[i] = msg.header.hi[i] = digest[i];
-  const Ride ride = deliver != nullptr ? Pack(request, t.rank(), t.size(), msg.payload) : Ride::kNone;
+  const Ride ride =
+      deliver != nullptr ? Pack(request, t.rank(), t.size(), msg.payload) : Ride::kNone;
   const DoublingCombine combine = [&](char* a, char* b, bool lower, const Held& held) {
     return Combine(ride, request, a, b, lower, held);
   };

@@ -150,117 +150,144 @@ TEST(FastPath_AllreduceWithoutFastAgreement) {
 
 namespace {
 
+// Each returns what went wrong on rank r, or nothing.
+std::string CheckGrouped(HostExecutor& ex, int r, int n, size_t count, uint64_t* seq) {
+  // Grouped: a float32 tensor, an int32 one, a float32 one again.
+  std::vector<std::vector<int32_t>> in32(3), out32(3);
+  Request g;
+  g.kind = Kind::kGroupedAllreduce;
+  g.name = "group";
+  const DataType types[3] = {DataType::kFloat32, DataType::kInt32, DataType::kFloat32};
+  for (size_t k = 0; k < 3; ++k) {
+    const size_t c = count / (k + 1) + k;
+    in32[k].resize(c);
+    out32[k].resize(c);
+    for (size_t i = 0; i < c; ++i) {
+      SetFromDouble(types[k], in32[k].data(), i, Input(r, i + k, ReduceOp::kSum));
+    }
+    TensorRef tr;
+    tr.dtype = types[k];
+    tr.shape = {static_cast<int64_t>(c)};
+    tr.input = in32[k].data();
+    tr.output = out32[k].data();
+    g.tensors.push_back(tr);
+  }
+  ExecutionStats stats;
+  Status s = ex.Execute(g, (*seq)++, &stats);
+  if (!s.ok()) return "grouped: " + s.message();
+  for (size_t k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < in32[k].size(); ++i) {
+      if (GetAsDouble(types[k], out32[k].data(), i) != Expected(n, i + k, ReduceOp::kSum)) {
+        return "grouped tensor " + std::to_string(k) + " element " + std::to_string(i);
+      }
+    }
+  }
+  return "";
+}
+
+std::string CheckBroadcasts(HostExecutor& ex, int r, int n, size_t count, uint64_t* seq) {
+  // Broadcast from every root.
+  for (int root = 0; root < n; ++root) {
+    std::vector<int32_t> in(count), out(count, -1);
+    for (size_t i = 0; r == root && i < count; ++i) {
+      in[i] = static_cast<int32_t>(Mix(root, i) & 0xffff);  // only the root's input counts
+    }
+    Request b;
+    b.kind = Kind::kBroadcast;
+    b.name = "bcast";
+    b.root = root;
+    TensorRef tr;
+    tr.dtype = DataType::kInt32;
+    tr.shape = {static_cast<int64_t>(count)};
+    tr.input = in.data();
+    tr.output = out.data();
+    b.tensors.push_back(tr);
+    ExecutionStats stats;
+    Status s = ex.Execute(b, (*seq)++, &stats);
+    if (!s.ok()) return "broadcast: " + s.message();
+    for (size_t i = 0; i < count; ++i) {
+      if (out[i] != static_cast<int32_t>(Mix(root, i) & 0xffff)) {
+        return "broadcast root " + std::to_string(root) + " element " + std::to_string(i);
+      }
+    }
+  }
+  return "";
+}
+
+std::string CheckAllgather(HostExecutor& ex, int r, int n, size_t count, uint64_t* seq) {
+  // Allgather of `rows` rows of 3 (equal on every rank).
+  const int64_t rows = static_cast<int64_t>(count / 3 / static_cast<size_t>(n)) + 1;
+  std::vector<int32_t> gin(static_cast<size_t>(rows * 3)), gout;
+  for (size_t i = 0; i < gin.size(); ++i) {
+    gin[i] = static_cast<int32_t>(r * 100000 + static_cast<int>(i));
+  }
+  Request a;
+  a.kind = Kind::kAllgather;
+  a.name = "gather";
+  TensorRef ta;
+  ta.dtype = DataType::kInt32;
+  ta.shape = {rows, 3};
+  ta.input = gin.data();
+  a.tensors.push_back(ta);
+  a.allocate_output = [&](int64_t total, void** out) {
+    gout.assign(static_cast<size_t>(total * 3), -1);
+    *out = gout.data();
+    return Status::OK();
+  };
+  ExecutionStats stats;
+  Status s = ex.Execute(a, (*seq)++, &stats);
+  if (!s.ok()) return "allgather: " + s.message();
+  if (gout.size() != gin.size() * static_cast<size_t>(n)) return "allgather size";
+  for (int q = 0; q < n; ++q) {
+    for (size_t i = 0; i < gin.size(); ++i) {
+      if (gout[static_cast<size_t>(q) * gin.size() + i] != q * 100000 + static_cast<int>(i)) {
+        return "allgather block " + std::to_string(q) + " element " + std::to_string(i);
+      }
+    }
+  }
+  return "";
+}
+
+std::string CheckReducescatter(HostExecutor& ex, int r, int n, size_t count, uint64_t* seq) {
+  // Reducescatter of `count` rows of 1 (uneven parts).
+  const std::vector<int64_t> parts = keras_ring::ReducescatterRows(static_cast<int64_t>(count), n);
+  std::vector<float> rin(count), rout(static_cast<size_t>(parts[static_cast<size_t>(r)]));
+  for (size_t i = 0; i < count; ++i) rin[i] = static_cast<float>(Input(r, i, ReduceOp::kSum));
+  Request rs;
+  rs.kind = Kind::kReducescatter;
+  rs.name = "rs";
+  rs.op = ReduceOp::kAverage;
+  TensorRef trs;
+  trs.dtype = DataType::kFloat32;
+  trs.shape = {static_cast<int64_t>(count)};
+  trs.input = rin.data();
+  trs.output = rout.data();
+  rs.tensors.push_back(trs);
+  ExecutionStats stats;
+  Status s = ex.Execute(rs, (*seq)++, &stats);
+  if (!s.ok()) return "reducescatter: " + s.message();
+  size_t first = 0;
+  for (int q = 0; q < r; ++q) first += static_cast<size_t>(parts[static_cast<size_t>(q)]);
+  for (size_t i = 0; i < rout.size(); ++i) {
+    const double want = Expected(n, first + i, ReduceOp::kSum) / n;
+    if (std::abs(rout[i] - want) > 1e-5 * std::abs(want) + 1e-6) {
+      return "reducescatter element " + std::to_string(i);
+    }
+  }
+  return "";
+}
+
 // Grouped allreduce (mixed dtypes), broadcast from every root, equal-row allgather and
 // reducescatter, small (riding) and large, on n ranks; every rank's result checked.
 void SweepOthers(int n, size_t count) {
   LocalWorld world(n);
   std::vector<std::string> failures(static_cast<size_t>(n));
-  auto fail = [&](int r, const std::string& what) {
-    if (At(failures, r).empty()) At(failures, r) = what;
-  };
   world.Run([&](int r, Transport& t) {
     HostExecutor ex(r, n, t, Config(true));
     uint64_t seq = 1;
-    ExecutionStats stats;
-    // Grouped: a float32 tensor, an int32 one, a float32 one again.
-    std::vector<std::vector<int32_t>> in32(3), out32(3);
-    Request g;
-    g.kind = Kind::kGroupedAllreduce;
-    g.name = "group";
-    const DataType types[3] = {DataType::kFloat32, DataType::kInt32, DataType::kFloat32};
-    for (size_t k = 0; k < 3; ++k) {
-      const size_t c = count / (k + 1) + k;
-      in32[k].resize(c);
-      out32[k].resize(c);
-      for (size_t i = 0; i < c; ++i) SetFromDouble(types[k], in32[k].data(), i, Input(r, i + k, ReduceOp::kSum));
-      TensorRef tr;
-      tr.dtype = types[k];
-      tr.shape = {static_cast<int64_t>(c)};
-      tr.input = in32[k].data();
-      tr.output = out32[k].data();
-      g.tensors.push_back(tr);
-    }
-    Status s = ex.Execute(g, seq++, &stats);
-    if (!s.ok()) return fail(r, "grouped: " + s.message());
-    for (size_t k = 0; k < 3; ++k) {
-      for (size_t i = 0; i < in32[k].size(); ++i) {
-        if (GetAsDouble(types[k], out32[k].data(), i) != Expected(n, i + k, ReduceOp::kSum)) {
-          return fail(r, "grouped tensor " + std::to_string(k) + " element " + std::to_string(i));
-        }
-      }
-    }
-    // Broadcast from every root.
-    for (int root = 0; root < n; ++root) {
-      std::vector<int32_t> in(count), out(count, -1);
-      for (size_t i = 0; i < count; ++i) in[i] = static_cast<int32_t>(Mix(root, i) & 0xffff);
-      Request b;
-      b.kind = Kind::kBroadcast;
-      b.name = "bcast";
-      b.root = root;
-      TensorRef tr;
-      tr.dtype = DataType::kInt32;
-      tr.shape = {static_cast<int64_t>(count)};
-      tr.input = in.data();
-      tr.output = out.data();
-      b.tensors.push_back(tr);
-      s = ex.Execute(b, seq++, &stats);
-      if (!s.ok()) return fail(r, "broadcast: " + s.message());
-      for (size_t i = 0; i < count; ++i) {
-        if (out[i] != static_cast<int32_t>(Mix(root, i) & 0xffff)) {
-          return fail(r, "broadcast root " + std::to_string(root) + " element " + std::to_string(i));
-        }
-      }
-    }
-    // Allgather of `rows` rows of 3 (equal on every rank).
-    const int64_t rows = static_cast<int64_t>(count / 3 / static_cast<size_t>(n)) + 1;
-    std::vector<int32_t> gin(static_cast<size_t>(rows * 3)), gout;
-    for (size_t i = 0; i < gin.size(); ++i) gin[i] = static_cast<int32_t>(r * 100000 + static_cast<int>(i));
-    Request a;
-    a.kind = Kind::kAllgather;
-    a.name = "gather";
-    TensorRef ta;
-    ta.dtype = DataType::kInt32;
-    ta.shape = {rows, 3};
-    ta.input = gin.data();
-    a.tensors.push_back(ta);
-    a.allocate_output = [&](int64_t total, void** out) {
-      gout.assign(static_cast<size_t>(total * 3), -1);
-      *out = gout.data();
-      return Status::OK();
-    };
-    s = ex.Execute(a, seq++, &stats);
-    if (!s.ok()) return fail(r, "allgather: " + s.message());
-    if (gout.size() != gin.size() * static_cast<size_t>(n)) return fail(r, "allgather size");
-    for (int q = 0; q < n; ++q) {
-      for (size_t i = 0; i < gin.size(); ++i) {
-        if (gout[static_cast<size_t>(q) * gin.size() + i] != q * 100000 + static_cast<int>(i)) {
-          return fail(r, "allgather block " + std::to_string(q) + " element " + std::to_string(i));
-        }
-      }
-    }
-    // Reducescatter of `count` rows of 1 (uneven parts).
-    const std::vector<int64_t> parts = keras_ring::ReducescatterRows(static_cast<int64_t>(count), n);
-    std::vector<float> rin(count), rout(static_cast<size_t>(parts[static_cast<size_t>(r)]));
-    for (size_t i = 0; i < count; ++i) rin[i] = static_cast<float>(Input(r, i, ReduceOp::kSum));
-    Request rs;
-    rs.kind = Kind::kReducescatter;
-    rs.name = "rs";
-    rs.op = ReduceOp::kAverage;
-    TensorRef trs;
-    trs.dtype = DataType::kFloat32;
-    trs.shape = {static_cast<int64_t>(count)};
-    trs.input = rin.data();
-    trs.output = rout.data();
-    rs.tensors.push_back(trs);
-    s = ex.Execute(rs, seq++, &stats);
-    if (!s.ok()) return fail(r, "reducescatter: " + s.message());
-    size_t first = 0;
-    for (int q = 0; q < r; ++q) first += static_cast<size_t>(parts[static_cast<size_t>(q)]);
-    for (size_t i = 0; i < rout.size(); ++i) {
-      const double want = Expected(n, first + i, ReduceOp::kSum) / n;
-      if (std::abs(rout[i] - want) > 1e-5 * std::abs(want) + 1e-6) {
-        return fail(r, "reducescatter element " + std::to_string(i));
-      }
+    for (auto check : {CheckGrouped, CheckBroadcasts, CheckAllgather, CheckReducescatter}) {
+      At(failures, r) = check(ex, r, n, count, &seq);
+      if (!At(failures, r).empty()) return;
     }
   });
   world.CheckDrained(__FILE__, __LINE__);
