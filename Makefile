@@ -111,9 +111,20 @@ build/nccl_host_cost: benchmarks/nccl_host_cost.cc $(CORE_SRC) $(CORE_HDR) $(NCC
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -pthread -Ikeras_ring/ops/cc -o $@ $< \
 		$(CORE_SRC) $(NCCL_FAKE_SRC) -ldl
 
-bench: venv build/allreduce_floor build/nccl_host_cost
+# Opening a collective against world size: threads over the local transport, up to 32 ranks.
+build/agreement: benchmarks/agreement.cc $(CORE_SRC) $(CORE_HDR)
+	mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -pthread -Ikeras_ring/ops/cc -o $@ $< \
+		$(CORE_SRC) -ldl
+
+bench: venv build/allreduce_floor build/nccl_host_cost build/agreement
 	./build/allreduce_floor
 	./build/nccl_host_cost
+	./build/agreement 32
+	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/agreement.py
+	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/agreement.py
+	$(GUARD) $(MPIRUN) -np 8 $(VPY) benchmarks/agreement.py
+	KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 8 $(VPY) benchmarks/agreement.py
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/scatter.py

@@ -78,13 +78,24 @@ def preamble(comm, what: str) -> None:
         print(f"# single-core memcpy of 64 MiB: {copy_bw:.2f} GB/s")
 
 
-def size_range(default_max: int) -> tuple[int, int]:
-    """--min-bytes and --max-bytes from the command line (bytes per rank)."""
+def _parse_args(default_max: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--min-bytes", type=int, default=4096)
     parser.add_argument("--max-bytes", type=int, default=default_max)
-    args = parser.parse_args()
+    parser.add_argument("--only", default="",
+                        help="comma-separated column names to time (default: all)")
+    return parser.parse_args()
+
+
+def size_range(default_max: int) -> tuple[int, int]:
+    """--min-bytes and --max-bytes from the command line (bytes per rank)."""
+    args = _parse_args(default_max)
     return args.min_bytes, args.max_bytes
+
+
+def only_columns(default_max: int) -> list[str]:
+    """--only: the columns to time (empty: all), for quick side-by-side runs."""
+    return [c.strip() for c in _parse_args(default_max).only.split(",") if c.strip()]
 
 
 def sizes(min_bytes: int, max_bytes: int):

@@ -22,7 +22,8 @@ import tensorflow as tf  # noqa: E402
 
 import keras_ring as kr  # noqa: E402
 
-from _bench import bw_cell, header, preamble, size_range, sizes, time_cell, timed  # noqa: E402
+from _bench import (bw_cell, header, only_columns, preamble, size_range, sizes,  # noqa: E402
+                    time_cell, timed)
 
 GROUPED_TENSORS = 64
 
@@ -66,18 +67,24 @@ def implementations(nbytes: int, comm):
     }
 
 
+def chosen(nbytes: int, comm, only: list[str]):
+    impls = implementations(nbytes, comm)
+    return {k: v for k, v in impls.items() if not only or k in only}
+
+
 def main() -> None:
     min_bytes, max_bytes = size_range(256 << 20)
+    only = only_columns(256 << 20)
     kr.init()
     comm = MPI.COMM_WORLD
     n = comm.size
     preamble(comm, "float32 Sum")
     if comm.rank == 0:
-        impls = implementations(4096, comm)
+        impls = chosen(4096, comm, only)
         print(header([(name, "bw" if bw else "time") for name, (_, bw) in impls.items()]))
     for nbytes in sizes(min_bytes, max_bytes):
         cells = ""
-        for fn, bw in implementations(nbytes, comm).values():
+        for fn, bw in chosen(nbytes, comm, only).values():
             t = timed(fn, nbytes, comm)
             cells += bw_cell(t, nbytes, 2 * (n - 1) / n) if bw else time_cell(t)
         if comm.rank == 0:

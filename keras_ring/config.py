@@ -129,6 +129,8 @@ class Config:
     shm_channel_bytes: int
     timeline_path: str | None
     intra_op_threads: int | None  # None: automatic; 0: leave TensorFlow's default
+    fast_agree: bool = True  # collectives open with the O(log n) fast agreement
+    doubling_max_bytes: int = 32 << 10  # allreduces up to this size: recursive doubling
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -149,4 +151,7 @@ class Config:
                 int_from_env("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
                 if os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip() else None
             ),
+            fast_agree=_bool("KERAS_RING_FAST_AGREE", True),
+            doubling_max_bytes=int_from_env("KERAS_RING_DOUBLING_MAX_BYTES", 32 << 10,
+                                            minimum=0),
         )

@@ -183,6 +183,8 @@ class Runtime:
             timeline=int(config.timeline_path is not None and process_set_id == 0),
             failure_exit_seconds=config.failure_exit_seconds if failure_exit else 0.0,
             process_set_id=process_set_id,
+            fast_agree=int(config.fast_agree),
+            doubling_max_bytes=config.doubling_max_bytes,
         )
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))

@@ -46,6 +46,8 @@ class NativeConfig(ctypes.Structure):
         ("timeline", ctypes.c_int),
         ("failure_exit_seconds", ctypes.c_double),
         ("process_set_id", ctypes.c_int),
+        ("fast_agree", ctypes.c_int),
+        ("doubling_max_bytes", ctypes.c_size_t),
     ]
 
 

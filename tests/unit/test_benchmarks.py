@@ -90,3 +90,51 @@ def test_keras_scaling_table_has_both_models(clean_env):
     assert set(rows) == {"mlp", "cnn"}, proc.stdout
     for model, (single, base, dist, _overhead) in rows.items():
         assert min(single, base, dist) > 0, (model, proc.stdout)
+
+
+def _build_core_bench(tmp_path, source: str):
+    exe = tmp_path / source.replace(".cc", "")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    core = sorted((CORE / "core").glob("*.cc")) + sorted((CORE / "core" / "nccl").glob("*.cc"))
+    subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", f"-I{CORE}", "-o", str(exe),
+                    str(ROOT / "benchmarks" / source), *map(str, core), "-ldl"],
+                   check=True, capture_output=True, text=True)
+    return exe
+
+
+def test_agreement_table_counts_fewer_messages_for_the_fast_agreement(tmp_path):
+    proc = subprocess.run([str(_build_core_bench(tmp_path, "agreement.cc")), "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = {int(r.split("|")[0]): _numbers(r.split("|", 1)[1])
+            for r in proc.stdout.splitlines() if re.match(r"\s+\d+ \|", r)}
+    assert sorted(rows) == [2, 3, 4, 6, 8], proc.stdout
+    for n, v in rows.items():
+        # (time, msgs, bytes) x (barrier full, barrier fast, allreduce full, allreduce fast)
+        assert len(v) == 12 and all(x > 0 for x in v), (n, v)
+        assert v[1] == n - 1 and v[7] == n - 1, (n, v)  # full: one message to every peer
+        # Fast: one message per doubling round, plus the result to rank 0's extra rank.
+        p = 1 << int(math.log2(n))
+        assert v[4] == int(math.log2(p)) + (1 if n > p else 0), (n, v)
+        assert v[4] <= v[1], (n, v)
+
+
+def test_allreduce_paths_times_old_and_new_in_forked_processes(tmp_path):
+    proc = subprocess.run([str(_build_core_bench(tmp_path, "allreduce_paths.cc")), "2", "shm",
+                           "16384"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [r for r in proc.stdout.splitlines() if re.match(r"\s+(\d+|barrier) \|", r)]
+    assert [r.split("|")[0].strip() for r in rows] == ["barrier", "4096", "8192", "16384"], \
+        proc.stdout
+    for row in rows:
+        values = _numbers(row.split("|", 1)[1])
+        assert len(values) == 3 and all(v > 0 for v in values), row
+
+
+def test_fastpath_table_has_old_new_and_mpi(mpirun, clean_env):
+    proc = _run_table("fastpath.py", mpirun, clean_env)
+    rows = [r for r in proc.stdout.splitlines() if re.match(r"\s+\d+ \|", r)]
+    assert [int(r.split("|")[0]) for r in rows] == [4096, 16384], proc.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:]]
+        assert len(cells) == 5 and all(re.fullmatch(r"[\d.]+-[\d.]+", c) for c in cells), row

@@ -19,6 +19,14 @@ struct AlgoConfig {
   // stay in cache anyway, and skipping the read-for-ownership nearly halves the traffic.
   size_t stream_bytes = 32 << 20;
   bool may_yield = false;  // see Deadline::may_yield
+  // Collectives open with the fast agreement (fast_agree.h) before falling back to the full
+  // signature exchange. Must be equal on all ranks: it decides the first message's shape.
+  bool fast_agree = true;
+  // Allreduces of at most this many bytes run by recursive doubling (log2 n rounds of the
+  // whole vector) instead of the ring (2(n-1) rounds of 1/n of it), after a fast agreement.
+  // 32 KiB: below it doubling won or tied at 2 and 4 ranks on shm and TCP, at 64 KiB it lost
+  // on a quiet machine (docs/performance.md, benchmarks/allreduce_paths.cc).
+  size_t doubling_max_bytes = 32 << 10;
 
   // The bound of one wait: every step of an algorithm gets a fresh one.
   Deadline NextDeadline() const { return Deadline::After(timeout_seconds).Yielding(may_yield); }

@@ -60,6 +60,53 @@ AlgoConfig HostExecutor::ConfigFor(const Request& request) const {
 
 Status HostExecutor::Agree(const Request& request, uint64_t seq, std::vector<Signature>* sigs,
                            bool* all_inlined) {
+  Agreement how;
+  KR_RETURN_IF_ERROR(AgreeOn(request, seq, nullptr, sigs, &how));
+  *all_inlined = how.inlined;
+  return Status::OK();
+}
+
+uint64_t HostExecutor::ConfigWord() const {
+  constexpr uint64_t kProtocol = 1;  // bump when what follows a fast agreement changes
+  return HashMix(kProtocol, static_cast<uint64_t>(algo_.doubling_max_bytes));
+}
+
+Status HostExecutor::FastAgree(const Request& request, uint64_t seq, Request* deliver,
+                               bool* agreed, bool* delivered) {
+  const Signature mine = SignatureOf(request, seq);
+  int waited_on = -1;
+  fast_progress_.store(0);
+  Status s = fast_.Run(transport_, ConfigFor(request), ConfigWord(), request, deliver, mine,
+                       agreed, delivered, &fast_progress_, &waited_on);
+  fast_progress_.store(-1);
+  if (s.code() == Code::kDeadlineExceeded && s.reporter() < 0 && waited_on >= 0) {
+    // Our own wait on a partner that has not submitted (or waits itself on one that has
+    // not: the deeper waits last longer, so that one's direct waiter reports it first).
+    return Status(Code::kDeadlineExceeded,
+                  "timed out waiting for rank " + std::to_string(waited_on) + " to submit " +
+                      mine.Label() +
+                      " (it has not reached it, is stalled, or runs a different program)",
+                  waited_on);
+  }
+  return s;
+}
+
+Status HostExecutor::AgreeOn(const Request& request, uint64_t seq, Request* deliver,
+                             std::vector<Signature>* sigs, Agreement* how) {
+  if (algo_.fast_agree && size_ > 1) {
+    bool agreed = false;
+    bool delivered = false;
+    KR_RETURN_IF_ERROR(FastAgree(request, seq, deliver, &agreed, &delivered));
+    if (agreed) {
+      // Equal digests: every rank's signature is this one (up to what is shown, not compared).
+      sigs->assign(static_cast<size_t>(size_), SignatureOf(request, seq));
+      how->fast = true;
+      how->inlined = delivered;
+      return Status::OK();
+    }
+    // A miss, on every rank alike: the full exchange says what differs, or that nothing
+    // does (an unnamed collective, uneven allgather rows, a join) and the collective runs.
+  }
   Slot& mine = slots_[static_cast<size_t>(rank_)];
   mine.sig = SignatureOf(request, seq);
   mine.sig.inlined = PackInline(request, &mine) ? 1 : 0;
@@ -71,24 +118,39 @@ Status HostExecutor::Agree(const Request& request, uint64_t seq, std::vector<Sig
   }
   if (!s.ok()) return s;
   sigs->clear();
-  *all_inlined = true;
+  how->fast = false;
+  how->inlined = true;
   for (const Slot& slot : slots_) {
     sigs->push_back(slot.sig);
-    *all_inlined = *all_inlined && slot.sig.inlined != 0;
+    how->inlined = how->inlined && slot.sig.inlined != 0;
   }
   return CheckSignatures(*sigs);
+}
+
+bool HostExecutor::NotYetHeardFrom(std::vector<int>* missing) const {
+  const int fast = fast_progress_.load();
+  if (fast >= 0) {
+    *missing = DoublingNotHeardFrom(rank_, size_, fast);
+    return true;
+  }
+  const int steps = exchange_steps_.load();
+  if (steps < 0) return false;
+  // After k ring steps the slots of ranks r-1 .. r-k have arrived.
+  missing->clear();
+  for (int k = steps + 1; k < size_; ++k) missing->push_back(((rank_ - k) % size_ + size_) % size_);
+  return true;
 }
 
 Status HostExecutor::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
   if (request.kind == Kind::kJoin) return ExecuteJoin(request, seq, stats);
   std::vector<Signature> sigs;
-  bool all_inlined = false;
-  KR_RETURN_IF_ERROR(Agree(request, seq, &sigs, &all_inlined));
+  Agreement how;
+  KR_RETURN_IF_ERROR(AgreeOn(request, seq, &request, &sigs, &how));
   stats->agreed = Clock::now();
-  stats->inlined = all_inlined;
-  if (all_inlined) return ExecuteInline(request, sigs);
+  stats->inlined = how.inlined;
+  if (how.inlined) return how.fast ? Status::OK() : ExecuteInline(request, sigs);
   switch (request.kind) {
-    case Kind::kAllreduce: return ExecuteAllreduce(request);
+    case Kind::kAllreduce: return ExecuteAllreduce(request, how.fast);
     case Kind::kGroupedAllreduce: return ExecuteGrouped(request);
     case Kind::kAllgather: return ExecuteAllgather(request, sigs);
     case Kind::kBroadcast: return ExecuteBroadcast(request);
@@ -215,8 +277,15 @@ Status HostExecutor::ExecuteInline(Request& r, const std::vector<Signature>& sig
   return Status::OK();
 }
 
-Status HostExecutor::ExecuteAllreduce(Request& r) {
+Status HostExecutor::ExecuteAllreduce(Request& r, bool fast) {
   TensorRef& t = r.tensors[0];
+  // Only after a fast agreement, whose digest covers doubling_max_bytes: ranks configured
+  // differently miss it and all take the ring.
+  if (fast && t.num_bytes() <= algo_.doubling_max_bytes) {
+    return DoublingAllreduce(transport_, ConfigFor(r), t.dtype, r.op, t.input, t.output,
+                             static_cast<size_t>(t.num_elements()), r.prescale, r.postscale,
+                             &doubling_scratch_);
+  }
   return RingAllreduce(transport_, ConfigFor(r), t.dtype, r.op, t.input, t.output,
                        static_cast<size_t>(t.num_elements()), r.prescale, r.postscale);
 }
@@ -367,7 +436,7 @@ Status HostExecutor::ExecuteJoin(Request& request, uint64_t seq, ExecutionStats*
   for (uint64_t s = seq;; ++s) {
     std::vector<Signature> sigs;
     bool all_inlined = false;
-    KR_RETURN_IF_ERROR(Agree(round, s, &sigs, &all_inlined));
+    KR_RETURN_IF_ERROR(Agree(round, s, &sigs, &all_inlined));  // joins miss the fast path
     stats->extra_seqs = s - seq;
     const auto active = std::find_if(sigs.begin(), sigs.end(), [](const Signature& sig) {
       return static_cast<Kind>(sig.kind) != Kind::kJoin;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "algorithms.h"
+#include "fast_agree.h"
 #include "executor.h"
 #include "transport.h"
 
@@ -27,6 +28,9 @@ class HostExecutor : public Executor {
 
   // Ring steps of the slot exchange in progress, -1 when none runs (for the stall report).
   int exchange_steps() const { return exchange_steps_.load(); }
+  // The ranks this rank has not heard from in the agreement in progress (the stalled one is
+  // among them); false when no agreement runs.
+  bool NotYetHeardFrom(std::vector<int>* missing) const;
   Transport& transport() { return transport_; }
   // Alltoall, right after Agree: every rank's splits, read from the slots and checked (the
   // same verdict everywhere, so a refusal needs no further agreement).
@@ -36,10 +40,24 @@ class HostExecutor : public Executor {
   AlgoConfig ConfigFor(const Request& request) const;
 
  private:
+  // How a collective was agreed: by the fast agreement (every rank's signature equals this
+  // rank's), and whether its data came along (complete, or completes from the slots).
+  struct Agreement {
+    bool fast = false;
+    bool inlined = false;
+  };
+  // Agree's body. With `deliver`, small data may ride the fast agreement, which then
+  // writes the outputs (how.fast && how.inlined: the collective is complete).
+  Status AgreeOn(const Request& request, uint64_t seq, Request* deliver,
+                 std::vector<Signature>* sigs, Agreement* how);
+  Status FastAgree(const Request& request, uint64_t seq, Request* deliver, bool* agreed,
+                   bool* delivered);
+  // The settings that pick algorithms, digested into the fast agreement.
+  uint64_t ConfigWord() const;
   bool PackInline(const Request& request, Slot* slot) const;
   Status ExecuteInline(Request& request, const std::vector<Signature>& sigs);
   void ReduceInline(const Request& r, DataType dtype, size_t offset, size_t count, void* out);
-  Status ExecuteAllreduce(Request& request);
+  Status ExecuteAllreduce(Request& request, bool fast);
   Status ExecuteGrouped(Request& request);
   Status ExecuteAllgather(Request& request, const std::vector<Signature>& sigs);
   Status ExecuteBroadcast(Request& request);
@@ -58,7 +76,10 @@ class HostExecutor : public Executor {
   const AlgoConfig algo_;
   std::vector<Slot> slots_;    // one per rank, reused by every exchange
   std::vector<char> scratch_;  // prescaled peer data on the inline path
+  std::vector<char> doubling_scratch_;  // the peer's vector in DoublingAllreduce
   std::atomic<int> exchange_steps_{-1};
+  std::atomic<int> fast_progress_{-1};  // receives of the fast agreement, -1 when none runs
+  FastAgreement fast_;
 };
 
 }  // namespace keras_ring

@@ -61,6 +61,8 @@ Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> trans
   AlgoConfig algo;
   algo.timeout_seconds = options_.timeout_seconds;
   algo.segment_bytes = options_.segment_bytes;
+  algo.fast_agree = options_.fast_agree;
+  algo.doubling_max_bytes = options_.doubling_max_bytes;
   host_ = std::make_unique<HostExecutor>(options_.rank, options_.size, *transport_, algo);
   worker_ = std::thread([this] { WorkerLoop(); });
   if (options_.size > 1) watchdog_ = std::thread([this] { WatchdogLoop(); });
@@ -358,14 +360,11 @@ std::string Runtime::StallReport(double waited_seconds) {
   const int r = options_.rank;
   std::string msg = "keras_ring: WARNING: rank " + std::to_string(r) + " has waited " +
                     std::to_string(static_cast<int>(waited_seconds)) + " s in " + label;
-  const int steps = host_->exchange_steps();
-  if (steps >= 0) {
-    // After k ring steps the slots of ranks r-1 .. r-k have arrived; the stalled rank is
-    // among the others.
+  std::vector<int> waiting_for;
+  if (host_->NotYetHeardFrom(&waiting_for)) {
+    // The stalled rank is among those not heard from yet in the agreement.
     std::string missing;
-    for (int k = steps + 1; k < n; ++k) {
-      missing += (missing.empty() ? "" : ", ") + std::to_string(((r - k) % n + n) % n);
-    }
+    for (int q : waiting_for) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
     msg += ": ranks not yet heard from: " + missing +
            " (one of them has not submitted this collective, or is stalled)";
   } else {

@@ -37,6 +37,8 @@ struct RuntimeOptions {
   double stall_warning_seconds = 60.0;  // <= 0 disables the warning
   size_t segment_bytes = 1 << 20;
   bool timeline = false;  // record phase times of every collective
+  bool fast_agree = true;  // see AlgoConfig
+  size_t doubling_max_bytes = 32 << 10;
   // After a fatal failure (own or a peer's), end the process this long after unless it
   // ended by itself (see failure_exit.h); <= 0: never.
   double failure_exit_seconds = 0.0;

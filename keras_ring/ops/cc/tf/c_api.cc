@@ -76,6 +76,8 @@ int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
   options.stall_warning_seconds = cfg->stall_warning_seconds;
   if (cfg->segment_bytes > 0) options.segment_bytes = cfg->segment_bytes;
   options.timeline = cfg->timeline != 0;
+  options.fast_agree = cfg->fast_agree != 0;
+  options.doubling_max_bytes = cfg->doubling_max_bytes;
   options.failure_exit_seconds = size > 1 ? cfg->failure_exit_seconds : 0.0;
   if (set == 0) keras_ring::DisarmFailureExit();  // a program that starts again has recovered
   std::unique_ptr<keras_ring::Transport> transport;

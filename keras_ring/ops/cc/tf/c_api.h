@@ -26,6 +26,8 @@ typedef struct {
   int timeline;               // record per-collective phase times
   double failure_exit_seconds;  // end the process this long after a fatal failure; 0 never
   int process_set_id;         // 0: the global runtime; else a process set's (ranks: its own)
+  int fast_agree;             // open collectives with the fast agreement; equal on all ranks
+  size_t doubling_max_bytes;  // allreduces up to this size by recursive doubling
 } keras_ring_config;
 
 // Starts the runtime of config->process_set_id (a no-op when it is running).

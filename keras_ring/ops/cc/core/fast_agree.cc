@@ -1,0 +1,247 @@
+#include "fast_agree.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "reduce.h"
+
+namespace keras_ring {
+namespace {
+
+// The words of a signature that CheckSignatures compares for its kind (FieldsFor), in one
+// order. A field compared there but missing here would let a mismatch through; a field here
+// that is not compared there only costs a fallback to the full exchange.
+std::vector<uint64_t> ComparedWords(const Signature& s) {
+  std::vector<uint64_t> w;
+  auto bits = [](double d) {
+    uint64_t u;
+    std::memcpy(&u, &d, sizeof u);
+    return u;
+  };
+  const Kind kind = static_cast<Kind>(s.kind);
+  w.push_back(static_cast<uint64_t>(s.kind));
+  for (size_t i = 0; i < sizeof s.name; i += 8) {
+    uint64_t u;
+    std::memcpy(&u, s.name + i, sizeof u);  // SetName zero-fills: no stale bytes
+    w.push_back(u);
+  }
+  w.push_back(s.seq);
+  if (kind == Kind::kBarrier) return w;
+  w.push_back(static_cast<uint64_t>(s.device));
+  if (s.device) {
+    w.push_back(static_cast<uint64_t>(s.comm));
+    w.push_back(static_cast<uint64_t>(s.comm_new));
+  }
+  w.push_back(static_cast<uint64_t>(s.dtype));
+  if (kind == Kind::kAllreduce || kind == Kind::kGroupedAllreduce ||
+      kind == Kind::kReducescatter) {
+    w.push_back(static_cast<uint64_t>(s.reduce_op));
+    w.push_back(bits(s.prescale));
+    w.push_back(bits(s.postscale));
+  }
+  if (kind == Kind::kBroadcast) w.push_back(static_cast<uint64_t>(s.root));
+  // The shape; allgather's rows too, which the full check lets differ (allgatherv): equal
+  // rows are what lets a fast agreement stand in for the table of every rank's signature.
+  w.push_back(static_cast<uint64_t>(s.count));
+  w.push_back(static_cast<uint64_t>(s.row_elems));
+  w.push_back(static_cast<uint64_t>(s.ndims));
+  w.push_back(s.layout_hash);
+  for (int64_t d : s.dims) w.push_back(static_cast<uint64_t>(d));
+  return w;
+}
+
+uint64_t Fnv(const std::vector<uint64_t>& words, uint64_t h) {
+  for (uint64_t v : words) h = HashMix(h, v);
+  return h;
+}
+
+// A second, unrelated digest (multiply-xorshift, as in splitmix64), so that a collision
+// would have to hit both.
+uint64_t SplitMix(const std::vector<uint64_t>& words, uint64_t h) {
+  for (uint64_t v : words) {
+    h += v + 0x9e3779b97f4a7c15ull;
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+
+}  // namespace
+
+void DigestSignature(const Signature& s, int size, uint64_t config, uint64_t digest[2],
+                     uint32_t* flags) {
+  std::vector<uint64_t> words = ComparedWords(s);
+  words.push_back(config);
+  digest[0] = Fnv(words, 1469598103934665603ull);
+  digest[1] = SplitMix(words, 0x243f6a8885a308d3ull);
+  const Kind kind = static_cast<Kind>(s.kind);
+  *flags = 0;
+  if (kind == Kind::kJoin || kind == Kind::kAlltoall) *flags |= kFastNeedsTable;
+  if (kind == Kind::kBroadcast && (s.root < 0 || s.root >= size)) *flags |= kFastNeedsTable;
+  // NaN compares unequal to itself in the full check, while its bits digest equal.
+  if (std::isnan(s.prescale) || std::isnan(s.postscale)) *flags |= kFastNeedsTable;
+}
+
+FastAgreement::Ride FastAgreement::Pack(const Request& r, int rank, int size,
+                                        char* payload) const {
+  if (r.placement != Placement::kHost) return Ride::kNone;
+  size_t bytes = 0;
+  for (const TensorRef& t : r.tensors) bytes += t.num_bytes();
+  switch (r.kind) {
+    case Kind::kAllreduce:
+    case Kind::kGroupedAllreduce:
+    case Kind::kReducescatter: {
+      if (bytes > kFastPayloadBytes) return Ride::kNone;
+      size_t off = 0;
+      for (const TensorRef& t : r.tensors) {
+        if (t.num_bytes() == 0) continue;
+        std::memcpy(payload + off, t.input, t.num_bytes());
+        Scale(t.dtype, payload + off, static_cast<size_t>(t.num_elements()), r.prescale);
+        off += t.num_bytes();
+      }
+      return Ride::kReduce;
+    }
+    case Kind::kBroadcast:
+      if (bytes > kFastPayloadBytes) return Ride::kNone;
+      if (rank == r.root && bytes > 0) std::memcpy(payload, r.tensors[0].input, bytes);
+      return Ride::kBroadcast;
+    case Kind::kAllgather: {
+      // Equal rows on every rank (the digest says so once agreed): block q at q * bytes.
+      if (bytes * static_cast<size_t>(size) > kFastPayloadBytes) return Ride::kNone;
+      if (bytes > 0) {
+        std::memcpy(payload + static_cast<size_t>(rank) * bytes, r.tensors[0].input, bytes);
+      }
+      return Ride::kAllgather;
+    }
+    default:
+      return Ride::kNone;
+  }
+}
+
+char* FastAgreement::Combine(Ride ride, const Request& r, char* mine, char* peer,
+                             bool mine_is_lower, const Held& peer_holds) const {
+  FastHeader& a = reinterpret_cast<FastMessage*>(mine)->header;
+  const FastHeader& b = reinterpret_cast<const FastMessage*>(peer)->header;
+  for (int i = 0; i < 2; ++i) {
+    a.lo[i] = std::min(a.lo[i], b.lo[i]);
+    a.hi[i] = std::max(a.hi[i], b.hi[i]);
+  }
+  a.flags |= b.flags;
+  char* my_data = reinterpret_cast<FastMessage*>(mine)->payload;
+  char* peer_data = reinterpret_cast<FastMessage*>(peer)->payload;
+  switch (ride) {
+    case Ride::kNone:
+      break;
+    case Ride::kReduce: {
+      // The lower ranks' partial first, on both ends of the pair: the same bits on both.
+      // Reduce's destination may be its first operand only, so the result may land in the
+      // peer's payload: copied back (at most 4 KiB) to keep one buffer per rank.
+      size_t off = 0;
+      for (const TensorRef& t : r.tensors) {
+        const size_t count = static_cast<size_t>(t.num_elements());
+        if (count == 0) continue;
+        if (mine_is_lower) {
+          Reduce(t.dtype, r.op, my_data + off, my_data + off, peer_data + off, count);
+        } else {
+          Reduce(t.dtype, r.op, peer_data + off, peer_data + off, my_data + off, count);
+          std::memcpy(my_data + off, peer_data + off, t.num_bytes());
+        }
+        off += t.num_bytes();
+      }
+      break;
+    }
+    case Ride::kBroadcast:
+      if (peer_holds.Contains(r.root)) {
+        std::memcpy(my_data, peer_data, r.tensors[0].num_bytes());
+      }
+      break;
+    case Ride::kAllgather: {
+      const size_t bytes = r.tensors[0].num_bytes();
+      for (int q = 0; q < peer_holds.n; ++q) {
+        if (!peer_holds.Contains(q)) continue;
+        const size_t at = static_cast<size_t>(q) * bytes;
+        std::memcpy(my_data + at, peer_data + at, bytes);
+      }
+      break;
+    }
+  }
+  return mine;
+}
+
+Status FastAgreement::Deliver(Ride ride, const Signature& mine, Request& r, int rank, int size,
+                              char* payload) {
+  switch (ride) {
+    case Ride::kNone:
+      return Status::OK();
+    case Ride::kReduce: {
+      if (r.kind == Kind::kReducescatter) {
+        const TensorRef& t = r.tensors[0];
+        const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+        const int64_t row_elems = rows == 0 ? 0 : t.num_elements() / rows;
+        const std::vector<int64_t> parts = ReducescatterRows(rows, size);
+        int64_t first = 0;
+        for (int q = 0; q < rank; ++q) first += parts[static_cast<size_t>(q)];
+        const size_t esize = DataTypeSize(t.dtype);
+        char* mine = payload + static_cast<size_t>(first * row_elems) * esize;
+        const size_t count = static_cast<size_t>(parts[static_cast<size_t>(rank)] * row_elems);
+        FinishReduction(t.dtype, r.op, mine, count, size, r.postscale);
+        if (count > 0) std::memcpy(t.output, mine, count * esize);
+        return Status::OK();
+      }
+      size_t off = 0;
+      for (TensorRef& t : r.tensors) {
+        if (t.num_bytes() == 0) continue;
+        FinishReduction(t.dtype, r.op, payload + off, static_cast<size_t>(t.num_elements()),
+                        size, r.postscale);
+        std::memcpy(t.output, payload + off, t.num_bytes());
+        off += t.num_bytes();
+      }
+      return Status::OK();
+    }
+    case Ride::kBroadcast: {
+      TensorRef& t = r.tensors[0];
+      if (t.num_bytes() > 0) std::memcpy(t.output, payload, t.num_bytes());
+      return Status::OK();
+    }
+    case Ride::kAllgather: {
+      TensorRef& t = r.tensors[0];
+      void* out = nullptr;
+      KR_RETURN_IF_ERROR(r.allocate_output(mine.count * size, &out));  // nothing in flight
+      const size_t bytes = t.num_bytes() * static_cast<size_t>(size);
+      if (bytes > 0) std::memcpy(out, payload, bytes);
+      return Status::OK();
+    }
+  }
+  return Status::OK();
+}
+
+Status FastAgreement::Run(Transport& t, const AlgoConfig& cfg, uint64_t config,
+                          const Request& request, Request* deliver, const Signature& mine,
+                          bool* agreed, bool* delivered, std::atomic<int>* progress,
+                          int* waited_on) {
+  FastMessage& msg = buf_[0];
+  uint64_t digest[2];
+  DigestSignature(mine, t.size(), config, digest, &msg.header.flags);
+  for (int i = 0; i < 2; ++i) msg.header.lo[i] = msg.header.hi[i] = digest[i];
+  const Ride ride =
+      deliver != nullptr ? Pack(request, t.rank(), t.size(), msg.payload) : Ride::kNone;
+  const DoublingCombine combine = [&](char* a, char* b, bool lower, const Held& held) {
+    return Combine(ride, request, a, b, lower, held);
+  };
+  char* result = nullptr;
+  KR_RETURN_IF_ERROR(RecursiveDoubling(t, cfg, reinterpret_cast<char*>(&buf_[0]),
+                                       reinterpret_cast<char*>(&buf_[1]), sizeof(FastMessage),
+                                       combine, &result, progress, waited_on));
+  const FastHeader& h = reinterpret_cast<const FastMessage*>(result)->header;
+  *agreed = h.flags == 0 && h.lo[0] == h.hi[0] && h.lo[1] == h.hi[1];
+  *delivered = false;
+  if (!*agreed || ride == Ride::kNone) return Status::OK();
+  KR_RETURN_IF_ERROR(Deliver(ride, mine, *deliver, t.rank(), t.size(),
+                             reinterpret_cast<FastMessage*>(result)->payload));
+  *delivered = true;
+  return Status::OK();
+}
+
+}  // namespace keras_ring

@@ -1,0 +1,74 @@
+// The fast agreement: how a collective opens in steady state. Instead of allgathering every
+// rank's full signature (O(n) messages and bytes per rank), the ranks reduce a fixed-size
+// message by recursive doubling (log2 n rounds): two independent 64-bit digests of everything
+// CheckSignatures compares, as (min, max) pairs, and flags for what only the full table can
+// decide (join, alltoall splits, an out-of-range root). Every rank ends with the same reduced
+// message, so every rank reaches the same verdict: all digests equal and no flag means every
+// rank submitted the same collective; anything else sends ALL ranks to the full slot
+// exchange, which names the differing field and ranks exactly as before.
+//
+// Small collectives ride along: their data (up to kFastPayloadBytes) is combined in the same
+// rounds (reduced, the root's copied, or gathered), and outputs are written only after the
+// verdict, so a mismatch never delivers anything.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "algorithms.h"
+#include "doubling.h"
+#include "request.h"
+#include "signature.h"
+#include "transport.h"
+
+namespace keras_ring {
+
+constexpr size_t kFastPayloadBytes = 4096;
+
+struct FastHeader {
+  uint64_t lo[2];   // the smallest digest of any rank, per lane
+  uint64_t hi[2];   // the largest
+  uint32_t flags;   // OR of every rank's flags
+  uint32_t unused = 0;
+  uint64_t reserved[3] = {};
+};
+static_assert(sizeof(FastHeader) == 64, "the fast header has one layout on every rank");
+
+struct FastMessage {
+  FastHeader header;
+  char payload[kFastPayloadBytes];
+};
+
+enum FastFlag : uint32_t {
+  kFastNeedsTable = 1,  // something only the full exchange can check or carry
+};
+
+// Two independent 64-bit digests of the fields CheckSignatures compares for `s` (and
+// `config`, the settings that pick algorithms, so ranks configured differently never take
+// different algorithms after a fast agreement); `flags` for what needs the full table.
+void DigestSignature(const Signature& s, int size, uint64_t config, uint64_t digest[2],
+                     uint32_t* flags);
+
+class FastAgreement {
+ public:
+  // Agrees on `request` (signature `mine`). *agreed: every rank submitted the same
+  // collective; *delivered: its data rode along and the outputs of `deliver` (the request
+  // itself, or null: no data rides) are written, the collective is complete. Not agreed:
+  // the caller runs the full slot exchange, on every rank alike. *waited_on names the peer
+  // of a failed wait.
+  Status Run(Transport& t, const AlgoConfig& cfg, uint64_t config, const Request& request,
+             Request* deliver, const Signature& mine, bool* agreed, bool* delivered,
+             std::atomic<int>* progress, int* waited_on);
+
+ private:
+  enum class Ride { kNone, kReduce, kBroadcast, kAllgather };
+  Ride Pack(const Request& r, int rank, int size, char* payload) const;
+  char* Combine(Ride ride, const Request& r, char* mine, char* peer, bool mine_is_lower,
+                const Held& peer_holds) const;
+  Status Deliver(Ride ride, const Signature& mine, Request& r, int rank, int size,
+                 char* payload);
+
+  FastMessage buf_[2];
+};
+
+}  // namespace keras_ring
