@@ -58,6 +58,7 @@ std::vector<std::shared_ptr<Runtime>> Runtime::UninstallAll() {
 
 Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> transport)
     : options_(options), transport_(std::move(transport)) {
+  timeline_.SetRecording(options_.timeline);
   AlgoConfig algo;
   algo.timeout_seconds = options_.timeout_seconds;
   algo.segment_bytes = options_.segment_bytes;
@@ -205,7 +206,7 @@ Status Runtime::RunOne(Request& request) {
   Status s = Execute(request, seq, &stats);
   seq_ += stats.extra_seqs;  // a joined rank took part in that many collectives
   busy_seq_.store(0);
-  if (options_.timeline) RecordTimeline(request, seq, started, stats, s);
+  if (timeline_.recording()) RecordTimeline(request, seq, started, stats, s);
   return s;
 }
 

@@ -89,8 +89,10 @@ class Runtime {
   // Every set's runtime, process sets before the global one.
   static std::vector<std::shared_ptr<Runtime>> UninstallAll();
 
-  // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
+  // Recorded timeline events (empty unless recording), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }
+  // Starts as options.timeline says; marks and switching go through it.
+  Timeline& timeline() { return timeline_; }
 
  private:
   void StopWith(const Status& cause);
