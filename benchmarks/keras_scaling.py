@@ -3,9 +3,12 @@ single-rank processes running at the same time (the machine's own contention bas
 the cost of communication is separated from the cost of sharing the cores.
 
 Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60] [--repeat 3]
-(it starts its own processes: one alone, N independent ones, then an N-rank mpirun job; the
-three are measured --repeat times, interleaved, and each column shows the median, because one
-round on a small shared machine moves by several percent).
+(it starts its own processes: one alone, N independent ones, then N-rank mpirun jobs; all are
+measured --repeat times, interleaved, and each column shows the median, because one round on
+a small shared machine moves by several percent). The N-rank job runs twice per round: with
+the default buckets (a 1 MiB first bucket, then the automatic size) and with one 32 MiB
+bucket and no first bucket (the layout before issue 17, where these models' gradients all
+went in one collective after backprop), so the effect of overlap is measured side by side.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ def build_model(name: str):
     ])
 
 
-def worker(model_name: str, steps: int, distributed: bool, threads: int) -> None:
+# --buckets: the N-rank job's gradient buckets, as wrap() keyword arguments.
+BUCKETS = {"default": {}, "one": {"bucket_bytes": 32 << 20, "first_bucket_bytes": None}}
+
+
+def worker(model_name: str, steps: int, distributed: bool, threads: int,
+           buckets: str = "default") -> None:
     """Trains on synthetic data and prints one JSON line with the median ms/step."""
     import numpy as np
     import tensorflow as tf
@@ -57,7 +65,7 @@ def worker(model_name: str, steps: int, distributed: bool, threads: int) -> None
     optimizer = keras.optimizers.SGD(0.01)
     callbacks = []
     if distributed:
-        optimizer = keras_ring.wrap(optimizer)
+        optimizer = keras_ring.wrap(optimizer, **BUCKETS[buckets])
         callbacks.append(keras_ring.callbacks.BroadcastGlobalVariablesCallback(0))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
@@ -99,9 +107,10 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="mlp")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--buckets", choices=list(BUCKETS), default="default")
     args = parser.parse_args()
     if args.worker:
-        worker(args.model, args.steps, args.worker == "dist", args.threads)
+        worker(args.model, args.steps, args.worker == "dist", args.threads, args.buckets)
         return
     n = args.ranks
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -109,18 +118,22 @@ def main() -> None:
     share = max(1, (os.cpu_count() or 1) // n)  # what keras_ring.init() gives each rank
     print(f"# {os.cpu_count()} cores; ms per step, median after warm-up; {n} ranks; batch per rank: "
           + ", ".join(f"{m} {b}" for m, b in MODELS.items()))
-    print(f"{'model':<6} | {'1 rank':>8} | {f'{n} independent':>15} | {f'{n} ranks':>9} | {'vs baseline':>11}")
+    print(f"{'model':<6} | {'1 rank':>8} | {f'{n} independent':>15} | {f'{n} ranks':>9} | {'vs baseline':>11}"
+          f" | {f'one bucket':>10} | {'vs baseline':>11} | per round: default, one bucket vs baseline")
     for model in MODELS:
         common = ["--model", model, "--steps", str(args.steps)]
-        singles, bases, dists = [], [], []
+        singles, bases, dists, ones = [], [], [], []
         for _ in range(args.repeat):
             singles += _run([[*me, "--worker", "single", *common]])
             baseline = _run([[*me, "--worker", "single", "--threads", str(share), *common] for _ in range(n)])
             bases.append(sum(baseline) / len(baseline))
             dists += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", *common]])
-        single, base, dist = (statistics.median(v) for v in (singles, bases, dists))
-        print(f"{model:<6} | {single:8.2f} | {base:15.2f} | {dist:9.2f} | {100 * (dist / base - 1):+10.1f}%",
-              flush=True)
+            ones += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", "--buckets", "one", *common]])
+        single, base, dist, one = (statistics.median(v) for v in (singles, bases, dists, ones))
+        rounds = ", ".join(f"{100 * (d / b - 1):+.0f}/{100 * (o / b - 1):+.0f}%"
+                           for d, o, b in zip(dists, ones, bases))
+        print(f"{model:<6} | {single:8.2f} | {base:15.2f} | {dist:9.2f} | {100 * (dist / base - 1):+10.1f}%"
+              f" | {one:10.2f} | {100 * (one / base - 1):+10.1f}% | {rounds}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ in which backprop produces them, so the first bucket's collective can run while 
 the earlier layers continues (the collectives are stateful and run in program order, and a
 bucket only waits for its own gradients: each bucket's op takes exactly its tensors, nothing
 here joins all gradients first). Each bucket is one ``grouped_allreduce``, which the runtime
-fuses into one ring pass per dtype. The first bucket is smaller (``first_bucket_bytes``, as
-PyTorch DDP does), so that communication starts after the last layers' gradients instead of
-after a full bucket's worth of them; the others are ``bucket_bytes``, by default ``"auto"``:
-``KERAS_RING_BUCKET_BYTES`` if set, else measured at the start of training
-(``keras_ring._bucket_tuning``).
+fuses into one ring pass per dtype. The first bucket may be smaller (``first_bucket_bytes``,
+as PyTorch DDP does), so that communication starts after the last layers' gradients instead
+of after a full bucket's worth of them; the others are ``bucket_bytes``. Both are ``"auto"``
+by default: ``KERAS_RING_BUCKET_BYTES`` if set, else what a measurement at the start of
+training chose (``keras_ring._bucket_tuning``; no overlap where no core is free for it).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_ring import _xla
-from keras_ring._bucket_tuning import MEASURED
+from keras_ring._bucket_tuning import FIRST_BYTES, MEASURED
 from keras_ring.collectives import Average, ReduceOp, Sum, allreduce, grouped_allreduce
 from keras_ring.process_sets import ProcessSet, global_process_set
 from keras_ring.compression import Compression, casts_only, check_compression
@@ -33,19 +33,18 @@ from keras_ring.runtime import RUNTIME
 # next to its transfer time, small enough that communication overlaps the rest of backprop.
 AUTO = "auto"
 DEFAULT_BUCKET_BYTES = AUTO
-# PyTorch DDP's first bucket: the last layers' gradients start communicating at once.
-DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+# "auto": PyTorch DDP's first bucket (1 MiB), so the last layers' gradients start
+# communicating at once, unless the measurement found no core to overlap on (then none).
+DEFAULT_FIRST_BUCKET_BYTES = AUTO
 
 
 def _check_size(who: str, name: str, value: Any, auto: bool) -> None:
-    if value is None or (auto and value == AUTO):
+    if value is None or value == AUTO:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        if auto:
-            allowed = 'a positive int, "auto" or None (one bucket for everything)'
-        else:
-            allowed = "a positive int or None (as large as the other buckets)"
-        raise ValueError(f"{who}: {name} must be {allowed}, got {value!r}")
+        meaning = "one bucket for everything" if name == "bucket_bytes" else "as large as the others"
+        raise ValueError(f'{who}: {name} must be a positive int, "auto" or None ({meaning}), '
+                         f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class ReduceOptions:
     sparse_as_dense: bool = False
     gradient_predivide_factor: float = 1.0
     process_set: ProcessSet = global_process_set  # the ranks that reduce
-    first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES
+    first_bucket_bytes: int | str | None = DEFAULT_FIRST_BUCKET_BYTES
 
     @classmethod
     def create(cls, who: str, op: Any, compression: Any, bucket_bytes: Any,
@@ -72,7 +71,7 @@ class ReduceOptions:
         op = ReduceOp(op)
         compression = check_compression(compression, who)
         _check_size(who, "bucket_bytes", bucket_bytes, auto=True)
-        _check_size(who, "first_bucket_bytes", first_bucket_bytes, auto=False)
+        _check_size(who, "first_bucket_bytes", first_bucket_bytes, auto=True)
         if not isinstance(sparse_as_dense, bool):
             raise TypeError(f"{who}: sparse_as_dense must be a bool, got {sparse_as_dense!r}")
         factor = gradient_predivide_factor
@@ -90,17 +89,24 @@ class ReduceOptions:
         return cls(op, compression, bucket_bytes, sparse_as_dense, float(factor), process_set,
                    first_bucket_bytes)
 
-    def resolved_bucket_bytes(self) -> int | None:
-        """The bucket size to plan with: ``"auto"`` becomes the environment's or the measured one.
+    def resolved_sizes(self) -> tuple[int | None, int | None]:
+        """(bucket_bytes, first_bucket_bytes) to plan with, "auto" resolved.
 
-        Measuring is a collective: every rank resolves at the same point (the first reduction).
+        ``bucket_bytes="auto"`` is ``KERAS_RING_BUCKET_BYTES`` if set, else measured, and an
+        "auto" first bucket is then what the measurement chose (1 MiB where overlap can
+        pay, else none); with a bucket size given, it is 1 MiB. Measuring is a collective:
+        every rank resolves at the same point (the first reduction), once per set and job.
         """
-        if self.bucket_bytes != AUTO:
-            return self.bucket_bytes
-        from_env = RUNTIME.config.bucket_bytes if RUNTIME.initialized else None
-        if from_env is not None:
-            return from_env
-        return MEASURED.bucket_bytes(self.process_set)
+        size, first = self.bucket_bytes, self.first_bucket_bytes
+        if size == AUTO and RUNTIME.initialized and RUNTIME.config.bucket_bytes is not None:
+            size = RUNTIME.config.bucket_bytes
+        if size == AUTO:
+            plan = MEASURED.plan(self.process_set)
+            size = plan.bucket_bytes
+            first = plan.first_bucket_bytes if first == AUTO else first
+        elif first == AUTO:
+            first = FIRST_BYTES
+        return size, first
 
     @property
     def scale_factors(self) -> tuple[float, float]:
@@ -201,8 +207,8 @@ def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
         wire.append(tf.convert_to_tensor(tensor))
         contexts.append(ctx)
     sizes = [_wire_bytes(w) for w in wire]
-    bucket_bytes = options.resolved_bucket_bytes() if wire else None
-    for k, bucket in enumerate(plan_buckets(sizes, bucket_bytes, options.first_bucket_bytes)):
+    bucket_bytes, first_bucket_bytes = options.resolved_sizes() if wire else (None, None)
+    for k, bucket in enumerate(plan_buckets(sizes, bucket_bytes, first_bucket_bytes)):
         reduced = _reduce_dense([wire[j] for j in bucket], options, f"{name}.bucket{k}")
         for j, r in zip(bucket, reduced):
             out[dense_positions[j]] = options.compression.decompress(r, contexts[j])

@@ -52,7 +52,7 @@ def wrap(
     op: ReduceOp = Average,
     compression: Compressor | Any = Compression.none,
     bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
+    first_bucket_bytes: int | str | None = DEFAULT_FIRST_BUCKET_BYTES,
     sparse_as_dense: bool = False,
     gradient_predivide_factor: float = 1.0,
     backward_passes_per_step: int = 1,
@@ -89,11 +89,15 @@ def wrap(
             ``decompress(tensor, ctx) -> tensor``.
         bucket_bytes: the size of one fused collective in bytes (of the wire dtype).
             ``"auto"`` (the default): ``KERAS_RING_BUCKET_BYTES`` if set, else chosen from
-            a short measurement before the first reduction (the same on every rank; a power
-            of two from 1 to 64 MiB). ``None`` sends all dense gradients in one collective.
+            a short measurement before the first reduction, the same on every rank: a
+            power of two from 1 to 64 MiB, or 32 MiB without a first bucket where the ranks
+            leave no core free for communication during backprop (CPU training with every
+            core busy, where overlap measured slower). ``None`` sends all dense gradients
+            in one collective.
         first_bucket_bytes: the limit of the first bucket (the last layers' gradients,
-            which backprop computes first), default 1 MiB, so that communication starts
-            early in backprop; ``None``: as large as the others.
+            which backprop computes first), so that communication starts early in
+            backprop. ``"auto"`` (the default): what the measurement chose if it chose
+            ``bucket_bytes``, else 1 MiB. ``None``: as large as the others.
         sparse_as_dense: if True, ``tf.IndexedSlices`` gradients (e.g. from ``Embedding``)
             are densified and allreduced; by default their values and indices are
             allgathered, which moves less data when few rows are touched.

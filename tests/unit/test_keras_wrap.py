@@ -9,7 +9,8 @@ import tensorflow as tf
 
 import keras
 import keras_ring
-from keras_ring._bucket_tuning import FALLBACK_BYTES, PROBE_BYTES, choose, fit
+from keras_ring._bucket_tuning import (FALLBACK_BYTES, FIRST_BYTES, PROBE_BYTES, Plan, choose,
+                                      fit, plan)
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from keras_ring.config import Config
 from keras_ring.optimizer import is_wrapped
@@ -54,8 +55,8 @@ def test_wrap_accepts_a_name():
     ({"bucket_bytes": 0}, ValueError, 'bucket_bytes must be a positive int, "auto" or None.*got 0'),
     ({"bucket_bytes": 1.5}, ValueError, "got 1.5"),
     ({"bucket_bytes": "automatic"}, ValueError, "got 'automatic'"),
-    ({"first_bucket_bytes": 0}, ValueError, "first_bucket_bytes must be a positive int or None.*got 0"),
-    ({"first_bucket_bytes": "auto"}, ValueError, "first_bucket_bytes.*got 'auto'"),
+    ({"first_bucket_bytes": 0}, ValueError, 'first_bucket_bytes must be a positive int, "auto" or None.*got 0'),
+    ({"first_bucket_bytes": "big"}, ValueError, "first_bucket_bytes.*got 'big'"),
     ({"sparse_as_dense": "yes"}, TypeError, "sparse_as_dense must be a bool, got 'yes'"),
     ({"gradient_predivide_factor": 0.0}, ValueError, "positive number, got 0.0"),
     ({"gradient_predivide_factor": 2.0, "op": keras_ring.Sum}, ValueError, "needs op=Average.*got op=Sum"),
@@ -112,6 +113,9 @@ def test_automatic_bucket_size_rule():
     assert choose(1.0, 1 / 1e9) == 64 << 20
     assert choose(-1e-6, 1 / 1e9) == 1 << 20  # a fit below zero: no fixed cost
     assert choose(1e-4, 0.0) == FALLBACK_BYTES  # the large probe no slower: noise
+    # Where backprop leaves some rank no core, no overlap: one large bucket, no first one.
+    assert plan(100e-6, 1 / 1e9, cores_busy=True) == Plan(FALLBACK_BYTES, None, overlap=False)
+    assert plan(200e-6, 1 / 1e9, cores_busy=False) == Plan(2 << 20, FIRST_BYTES, overlap=True)
     small, large = PROBE_BYTES
     fixed, per_byte = fit([50e-6 + small * 1e-9, 50e-6 + large * 1e-9])
     assert abs(fixed - 50e-6) < 1e-9 and abs(per_byte - 1e-9) < 1e-15
