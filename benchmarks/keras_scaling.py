@@ -5,10 +5,11 @@ the cost of communication is separated from the cost of sharing the cores.
 Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60] [--repeat 3]
 (it starts its own processes: one alone, N independent ones, then N-rank mpirun jobs; all are
 measured --repeat times, interleaved, and each column shows the median, because one round on
-a small shared machine moves by several percent). The N-rank job runs twice per round: with
-the default buckets (a 1 MiB first bucket, then the automatic size) and with one 32 MiB
-bucket and no first bucket (the layout before issue 17, where these models' gradients all
-went in one collective after backprop), so the effect of overlap is measured side by side.
+a small shared machine moves by several percent). The N-rank job runs once per bucket layout
+and round: "default" (what wrap() chooses: "auto"), "one bucket" (32 MiB, no first bucket:
+the layout before issue 17, in which these models' gradients go in one collective after
+backprop) and "overlap" (a 1 MiB first bucket, then 2 MiB buckets: communication during
+backprop), so the layouts are compared side by side.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def build_model(name: str):
 
 
 # --buckets: the N-rank job's gradient buckets, as wrap() keyword arguments.
-BUCKETS = {"default": {}, "one": {"bucket_bytes": 32 << 20, "first_bucket_bytes": None}}
+BUCKETS = {"default": {}, "one bucket": {"bucket_bytes": 32 << 20, "first_bucket_bytes": None},
+           "overlap": {"bucket_bytes": 2 << 20, "first_bucket_bytes": 1 << 20}}
 
 
 def worker(model_name: str, steps: int, distributed: bool, threads: int,
@@ -118,22 +120,29 @@ def main() -> None:
     share = max(1, (os.cpu_count() or 1) // n)  # what keras_ring.init() gives each rank
     print(f"# {os.cpu_count()} cores; ms per step, median after warm-up; {n} ranks; batch per rank: "
           + ", ".join(f"{m} {b}" for m, b in MODELS.items()))
+    layouts = [b for b in BUCKETS if b != "default"]
     print(f"{'model':<6} | {'1 rank':>8} | {f'{n} independent':>15} | {f'{n} ranks':>9} | {'vs baseline':>11}"
-          f" | {f'one bucket':>10} | {'vs baseline':>11} | per round: default, one bucket vs baseline")
+          + "".join(f" | {name:>10} | {'vs baseline':>11}" for name in layouts)
+          + " | per round vs baseline: default, " + ", ".join(layouts))
     for model in MODELS:
         common = ["--model", model, "--steps", str(args.steps)]
-        singles, bases, dists, ones = [], [], [], []
+        singles, bases = [], []
+        dists: dict[str, list[float]] = {b: [] for b in BUCKETS}
         for _ in range(args.repeat):
             singles += _run([[*me, "--worker", "single", *common]])
             baseline = _run([[*me, "--worker", "single", "--threads", str(share), *common] for _ in range(n)])
             bases.append(sum(baseline) / len(baseline))
-            dists += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", *common]])
-            ones += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", "--buckets", "one", *common]])
-        single, base, dist, one = (statistics.median(v) for v in (singles, bases, dists, ones))
-        rounds = ", ".join(f"{100 * (d / b - 1):+.0f}/{100 * (o / b - 1):+.0f}%"
-                           for d, o, b in zip(dists, ones, bases))
-        print(f"{model:<6} | {single:8.2f} | {base:15.2f} | {dist:9.2f} | {100 * (dist / base - 1):+10.1f}%"
-              f" | {one:10.2f} | {100 * (one / base - 1):+10.1f}% | {rounds}", flush=True)
+            for layout, times in dists.items():
+                times += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", "--buckets", layout,
+                                *common]])
+        single, base = statistics.median(singles), statistics.median(bases)
+        cells = ""
+        for layout, times in dists.items():
+            ms = statistics.median(times)
+            cells += f" | {ms:{9 if layout == 'default' else 10}.2f} | {100 * (ms / base - 1):+10.1f}%"
+        rounds = ", ".join("/".join(f"{100 * (dists[b][i] / bases[i] - 1):+.0f}" for b in BUCKETS) + "%"
+                           for i in range(len(bases)))
+        print(f"{model:<6} | {single:8.2f} | {base:15.2f}{cells} | {rounds}", flush=True)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,6 @@ def test_keras_scaling_table_has_both_models(clean_env):
     rows = {line.split("|")[0].strip(): _numbers(line.split("|", 1)[1])
             for line in proc.stdout.splitlines() if line.startswith(("mlp", "cnn"))}
     assert set(rows) == {"mlp", "cnn"}, proc.stdout
-    for model, (single, base, dist, _overhead, one, _one_overhead, *rounds) in rows.items():
-        assert min(single, base, dist, one) > 0, (model, proc.stdout)
-        assert len(rounds) == 2, (model, proc.stdout)  # one round: default / one bucket
+    for model, (single, base, dist, _, one, _, overlap, _, *rounds) in rows.items():
+        assert min(single, base, dist, one, overlap) > 0, (model, proc.stdout)
+        assert len(rounds) == 3, (model, proc.stdout)  # one round: default/one bucket/overlap
