@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-
 from dataclasses import dataclass
 
 import tensorflow as tf

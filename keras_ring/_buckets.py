@@ -38,7 +38,7 @@ DEFAULT_BUCKET_BYTES = AUTO
 DEFAULT_FIRST_BUCKET_BYTES = AUTO
 
 
-def _check_size(who: str, name: str, value: Any, auto: bool) -> None:
+def _check_size(who: str, name: str, value: Any) -> None:
     if value is None or value == AUTO:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -70,8 +70,8 @@ class ReduceOptions:
                              f"got {op!r}")
         op = ReduceOp(op)
         compression = check_compression(compression, who)
-        _check_size(who, "bucket_bytes", bucket_bytes, auto=True)
-        _check_size(who, "first_bucket_bytes", first_bucket_bytes, auto=True)
+        _check_size(who, "bucket_bytes", bucket_bytes)
+        _check_size(who, "first_bucket_bytes", first_bucket_bytes)
         if not isinstance(sparse_as_dense, bool):
             raise TypeError(f"{who}: sparse_as_dense must be a bool, got {sparse_as_dense!r}")
         factor = gradient_predivide_factor
