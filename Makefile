@@ -101,6 +101,7 @@ bench: venv build/allreduce_floor
 	./build/allreduce_floor
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
+	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/grouped.py
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/scatter.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/scatter.py --max-bytes 16777216
 	$(GUARD) $(VPY) benchmarks/keras_scaling.py --ranks 2

@@ -5,9 +5,9 @@ Each round times, back to back in one run: one tensor of BYTES allreduced in a t
 then BYTES split into k tensors (k = 4, 16, 64, 256) grouped in one tf.function, the results
 consumed inside the graph (as a training step's gradients are: nothing returns to Python),
 and "TF x<k>": the same graph making and consuming the k tensors without a collective
-(TensorFlow's own cost of them). Columns give times (median, the slowest rank's) and each grouped time over the
-single time of the same round; the last lines give the rounds' ranges and the cost per added
-tensor (slope from k=4 to k=256).
+(TensorFlow's own cost of them). Columns give times (median, the slowest rank's) and each
+grouped time over the single time of the same round; the last lines give the rounds' ranges,
+the same ratios less TensorFlow's own cost, and the cost per added tensor (k=4 to k=256).
 """
 
 from __future__ import annotations
