@@ -127,6 +127,7 @@ bench: venv build/allreduce_floor build/nccl_host_cost build/agreement
 	KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 8 $(VPY) benchmarks/agreement.py
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
+	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/grouped.py
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/scatter.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/scatter.py --max-bytes 16777216
 	$(GUARD) $(VPY) benchmarks/keras_scaling.py --ranks 2

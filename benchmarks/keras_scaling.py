@@ -3,9 +3,13 @@ single-rank processes running at the same time (the machine's own contention bas
 the cost of communication is separated from the cost of sharing the cores.
 
 Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60] [--repeat 3]
-(it starts its own processes: one alone, N independent ones, then an N-rank mpirun job; the
-three are measured --repeat times, interleaved, and each column shows the median, because one
-round on a small shared machine moves by several percent).
+(it starts its own processes: one alone, N independent ones, then N-rank mpirun jobs; all are
+measured --repeat times, interleaved, and each column shows the median, because one round on
+a small shared machine moves by several percent). The N-rank job runs once per bucket layout
+and round: "default" (what wrap() chooses: "auto"), "one bucket" (32 MiB, no first bucket:
+the layout before issue 17, in which these models' gradients go in one collective after
+backprop) and "overlap" (a 1 MiB first bucket, then 2 MiB buckets: communication during
+backprop), so the layouts are compared side by side.
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ def build_model(name: str):
     ])
 
 
-def worker(model_name: str, steps: int, distributed: bool, threads: int) -> None:
+# --buckets: the N-rank job's gradient buckets, as wrap() keyword arguments.
+BUCKETS = {"default": {}, "one bucket": {"bucket_bytes": 32 << 20, "first_bucket_bytes": None},
+           "overlap": {"bucket_bytes": 2 << 20, "first_bucket_bytes": 1 << 20}}
+
+
+def worker(model_name: str, steps: int, distributed: bool, threads: int,
+           buckets: str = "default") -> None:
     """Trains on synthetic data and prints one JSON line with the median ms/step."""
     import numpy as np
     import tensorflow as tf
@@ -57,7 +67,7 @@ def worker(model_name: str, steps: int, distributed: bool, threads: int) -> None
     optimizer = keras.optimizers.SGD(0.01)
     callbacks = []
     if distributed:
-        optimizer = keras_ring.wrap(optimizer)
+        optimizer = keras_ring.wrap(optimizer, **BUCKETS[buckets])
         callbacks.append(keras_ring.callbacks.BroadcastGlobalVariablesCallback(0))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
@@ -99,9 +109,10 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="mlp")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--buckets", choices=list(BUCKETS), default="default")
     args = parser.parse_args()
     if args.worker:
-        worker(args.model, args.steps, args.worker == "dist", args.threads)
+        worker(args.model, args.steps, args.worker == "dist", args.threads, args.buckets)
         return
     n = args.ranks
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -109,18 +120,29 @@ def main() -> None:
     share = max(1, (os.cpu_count() or 1) // n)  # what keras_ring.init() gives each rank
     print(f"# {os.cpu_count()} cores; ms per step, median after warm-up; {n} ranks; batch per rank: "
           + ", ".join(f"{m} {b}" for m, b in MODELS.items()))
-    print(f"{'model':<6} | {'1 rank':>8} | {f'{n} independent':>15} | {f'{n} ranks':>9} | {'vs baseline':>11}")
+    layouts = [b for b in BUCKETS if b != "default"]
+    print(f"{'model':<6} | {'1 rank':>8} | {f'{n} independent':>15} | {f'{n} ranks':>9} | {'vs baseline':>11}"
+          + "".join(f" | {name:>10} | {'vs baseline':>11}" for name in layouts)
+          + " | per round vs baseline: default, " + ", ".join(layouts))
     for model in MODELS:
         common = ["--model", model, "--steps", str(args.steps)]
-        singles, bases, dists = [], [], []
+        singles, bases = [], []
+        dists: dict[str, list[float]] = {b: [] for b in BUCKETS}
         for _ in range(args.repeat):
             singles += _run([[*me, "--worker", "single", *common]])
             baseline = _run([[*me, "--worker", "single", "--threads", str(share), *common] for _ in range(n)])
             bases.append(sum(baseline) / len(baseline))
-            dists += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", *common]])
-        single, base, dist = (statistics.median(v) for v in (singles, bases, dists))
-        print(f"{model:<6} | {single:8.2f} | {base:15.2f} | {dist:9.2f} | {100 * (dist / base - 1):+10.1f}%",
-              flush=True)
+            for layout, times in dists.items():
+                times += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", "--buckets", layout,
+                                *common]])
+        single, base = statistics.median(singles), statistics.median(bases)
+        cells = ""
+        for layout, times in dists.items():
+            ms = statistics.median(times)
+            cells += f" | {ms:{9 if layout == 'default' else 10}.2f} | {100 * (ms / base - 1):+10.1f}%"
+        rounds = ", ".join("/".join(f"{100 * (dists[b][i] / bases[i] - 1):+.0f}" for b in BUCKETS) + "%"
+                           for i in range(len(bases)))
+        print(f"{model:<6} | {single:8.2f} | {base:15.2f}{cells} | {rounds}", flush=True)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,11 @@ def _write_timeline(config: Config, topology: Topology, lib: Library) -> None:
         timeline.write(config.timeline_path, topology, lib)
 
 
+def _forget_bucket_tuning(config: Config, topology: Topology, lib: Library) -> None:
+    if "keras_ring._bucket_tuning" in sys.modules:  # imported by the Keras integration only
+        sys.modules["keras_ring._bucket_tuning"].MEASURED.forget()
+
+
 def _add_process_sets(process_sets: list) -> None:
     from keras_ring.process_set_setup import add_at_init
 
@@ -101,6 +106,7 @@ def _add_process_sets(process_sets: list) -> None:
 _lifecycle.AFTER_INIT.append(_install_keras_compile_hook)
 _lifecycle.ADD_PROCESS_SETS.append(_add_process_sets)
 _lifecycle.BEFORE_SHUTDOWN.append(_write_timeline)
+_lifecycle.BEFORE_SHUTDOWN.append(_forget_bucket_tuning)
 
 
 if TYPE_CHECKING:

@@ -3,8 +3,13 @@
 Gradients are reduced in buckets, walking the variables in reverse order: that is the order
 in which backprop produces them, so the first bucket's collective can run while backprop of
 the earlier layers continues (the collectives are stateful and run in program order, and a
-bucket only waits for its own gradients). Each bucket is one ``grouped_allreduce``, which the
-runtime fuses into one ring pass per dtype.
+bucket only waits for its own gradients: each bucket's op takes exactly its tensors, nothing
+here joins all gradients first). Each bucket is one ``grouped_allreduce``, which the runtime
+fuses into one ring pass per dtype. The first bucket may be smaller (``first_bucket_bytes``,
+as PyTorch DDP does), so that communication starts after the last layers' gradients instead
+of after a full bucket's worth of them; the others are ``bucket_bytes``. Both are ``"auto"``
+by default: ``KERAS_RING_BUCKET_BYTES`` if set, else what a measurement at the start of
+training chose (``keras_ring._bucket_tuning``; no overlap where no core is free for it).
 """
 
 from __future__ import annotations
@@ -17,14 +22,29 @@ from typing import Any
 import tensorflow as tf
 
 from keras_ring import _xla
+from keras_ring._bucket_tuning import FIRST_BYTES, MEASURED
 from keras_ring.collectives import Average, ReduceOp, Sum, allreduce, grouped_allreduce
 from keras_ring.process_sets import ProcessSet, global_process_set
 from keras_ring.compression import Compression, casts_only, check_compression
+from keras_ring.runtime import RUNTIME
 
-# 32 MiB: large enough that a bucket's fixed cost (one signature exchange, one ring pass)
-# is small next to its transfer time, small enough that a model of a few hundred MiB is
-# split into several buckets, so communication overlaps with the rest of backprop.
-DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+# "auto": KERAS_RING_BUCKET_BYTES, else the size measured at the start of training: large
+# enough that a bucket's fixed cost (signature exchange, dispatch, ring latency) is small
+# next to its transfer time, small enough that communication overlaps the rest of backprop.
+AUTO = "auto"
+DEFAULT_BUCKET_BYTES = AUTO
+# "auto": PyTorch DDP's first bucket (1 MiB), so the last layers' gradients start
+# communicating at once, unless the measurement found no core to overlap on (then none).
+DEFAULT_FIRST_BUCKET_BYTES = AUTO
+
+
+def _check_size(who: str, name: str, value: Any) -> None:
+    if value is None or value == AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        meaning = "one bucket for everything" if name == "bucket_bytes" else "as large as the others"
+        raise ValueError(f'{who}: {name} must be a positive int, "auto" or None ({meaning}), '
+                         f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -33,26 +53,25 @@ class ReduceOptions:
 
     op: ReduceOp = Average
     compression: Any = Compression.none  # a Compressor, or any object of Horovod's shape
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES
     sparse_as_dense: bool = False
     gradient_predivide_factor: float = 1.0
     process_set: ProcessSet = global_process_set  # the ranks that reduce
+    first_bucket_bytes: int | str | None = DEFAULT_FIRST_BUCKET_BYTES
 
     @classmethod
     def create(cls, who: str, op: Any, compression: Any, bucket_bytes: Any,
                sparse_as_dense: Any, gradient_predivide_factor: Any,
-               process_set: Any = global_process_set) -> "ReduceOptions":
+               process_set: Any = global_process_set,
+               first_bucket_bytes: Any = DEFAULT_FIRST_BUCKET_BYTES) -> "ReduceOptions":
         """Checks every option and says what was received when one is wrong."""
         if isinstance(op, bool) or op not in (Sum, Average):
             raise ValueError(f"{who}: op must be keras_ring.Sum or keras_ring.Average, "
                              f"got {op!r}")
         op = ReduceOp(op)
         compression = check_compression(compression, who)
-        if bucket_bytes is not None and (
-            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0
-        ):
-            raise ValueError(f"{who}: bucket_bytes must be a positive int or None (one bucket "
-                             f"for everything), got {bucket_bytes!r}")
+        _check_size(who, "bucket_bytes", bucket_bytes)
+        _check_size(who, "first_bucket_bytes", first_bucket_bytes)
         if not isinstance(sparse_as_dense, bool):
             raise TypeError(f"{who}: sparse_as_dense must be a bool, got {sparse_as_dense!r}")
         factor = gradient_predivide_factor
@@ -67,7 +86,27 @@ class ReduceOptions:
         if not isinstance(process_set, ProcessSet):
             raise TypeError(f"{who}: process_set must be a keras_ring.ProcessSet, got "
                             f"{type(process_set).__name__}")
-        return cls(op, compression, bucket_bytes, sparse_as_dense, float(factor), process_set)
+        return cls(op, compression, bucket_bytes, sparse_as_dense, float(factor), process_set,
+                   first_bucket_bytes)
+
+    def resolved_sizes(self) -> tuple[int | None, int | None]:
+        """(bucket_bytes, first_bucket_bytes) to plan with, "auto" resolved.
+
+        ``bucket_bytes="auto"`` is ``KERAS_RING_BUCKET_BYTES`` if set, else measured, and an
+        "auto" first bucket is then what the measurement chose (1 MiB where overlap can
+        pay, else none); with a bucket size given, it is 1 MiB. Measuring is a collective:
+        every rank resolves at the same point (the first reduction), once per set and job.
+        """
+        size, first = self.bucket_bytes, self.first_bucket_bytes
+        if size == AUTO and RUNTIME.initialized and RUNTIME.config.bucket_bytes is not None:
+            size = RUNTIME.config.bucket_bytes
+        if size == AUTO:
+            plan = MEASURED.plan(self.process_set)
+            size = plan.bucket_bytes
+            first = plan.first_bucket_bytes if first == AUTO else first
+        elif first == AUTO:
+            first = FIRST_BYTES
+        return size, first
 
     @property
     def scale_factors(self) -> tuple[float, float]:
@@ -76,18 +115,25 @@ class ReduceOptions:
         return 1.0 / f, f
 
 
-def plan_buckets(sizes: Sequence[int], bucket_bytes: int | None) -> list[list[int]]:
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int | None,
+                 first_bucket_bytes: int | None = None) -> list[list[int]]:
     """Groups positions ``0..len(sizes)-1`` into consecutive buckets of at most ``bucket_bytes``.
 
-    A tensor larger than ``bucket_bytes`` gets a bucket of its own; ``None`` means one bucket.
+    The first bucket holds at most ``first_bucket_bytes`` (if given and smaller). A tensor
+    larger than its bucket's limit gets a bucket of its own; ``bucket_bytes=None`` means one
+    bucket for everything (then ``first_bucket_bytes`` does not split it either).
     """
     buckets: list[list[int]] = []
     current: list[int] = []
     filled = 0
+    limit = bucket_bytes
+    if bucket_bytes is not None and first_bucket_bytes is not None:
+        limit = min(first_bucket_bytes, bucket_bytes)
     for position, nbytes in enumerate(sizes):
-        if current and bucket_bytes is not None and filled + nbytes > bucket_bytes:
+        if current and limit is not None and filled + nbytes > limit:
             buckets.append(current)
             current, filled = [], 0
+            limit = bucket_bytes
         current.append(position)
         filled += nbytes
     if current:
@@ -161,7 +207,8 @@ def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
         wire.append(tf.convert_to_tensor(tensor))
         contexts.append(ctx)
     sizes = [_wire_bytes(w) for w in wire]
-    for k, bucket in enumerate(plan_buckets(sizes, options.bucket_bytes)):
+    bucket_bytes, first_bucket_bytes = options.resolved_sizes() if wire else (None, None)
+    for k, bucket in enumerate(plan_buckets(sizes, bucket_bytes, first_bucket_bytes)):
         reduced = _reduce_dense([wire[j] for j in bucket], options, f"{name}.bucket{k}")
         for j, r in zip(bucket, reduced):
             out[dense_positions[j]] = options.compression.decompress(r, contexts[j])

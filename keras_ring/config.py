@@ -107,6 +107,14 @@ def _bool(name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be 1 or 0 (true/false), got {raw!r}")
 
 
+def _bytes_or_auto(name: str) -> int | None:
+    """A positive byte count; None when unset, empty or "auto"."""
+    raw = os.environ.get(name, "").strip()
+    if raw.lower() in ("", "auto"):
+        return None
+    return int_from_env(name, 0, minimum=1)
+
+
 def _power_of_two(name: str, default: int) -> int:
     value = int_from_env(name, default, minimum=4096)
     if value & (value - 1):
@@ -129,6 +137,7 @@ class Config:
     shm_channel_bytes: int
     timeline_path: str | None
     intra_op_threads: int | None  # None: automatic; 0: leave TensorFlow's default
+    bucket_bytes: int | None  # gradient buckets (wrap/tape bucket_bytes="auto"); None: measure
     fast_agree: bool = True  # collectives open with the O(log n) fast agreement
     doubling_max_bytes: int = 32 << 10  # allreduces up to this size: recursive doubling
 
@@ -151,6 +160,7 @@ class Config:
                 int_from_env("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
                 if os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip() else None
             ),
+            bucket_bytes=_bytes_or_auto("KERAS_RING_BUCKET_BYTES"),
             fast_agree=_bool("KERAS_RING_FAST_AGREE", True),
             doubling_max_bytes=int_from_env("KERAS_RING_DOUBLING_MAX_BYTES", 32 << 10,
                                             minimum=0),

@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 
 from keras_ring._accumulation import Passes, accumulator_for
-from keras_ring._buckets import DEFAULT_BUCKET_BYTES, ReduceOptions
+from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions
 from keras_ring._local import LocalSources, check_local_layers, check_scale, reduce_partially
 from keras_ring.collectives import Average, ReduceOp
 from keras_ring.compression import Compression, Compressor
@@ -38,8 +38,9 @@ class DistributedGradientTape:
 
     Args:
         tape: the ``tf.GradientTape`` to wrap, usually right after its ``with`` block.
-        op, compression, bucket_bytes, sparse_as_dense, gradient_predivide_factor: as for
-            :func:`keras_ring.wrap`; ``compression`` may also be a Horovod-style compressor.
+        op, compression, bucket_bytes, first_bucket_bytes, sparse_as_dense,
+            gradient_predivide_factor: as for :func:`keras_ring.wrap`; ``compression`` may
+            also be a Horovod-style compressor.
         backward_passes_per_step: backward passes (``gradient()`` calls) per communication.
             Default 1: every call communicates.
         average_aggregated_gradients: divide the sum of the passes by their number.
@@ -84,7 +85,8 @@ class DistributedGradientTape:
         *,
         op: ReduceOp = Average,
         compression: Compressor | Any = Compression.none,
-        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
+    first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
         sparse_as_dense: bool = False,
         gradient_predivide_factor: float = 1.0,
         backward_passes_per_step: int = 1,
@@ -98,7 +100,7 @@ class DistributedGradientTape:
         self._tape = tape
         self._options = ReduceOptions.create(
             _WHO, op, compression, bucket_bytes, sparse_as_dense, gradient_predivide_factor,
-            process_set,
+            process_set, first_bucket_bytes,
         )
         self._passes = Passes.create(_WHO, backward_passes_per_step, average_aggregated_gradients)
         self._local = LocalSources(scale=check_scale(scale_local_gradients, _WHO))

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from keras_ring import _keras_private, _xla
 from keras_ring._accumulation import Passes
-from keras_ring._buckets import DEFAULT_BUCKET_BYTES, ReduceOptions, map_gradient
+from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions, map_gradient
 from keras_ring._local import (LocalSources, check_local_layers, check_scale, check_variable,
                                reduce_partially)
 from keras_ring.collectives import Average, ReduceOp
@@ -51,7 +51,8 @@ def wrap(
     *,
     op: ReduceOp = Average,
     compression: Compressor | Any = Compression.none,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
+    first_bucket_bytes: int | str | None = DEFAULT_FIRST_BUCKET_BYTES,
     sparse_as_dense: bool = False,
     gradient_predivide_factor: float = 1.0,
     backward_passes_per_step: int = 1,
@@ -68,7 +69,8 @@ def wrap(
     optimizer and ``keras.models.load_model`` loads it without keras_ring.
 
     Gradients are allreduced in buckets of about ``bucket_bytes``, in reverse variable order
-    (the order backprop produces them), one grouped collective per bucket. ``None``
+    (the order backprop produces them), one grouped collective per bucket, each starting as
+    soon as its own gradients exist, while backprop continues. ``None``
     gradients are skipped. With ``gradient_accumulation_steps`` the ranks communicate once
     per optimizer update, not per micro-batch. ``Model.compile`` turns XLA off for a
     wrapped optimizer (the collectives have no XLA kernel), and under the ``mixed_float16``
@@ -85,8 +87,17 @@ def wrap(
         compression: a ``keras_ring.Compression`` member (the dtype gradients travel in), or
             a compressor in Horovod's shape: ``compress(tensor) -> (tensor, ctx)`` and
             ``decompress(tensor, ctx) -> tensor``.
-        bucket_bytes: the size of one fused collective in bytes (of the wire dtype);
-            default 32 MiB. ``None`` sends all dense gradients in one collective.
+        bucket_bytes: the size of one fused collective in bytes (of the wire dtype).
+            ``"auto"`` (the default): ``KERAS_RING_BUCKET_BYTES`` if set, else chosen from
+            a short measurement before the first reduction, the same on every rank: a
+            power of two from 1 to 64 MiB, or 32 MiB without a first bucket where the ranks
+            leave no core free for communication during backprop (CPU training with every
+            core busy, where overlap measured slower). ``None`` sends all dense gradients
+            in one collective.
+        first_bucket_bytes: the limit of the first bucket (the last layers' gradients,
+            which backprop computes first), so that communication starts early in
+            backprop. ``"auto"`` (the default): what the measurement chose if it chose
+            ``bucket_bytes``, else 1 MiB. ``None``: as large as the others.
         sparse_as_dense: if True, ``tf.IndexedSlices`` gradients (e.g. from ``Embedding``)
             are densified and allreduced; by default their values and indices are
             allgathered, which moves less data when few rows are touched.
@@ -126,7 +137,7 @@ def wrap(
     """
     who = "keras_ring.wrap"
     options = ReduceOptions.create(who, op, compression, bucket_bytes, sparse_as_dense,
-                                   gradient_predivide_factor, process_set)
+                                   gradient_predivide_factor, process_set, first_bucket_bytes)
     passes = Passes.create(who, backward_passes_per_step, average_aggregated_gradients)
     local = LocalSources(scale=check_scale(scale_local_gradients, who))
     optimizer = _as_optimizer(optimizer)

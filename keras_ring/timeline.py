@@ -5,6 +5,11 @@ worker), waiting for peers (the signature exchange: until every rank has submitt
 transfer/reduce (the data moving) — and an instant "done" event, with byte counts. At
 ``shutdown()`` every rank sends its events to rank 0, which writes the file; if that is
 impossible (a peer died) each rank writes ``path.rank<N>.json`` instead.
+
+``mark(tensor, label)`` puts a point of the program on the same clock (an instant event named
+``label`` when ``tensor`` is computed: a gradient, say, to see which collectives overlap
+backprop), and ``record(True)`` / ``recorded()`` record and read this rank's timeline without
+the file, from inside a program.
 """
 
 from __future__ import annotations
@@ -15,9 +20,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+import tensorflow as tf
+
 from keras_ring.collectives import allgather_object
-from keras_ring.ops.loader import Library
+from keras_ring.ops.loader import Library, library
 from keras_ring.peer_table import Topology
+from keras_ring.runtime import RUNTIME
+
+@tf.RegisterGradient("KerasRingTimelineMark")
+def _mark_gradient(op, grad):  # a mark is the identity
+    return grad
+
 
 _PHASES = (("queued", 3, 4), ("waiting for peers", 4, 5), ("transfer/reduce", 5, 6))
 
@@ -32,6 +45,40 @@ def read_events(lib: Library) -> list[list[str]]:
     return [line.split("\t") for line in text.splitlines() if line]
 
 
+def mark(tensor: Any, label: str) -> tf.Tensor:
+    """Returns ``tensor`` unchanged; when it is computed, a recording timeline gets a mark.
+
+    The mark is an instant event named ``label`` on this rank's row, on the collectives'
+    clock. The op is not stateful (a stateful one would be ordered with the collectives and
+    delay them), so it runs as soon as ``tensor`` exists, and only if its result is used.
+    It runs on the CPU.
+    """
+    if not isinstance(label, str) or not label:
+        raise ValueError(f"keras_ring.timeline.mark: label must be a non-empty str, got {label!r}")
+    return library().ops.keras_ring_timeline_mark(tensor, label=label)
+
+
+def record(on: bool = True) -> None:
+    """Starts (or with False stops) recording this rank's timeline, as KERAS_RING_TIMELINE does."""
+    RUNTIME.library("keras_ring.timeline.record").c.keras_ring_timeline_record(int(bool(on)))
+
+
+def recorded() -> list[dict[str, Any]]:
+    """This rank's events recorded since the last read (and forgets them), oldest first.
+
+    Each is a dict: ``label`` (e.g. ``"grouped_allreduce 'gradients.bucket0'"``, or a mark's
+    label), ``mark`` (True for a mark), ``seq`` (0 for a mark), ``bytes``, and microsecond times
+    ``submitted``, ``started``, ``exchanged``, ``done`` (all equal for a mark), ``ok``.
+    """
+    out = []
+    for seq, label, nbytes, submitted, started, exchanged, done, ok, _ in read_events(
+            RUNTIME.library("keras_ring.timeline.recorded")):
+        out.append({"label": label, "mark": seq == "0", "seq": int(seq), "bytes": int(nbytes),
+                    "submitted": int(submitted), "started": int(started),
+                    "exchanged": int(exchanged), "done": int(done), "ok": ok == "1"})
+    return out
+
+
 def trace_events(rank: int, events: list[list[str]]) -> list[dict[str, Any]]:
     """Chrome trace events of one rank: a named row (tid) per rank in one process."""
     out: list[dict[str, Any]] = [
@@ -40,6 +87,10 @@ def trace_events(rank: int, events: list[list[str]]) -> list[dict[str, Any]]:
     ]
     for seq, label, nbytes, *times, ok, inlined in events:
         t = [int(x) for x in times]  # submitted, started, exchanged, done (microseconds)
+        if seq == "0":  # a mark
+            out.append({"ph": "i", "s": "t", "name": label, "cat": "mark", "pid": 0, "tid": rank,
+                        "ts": t[0], "args": {"mark": label}})
+            continue
         fields = [seq, label, nbytes, *times]
         args = {"collective": label, "seq": int(seq), "bytes": int(nbytes),
                 "ok": ok == "1", "completed_in_exchange": inlined == "1"}

@@ -55,6 +55,27 @@ def test_allreduce_table_has_every_implementation_and_size(mpirun, clean_env):
         assert all(v > 0 for v in values[1:10:3] + values[10:]), row
 
 
+def test_grouped_table_has_every_count_and_the_ratios(mpirun, clean_env):
+    env = dict(clean_env, KERAS_RING_TIMEOUT_SECONDS="60")
+    proc = subprocess.run(
+        [mpirun, "-np", "2", sys.executable, str(ROOT / "benchmarks" / "grouped.py"),
+         "--rounds", "2", "--bytes", "262144"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("round"))
+    for name in ("single", "TF x1", "x4", "TF x4", "x256", "TF x256", "x64/1"):
+        assert name in header, header
+    rows = [line for line in lines if re.match(r"\s+\d+ \|", line)]
+    assert len(rows) == 2, proc.stdout
+    for row in rows:
+        values = _numbers(row)
+        assert len(values) == 1 + 10 + 4 and all(v > 0 for v in values[1:]), row
+    summary = [line for line in lines if line.startswith("# x")]
+    assert [line.split(":")[0] for line in summary] == ["# x4/single", "# x16/single",
+                                                        "# x64/single", "# x256/single"]
+
+
 def test_scatter_tables_have_every_implementation_and_size(mpirun, clean_env):
     proc = _run_table("scatter.py", mpirun, clean_env)
     # Each table: its title, the header of names, the units line, then one row per size.
@@ -138,3 +159,8 @@ def test_fastpath_table_has_old_new_and_mpi(mpirun, clean_env):
     for row in rows:
         cells = [c.strip() for c in row.split("|")[1:]]
         assert len(cells) == 5 and all(re.fullmatch(r"[\d.]+-[\d.]+", c) for c in cells), row
+
+
+    for model, (single, base, dist, _, one, _, overlap, _, *rounds) in rows.items():
+        assert min(single, base, dist, one, overlap) > 0, (model, proc.stdout)
+        assert len(rounds) == 3, (model, proc.stdout)  # one round: default/one bucket/overlap

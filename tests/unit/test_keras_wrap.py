@@ -9,7 +9,10 @@ import tensorflow as tf
 
 import keras
 import keras_ring
+from keras_ring._bucket_tuning import (FALLBACK_BYTES, FIRST_BYTES, PROBE_BYTES, Plan, choose,
+                                      fit, plan)
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from keras_ring.config import Config
 from keras_ring.optimizer import is_wrapped
 
 
@@ -49,8 +52,11 @@ def test_wrap_accepts_a_name():
     ({"op": keras_ring.Min}, ValueError, "op must be keras_ring.Sum or keras_ring.Average, got <ReduceOp.Min"),
     ({"op": "mean"}, ValueError, "got 'mean'"),
     ({"compression": "fp16"}, TypeError, "compression must be one of .*got 'fp16'"),
-    ({"bucket_bytes": 0}, ValueError, "bucket_bytes must be a positive int or None.*got 0"),
+    ({"bucket_bytes": 0}, ValueError, 'bucket_bytes must be a positive int, "auto" or None.*got 0'),
     ({"bucket_bytes": 1.5}, ValueError, "got 1.5"),
+    ({"bucket_bytes": "automatic"}, ValueError, "got 'automatic'"),
+    ({"first_bucket_bytes": 0}, ValueError, 'first_bucket_bytes must be a positive int, "auto" or None.*got 0'),
+    ({"first_bucket_bytes": "big"}, ValueError, "first_bucket_bytes.*got 'big'"),
     ({"sparse_as_dense": "yes"}, TypeError, "sparse_as_dense must be a bool, got 'yes'"),
     ({"gradient_predivide_factor": 0.0}, ValueError, "positive number, got 0.0"),
     ({"gradient_predivide_factor": 2.0, "op": keras_ring.Sum}, ValueError, "needs op=Average.*got op=Sum"),
@@ -90,7 +96,39 @@ def test_plan_buckets():
     assert plan_buckets([20, 4, 4], 8) == [[0], [1, 2]]  # too big: a bucket of its own
     assert plan_buckets([4, 20, 4], 8) == [[0], [1], [2]]
     assert plan_buckets([4, 20, 4], None) == [[0, 1, 2]]
-    assert DEFAULT_BUCKET_BYTES == 32 * 1024 * 1024
+    # The first bucket has its own, smaller limit; None for the others keeps one bucket.
+    assert plan_buckets([4, 4, 4, 4, 4], 12, first_bucket_bytes=4) == [[0], [1, 2, 3], [4]]
+    assert plan_buckets([4, 4, 4], 8, first_bucket_bytes=100) == [[0, 1], [2]]
+    assert plan_buckets([20, 4, 4], 8, first_bucket_bytes=4) == [[0], [1, 2]]
+    assert plan_buckets([4, 4, 4], None, first_bucket_bytes=4) == [[0, 1, 2]]
+    assert DEFAULT_BUCKET_BYTES == "auto"
+
+
+def test_automatic_bucket_size_rule():
+    # fixed cost at most a tenth of a bucket's time: bytes >= 9 * fixed / per_byte, rounded
+    # up to a power of two within [1 MiB, 64 MiB]
+    assert choose(100e-6, 1 / 1e9) == 1 << 20  # 0.9 MB
+    assert choose(200e-6, 1 / 1e9) == 2 << 20  # 1.8 MB
+    assert choose(1e-3, 1 / 1e9) == 16 << 20  # 9 MB
+    assert choose(1.0, 1 / 1e9) == 64 << 20
+    assert choose(-1e-6, 1 / 1e9) == 1 << 20  # a fit below zero: no fixed cost
+    assert choose(1e-4, 0.0) == FALLBACK_BYTES  # the large probe no slower: noise
+    # Where backprop leaves some rank no core, no overlap: one large bucket, no first one.
+    assert plan(100e-6, 1 / 1e9, cores_busy=True) == Plan(FALLBACK_BYTES, None, overlap=False)
+    assert plan(200e-6, 1 / 1e9, cores_busy=False) == Plan(2 << 20, FIRST_BYTES, overlap=True)
+    small, large = PROBE_BYTES
+    fixed, per_byte = fit([50e-6 + small * 1e-9, 50e-6 + large * 1e-9])
+    assert abs(fixed - 50e-6) < 1e-9 and abs(per_byte - 1e-9) < 1e-15
+
+
+def test_bucket_bytes_from_the_environment(monkeypatch):
+    for raw, expected in [("", None), ("auto", None), (" AUTO ", None), ("4096", 4096)]:
+        monkeypatch.setenv("KERAS_RING_BUCKET_BYTES", raw)
+        assert Config.from_env().bucket_bytes == expected
+    for raw in ("0", "-5", "1.5", "big"):
+        monkeypatch.setenv("KERAS_RING_BUCKET_BYTES", raw)
+        with pytest.raises(ValueError, match="KERAS_RING_BUCKET_BYTES"):
+            Config.from_env()
 
 
 def test_compression_narrows_only_wide_floats():

@@ -58,6 +58,7 @@ std::vector<std::shared_ptr<Runtime>> Runtime::UninstallAll() {
 
 Runtime::Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> transport)
     : options_(options), transport_(std::move(transport)) {
+  timeline_.SetRecording(options_.timeline);
   AlgoConfig algo;
   algo.timeout_seconds = options_.timeout_seconds;
   algo.segment_bytes = options_.segment_bytes;
@@ -220,14 +221,14 @@ Status Runtime::RunOne(Request& request, bool* deferred) {
   seq_ += stats.extra_seqs;  // a joined rank took part in that many collectives
   busy_seq_.store(0);
   *deferred = stats.deferred;  // then the request was moved out: its completion records it
-  if (options_.timeline && !stats.deferred) RecordTimeline(request, seq, started, stats, s);
+  if (timeline_.recording() && !stats.deferred) RecordTimeline(request, seq, started, stats, s);
   return s;
 }
 
 void Runtime::CompleteDeferred(Request& request, uint64_t seq, const ExecutionStats& stats,
                                const Status& s) {
   const Status result = s.ok() ? s : Failed(SignatureOf(request, seq).Label(), s, false);
-  if (options_.timeline) RecordTimeline(request, seq, stats.started, stats, result);
+  if (timeline_.recording()) RecordTimeline(request, seq, stats.started, stats, result);
   request.done(result);
 }
 

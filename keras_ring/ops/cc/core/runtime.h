@@ -107,8 +107,10 @@ class Runtime {
   // completion itself only while nothing else waits). Any thread.
   size_t queued() const { return queued_.load(); }
 
-  // Recorded timeline events (empty unless options.timeline), as tab-separated lines.
+  // Recorded timeline events (empty unless recording), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }
+  // Starts as options.timeline says; marks and switching go through it.
+  Timeline& timeline() { return timeline_; }
 
  private:
   void StopWith(const Status& cause);

@@ -13,6 +13,14 @@ void Timeline::Record(TimelineEvent event) {
   events_.push_back(std::move(event));
 }
 
+void Timeline::Mark(const std::string& label) {
+  if (!recording()) return;
+  TimelineEvent e;
+  e.label = label;
+  e.submitted_us = e.started_us = e.exchanged_us = e.done_us = NowMicros();
+  Record(std::move(e));
+}
+
 std::string Timeline::Drain() {
   std::vector<TimelineEvent> events;
   {

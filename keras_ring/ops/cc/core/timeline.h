@@ -2,6 +2,7 @@
 // Times are microseconds of the monotonic clock, which all processes of a host share.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -23,14 +24,22 @@ struct TimelineEvent {
   bool inlined = false;  // completed inside the signature exchange
 };
 
+// Besides collectives it records marks: events with seq 0 and all four times equal, points of
+// the program (say, a gradient computed: KerasRingTimelineMark) on the collectives' clock.
 class Timeline {
  public:
+  explicit Timeline(bool recording = false) : recording_(recording) {}
   static int64_t NowMicros(Clock::time_point t = Clock::now());
+  // Recording can start and stop while collectives run (keras_ring.timeline.record).
+  bool recording() const { return recording_.load(std::memory_order_relaxed); }
+  void SetRecording(bool on) { recording_.store(on, std::memory_order_relaxed); }
   void Record(TimelineEvent event);
+  void Mark(const std::string& label);  // now, if recording
   // Returns the recorded events as tab-separated lines and forgets them.
   std::string Drain();
 
  private:
+  std::atomic<bool> recording_;
   std::mutex mu_;
   std::vector<TimelineEvent> events_;
 };

@@ -123,6 +123,10 @@ size_t keras_ring_timeline_read(char* buf, size_t cap) {
   return n;
 }
 
+void keras_ring_timeline_record(int on) {
+  if (std::shared_ptr<Runtime> runtime = Runtime::Get()) runtime->timeline().SetRecording(on != 0);
+}
+
 int keras_ring_shutdown(void) {
   // A collective running on another thread holds its own reference: stop it now, the last
   // reference destroys the runtime.

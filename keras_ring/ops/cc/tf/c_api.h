@@ -35,6 +35,8 @@ int keras_ring_init(const keras_ring_config* config, char* err, size_t err_len);
 // Copies up to `cap` bytes of recorded timeline lines (tab-separated) into buf; returns
 // the count, 0 once everything recorded so far has been read.
 size_t keras_ring_timeline_read(char* buf, size_t cap);
+// Starts (on != 0) or stops recording the global runtime's timeline, marks included.
+void keras_ring_timeline_record(int on);
 // Chains handlers for SIGINT and SIGTERM in front of the existing ones: a signal makes
 // pending and later collectives fail at once (instead of after the timeout), then the
 // previous handler runs (Python's raises KeyboardInterrupt). Idempotent.

@@ -225,6 +225,27 @@ absl::Status BroadcastKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Forwards its input (no copy) and records a timeline mark: when the input was computed.
+class TimelineMarkKernel : public ::tensorflow::OpKernel {
+ public:
+  explicit TimelineMarkKernel(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("label", &label_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    if (std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get()) runtime->timeline().Mark(label_);
+    ctx->set_output(0, ctx->input(0));
+  }
+
+ private:
+  std::string label_;
+};
+
+}  // namespace
+
+REGISTER_KERNEL_BUILDER(Name("KerasRingTimelineMark").Device(::tensorflow::DEVICE_CPU),
+                        TimelineMarkKernel);
 REGISTER_KERNEL_BUILDER(Name("KerasRingAllreduce").Device(::tensorflow::DEVICE_CPU),
                         AllreduceKernel);
 REGISTER_KERNEL_BUILDER(Name("KerasRingGroupedAllreduce").Device(::tensorflow::DEVICE_CPU),

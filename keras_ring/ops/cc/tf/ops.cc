@@ -128,4 +128,15 @@ REGISTER_OP("KerasRingAlltoall")
     .Doc("Sends splits[p] rows of `tensor` to rank p (in order) and concatenates the rows "
          "received from every rank in rank order; received_splits[p] counts rank p's.");
 
+// Not stateful, on purpose: a stateful op would be chained with the collectives in program
+// order (automatic control dependencies) and so delay the very collectives it is meant to
+// place in time. It runs when its input exists and is kept because its output is used.
+REGISTER_OP("KerasRingTimelineMark")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr("T: type")
+    .Attr("label: string")
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
+    .Doc("Returns `tensor`, recording in the timeline (if it records) when it was computed.");
+
 }  // namespace keras_ring_tf
