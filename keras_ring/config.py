@@ -140,6 +140,7 @@ class Config:
     bucket_bytes: int | None  # gradient buckets (wrap/tape bucket_bytes="auto"); None: measure
     fast_agree: bool = True  # collectives open with the O(log n) fast agreement
     doubling_max_bytes: int = 32 << 10  # allreduces up to this size: recursive doubling
+    device_max_in_flight: int = 64  # NCCL collectives launched and not yet complete
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -164,4 +165,5 @@ class Config:
             fast_agree=_bool("KERAS_RING_FAST_AGREE", True),
             doubling_max_bytes=int_from_env("KERAS_RING_DOUBLING_MAX_BYTES", 32 << 10,
                                             minimum=0),
+            device_max_in_flight=int_from_env("KERAS_RING_DEVICE_MAX_IN_FLIGHT", 64),
         )

@@ -185,6 +185,7 @@ class Runtime:
             process_set_id=process_set_id,
             fast_agree=int(config.fast_agree),
             doubling_max_bytes=config.doubling_max_bytes,
+            device_max_in_flight=config.device_max_in_flight,
         )
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))

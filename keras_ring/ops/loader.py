@@ -48,6 +48,7 @@ class NativeConfig(ctypes.Structure):
         ("process_set_id", ctypes.c_int),
         ("fast_agree", ctypes.c_int),
         ("doubling_max_bytes", ctypes.c_size_t),
+        ("device_max_in_flight", ctypes.c_int),
     ]
 
 
