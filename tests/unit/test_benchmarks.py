@@ -109,8 +109,9 @@ def test_keras_scaling_table_has_both_models(clean_env):
     rows = {line.split("|")[0].strip(): _numbers(line.split("|", 1)[1])
             for line in proc.stdout.splitlines() if line.startswith(("mlp", "cnn"))}
     assert set(rows) == {"mlp", "cnn"}, proc.stdout
-    for model, (single, base, dist, _overhead) in rows.items():
-        assert min(single, base, dist) > 0, (model, proc.stdout)
+    for model, (single, base, dist, _, one, _, overlap, _, *rounds) in rows.items():
+        assert min(single, base, dist, one, overlap) > 0, (model, proc.stdout)
+        assert len(rounds) == 3, (model, proc.stdout)  # one round: default/one bucket/overlap
 
 
 def _build_core_bench(tmp_path, source: str):
@@ -160,7 +161,3 @@ def test_fastpath_table_has_old_new_and_mpi(mpirun, clean_env):
         cells = [c.strip() for c in row.split("|")[1:]]
         assert len(cells) == 5 and all(re.fullmatch(r"[\d.]+-[\d.]+", c) for c in cells), row
 
-
-    for model, (single, base, dist, _, one, _, overlap, _, *rounds) in rows.items():
-        assert min(single, base, dist, one, overlap) > 0, (model, proc.stdout)
-        assert len(rounds) == 3, (model, proc.stdout)  # one round: default/one bucket/overlap
