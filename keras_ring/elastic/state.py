@@ -13,6 +13,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from keras_ring import _keras_private
@@ -151,7 +152,7 @@ class TensorFlowState(ObjectState):
         if tracked:
             broadcast_variables(tracked, 0)
         super().sync()
-        self._save_variables()  # a restore after a failure comes back here at least
+        self._save_variables(tracked)  # a restore after a failure comes back here at least
 
     def _tracked(self) -> list[Any]:
         return self.variables
@@ -160,8 +161,11 @@ class TensorFlowState(ObjectState):
         return (f"keras_ring.elastic: the ranks keep different numbers of variables "
                 f"(by rank: {counts}): every worker must build the same variables")
 
-    def _save_variables(self) -> None:
-        self._values = [tf.identity(v).numpy() for v in self._tracked()]
+    def _save_variables(self, tracked: list[Any] | None = None) -> None:
+        # One host copy per variable (numpy() may alias the variable's buffer; an identity
+        # op first would only add a second copy).
+        self._values = [np.array(v.numpy(), copy=True)
+                        for v in (self._tracked() if tracked is None else tracked)]
 
 
 class KerasState(TensorFlowState):
