@@ -26,7 +26,7 @@ FIRST_BUCKET = "grouped_allreduce 'gradients.bucket0'"
 # The first layer's weight gradient (x^T @ dy: 2048 x 512 x 1024 multiply-adds per step) is
 # the last and by far the largest piece of backprop, and the last layers' gradients fill
 # the first bucket (1 MiB) long before it exists.
-FEATURES, WIDE, BATCH, STEPS = 2048, 1024, 512, 6
+FEATURES, WIDE, BATCH, STEPS = 2048, 1024, 512, 8
 # First bucket: the last two layers (266 KB); then the second layer's 1 MiB kernel; then the
 # first layer's 8 MiB kernel, alone.
 BUCKETS = dict(bucket_bytes=4 << 20, first_bucket_bytes=1 << 20)
@@ -99,8 +99,12 @@ def test_first_bucket_starts_before_backprop_ends(world):
         # (this checks that the mark sits where it should).
         assert mark <= last_submitted
     # Overlap: the first bucket's collective started while backprop was still computing the
-    # first layer's gradient. Order, not duration; every step must show it.
-    assert all(first_started < mark for mark, first_started, _ in steps), steps
+    # first layer's gradient. Order, not duration. Most steps must show it, not every one:
+    # TensorFlow's executor does not order ready kernels, and on a loaded 2-core machine it
+    # once ran the small last-layer gradients after the big matmul (1 step in 6, in CI).
+    # A first bucket that waited for all gradients could start before the mark in no step.
+    early = [first_started < mark for mark, first_started, _ in steps]
+    assert sum(early) > len(steps) // 2, (sum(early), steps)
 
 
 def _ancestors(op):
