@@ -117,6 +117,9 @@ build/agreement: benchmarks/agreement.cc $(CORE_SRC) $(CORE_HDR)
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -Werror -pthread -Ikeras_ring/ops/cc -o $@ $< \
 		$(CORE_SRC) -ldl
 
+# keras_ring over TCP is set against MPICH over TCP too (its own shared memory off).
+MPICH_TCP = MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
+
 bench: venv build/allreduce_floor build/nccl_host_cost build/agreement
 	./build/allreduce_floor
 	./build/nccl_host_cost
@@ -125,6 +128,10 @@ bench: venv build/allreduce_floor build/nccl_host_cost build/agreement
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/agreement.py
 	$(GUARD) $(MPIRUN) -np 8 $(VPY) benchmarks/agreement.py
 	KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 8 $(VPY) benchmarks/agreement.py
+	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/in_graph.py
+	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/in_graph.py --max-bytes 16777216
+	$(MPICH_TCP) KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/in_graph.py --max-bytes 67108864
+	$(MPICH_TCP) KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/in_graph.py --max-bytes 16777216
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/allreduce.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/allreduce.py --max-bytes 16777216
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/grouped.py
@@ -136,6 +143,8 @@ bench: venv build/allreduce_floor build/nccl_host_cost build/agreement
 # Across two network-namespace hosts (needs root): keras_ring and MPI_Allreduce on one link.
 bench-multihost: venv
 	$(GUARD) $(VPY) benchmarks/multihost.py
+	$(GUARD) $(VPY) benchmarks/multihost.py --bench agreement --hosts 2 --ranks-per-host 4
+	$(GUARD) $(VPY) benchmarks/multihost.py --bench agreement --hosts 4 --ranks-per-host 8
 
 clean:
 	rm -rf build $(OPS_LIB) $(OLD_VENV) keras_ring/ops/_keras_ring_ops.json

@@ -128,7 +128,8 @@ class Deadline {
   // Whether a wait may yield the core to other runnable threads for a moment before it
   // sleeps. Right for an eager call, whose waiting thread is the user's own: yielding hands
   // the core to the peers it waits for. Collectives in graphs run on TensorFlow's pool
-  // threads, which need the cores for TensorFlow's own work, and sleep at once.
+  // threads; the shared-memory transport lets them yield only where the host's ranks do not
+  // outnumber its cores (ShmOptions::yield_in_graphs).
   bool may_yield() const { return may_yield_; }
   Deadline Yielding(bool yes) const {
     Deadline d = *this;

@@ -20,6 +20,9 @@ struct ShmOptions {
   size_t channel_bytes = 1 << 20;  // per sender; a power of two
   int spin_iterations = 2000;      // before yielding; 0 when ranks outnumber cores
   double yield_seconds = 0.0002;   // then (eager calls) yield up to this long before sleeping
+  // Whether collectives in graphs yield too (as eager calls do) instead of sleeping at once;
+  // off when this host's ranks outnumber its cores (see Create).
+  bool yield_in_graphs = true;
 };
 
 class ShmTransport : public Transport {
