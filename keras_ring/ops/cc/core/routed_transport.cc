@@ -1,5 +1,9 @@
 #include "routed_transport.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+
 namespace keras_ring {
 
 Status ConnectHostTransport(const HostTransportConfig& config, std::unique_ptr<Transport>* out) {
@@ -7,13 +11,18 @@ Status ConnectHostTransport(const HostTransportConfig& config, std::unique_ptr<T
   KR_RETURN_IF_ERROR(TcpTransport::Create(config.rank, config.size, config.listen_fd,
                                           config.peers, config.job_token,
                                           Deadline::After(config.timeout_seconds), &tcp));
+  const int mine = config.host_index.empty() ? 0 : config.host_index[static_cast<size_t>(config.rank)];
+  // Graphs' waits yield where this host's ranks each have a core (see ShmTransport::Create).
+  const long here = config.host_index.empty()
+                        ? config.size
+                        : std::count(config.host_index.begin(), config.host_index.end(), mine);
+  tcp->set_yield_in_graphs(here <= sysconf(_SC_NPROCESSORS_ONLN));
   if (!config.use_shm) {
     *out = std::move(tcp);
     return Status::OK();
   }
   std::vector<int> local;
   std::vector<int> liveness(static_cast<size_t>(config.size), -1);
-  const int mine = config.host_index[static_cast<size_t>(config.rank)];
   for (int r = 0; r < config.size; ++r) {
     liveness[static_cast<size_t>(r)] = tcp->fd(r);
     if (r != config.rank && config.host_index[static_cast<size_t>(r)] == mine) local.push_back(r);

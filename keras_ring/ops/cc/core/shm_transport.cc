@@ -287,7 +287,7 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
   // has a core (2 ranks on 2 cores: 4 KiB in a graph 48 us instead of 105); where ranks
   // outnumber cores, the core goes to other ranks' TensorFlow threads instead of the peer
   // (4 ranks on 2 cores: 390-440 us instead of 280), so those sleep at once.
-  if (static_cast<long>(local.size()) > cores) tuned.yield_in_graphs = false;
+  if (static_cast<long>(local.size()) + 1 > cores) tuned.yield_in_graphs = false;
   std::unique_ptr<ShmTransport> t(new ShmTransport(rank, size, tuned));
   const size_t header =
       (sizeof(Region) + static_cast<size_t>(size) * sizeof(Channel) + 4095) & ~size_t{4095};

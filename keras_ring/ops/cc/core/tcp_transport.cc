@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@ namespace {
 
 constexpr uint64_t kHelloMagic = 0x6b72696e67686921ull;  // "kringhi!"
 constexpr int kPollSliceMs = 200;  // wake up this often to notice Abort()
+constexpr std::chrono::microseconds kYieldBudget{200};  // as ShmOptions::yield_seconds
 
 #ifndef KERAS_RING_BUILD_INFO
 #define KERAS_RING_BUILD_INFO "unknown"
@@ -314,6 +316,11 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
   const char* sp = static_cast<const char*>(send_data);
   char* rp = static_cast<char*>(recv_data);
   size_t sent = 0, received = 0;
+  // Before it blocks in poll(), a wait that may yield checks the sockets and yields the core
+  // for up to kYieldBudget: on loopback a blocked poll() costs a wake-up per message (2 ranks,
+  // 4 KiB in a graph: ~140 us against ~20 for MPICH over TCP).
+  const bool yielding = deadline.may_yield() || yield_in_graphs_;
+  Clock::time_point waiting_since{};
   while (sent < send_bytes || received < recv_bytes) {
     if (abort_.aborted()) return abort_.WaitError();
     KR_RETURN_IF_ERROR(InterruptStatus());
@@ -333,7 +340,17 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
         fds[n++] = pollfd{fds_[static_cast<size_t>(from)], POLLIN, 0};
       }
     }
-    int rc = poll(fds, n, deadline.remaining_ms(kPollSliceMs));
+    int rc = yielding ? poll(fds, n, 0) : 0;
+    if (rc == 0) {
+      const Clock::time_point now = Clock::now();
+      if (waiting_since == Clock::time_point{}) waiting_since = now;
+      if (yielding && now - waiting_since < kYieldBudget) {
+        sched_yield();
+        continue;
+      }
+      rc = poll(fds, n, deadline.remaining_ms(kPollSliceMs));
+    }
+    waiting_since = Clock::time_point{};
     if (rc < 0) {
       if (errno == EINTR) continue;
       return Status(Code::kInternal, "poll: " + Errno(errno));

@@ -45,6 +45,10 @@ class TcpTransport : public Transport {
   Status PollPeerFailure() override;
   void AbortWith(const Status& cause) override;
 
+  // Whether a wait in a graph's collective may yield the core before it blocks in poll(), as
+  // an eager call's does (Deadline::may_yield); set where this host's ranks each have a core.
+  void set_yield_in_graphs(bool yes) { yield_in_graphs_ = yes; }
+
   // The socket to `peer` (-1 for self); other transports watch it to notice a dead peer.
   int fd(int peer) const { return fds_[static_cast<size_t>(peer)]; }
 
@@ -62,6 +66,7 @@ class TcpTransport : public Transport {
   std::vector<int> fds_;          // data socket per peer, -1 for self
   std::vector<int> control_fds_;  // abort notices only
   AbortState abort_;
+  bool yield_in_graphs_ = false;
 };
 
 }  // namespace keras_ring
