@@ -312,6 +312,7 @@ const char* CallName(FakeCall::Type type) {
 }  // namespace
 
 int FakeDeviceApi::Enqueue(const FakeCall& call, kn::Comm comm, kn::Stream stream) {
+  std::string note;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const char* what = CallName(call.type);
@@ -319,24 +320,27 @@ int FakeDeviceApi::Enqueue(const FakeCall& call, kn::Comm comm, kn::Stream strea
     CheckIdle(comm, what);
     // NCCL allows it, but two ranks sending to each other outside a group deadlock.
     if (call.p2p() && !in_group_) world_->Note(rank_, std::string("violation: ungrouped ") + what);
-    world_->Note(rank_, std::string(what) + "@" + Name(stream) +
-                            (call.p2p() ? " peer " + std::to_string(call.root) : ""));
+    note = std::string(what) + "@" + Name(stream) +
+           (call.p2p() ? " peer " + std::to_string(call.root) : "");
     if (in_group_) {
+      world_->Note(rank_, note);
       group_.push_back(call);
       group_comm_ = comm;
       group_stream_ = stream;
       return 0;
     }
   }
-  return Submit({call}, comm, stream);
+  return Submit({call}, comm, stream, note);
 }
 
-int FakeDeviceApi::Submit(std::vector<FakeCall> calls, kn::Comm comm, kn::Stream stream) {
+int FakeDeviceApi::Submit(std::vector<FakeCall> calls, kn::Comm comm, kn::Stream stream,
+                          const std::string& note) {
   if (world_->on_launch) world_->on_launch(rank_);
   std::lock_guard<std::mutex> lock(mu_);
   CommInfo& info = comms_[comm];
-  if (info.aborted) return kn::kNcclInvalidUsage;
   std::lock_guard<std::mutex> wlock(world_->mu_);
+  if (!note.empty()) world_->Note(rank_, note);
+  if (info.aborted) return kn::kNcclInvalidUsage;
   FakeNcclWorld::CommState& c = world_->comms_[info.id];
   const bool p2p = calls.front().p2p();
   for (const FakeCall& call : calls) {

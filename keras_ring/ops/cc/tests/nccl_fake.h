@@ -203,7 +203,10 @@ class FakeDeviceApi : public keras_ring::nccl::DeviceApi {
     const void* stream = nullptr;  // of its last launch
   };
   int Enqueue(const FakeCall& call, keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream);
-  int Submit(std::vector<FakeCall> calls, keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream);
+  // `note`, if not empty, is logged under the same lock that puts the launch on the stream, so
+  // a test that sees the log entry also sees the launch (ReleaseHeld included).
+  int Submit(std::vector<FakeCall> calls, keras_ring::nccl::Comm comm, keras_ring::nccl::Stream stream,
+             const std::string& note = "");
   int MakeComm(keras_ring::nccl::Comm* comm, const keras_ring::nccl::UniqueId& id,
                bool nonblocking);
   int AsyncState(const void* comm);  // the async state: kNcclInProgress while busy (needs mu_)
