@@ -26,7 +26,6 @@ using keras_ring::Kind;
 using keras_ring::ReduceOp;
 using keras_ring::Request;
 using keras_ring::Status;
-using keras_ring::TensorRef;
 using keras_ring::Transport;
 
 AlgoConfig Config(bool fast) {
@@ -71,12 +70,7 @@ Request AllreduceRequest(DataType dtype, ReduceOp op, size_t count, std::vector<
   q.kind = Kind::kAllreduce;
   q.name = "grad";
   q.op = op;
-  TensorRef t;
-  t.dtype = dtype;
-  t.shape = {static_cast<int64_t>(count)};
-  t.input = in->data();
-  t.output = out->data();
-  q.tensors.push_back(t);
+  q.tensors.push_back(Tensor(dtype, {static_cast<int64_t>(count)}, in->data(), out->data()));
   return q;
 }
 
@@ -150,6 +144,13 @@ TEST(FastPath_AllreduceWithoutFastAgreement) {
 
 namespace {
 
+// Runs `request` as collective *seq (then advances it): "" or "<what>: <the error>".
+std::string Run(HostExecutor& ex, Request& request, uint64_t* seq, const std::string& what) {
+  ExecutionStats stats;
+  const Status s = ex.Execute(request, (*seq)++, &stats);
+  return s.ok() ? "" : what + ": " + s.message();
+}
+
 // Each returns what went wrong on rank r, or nothing.
 std::string CheckGrouped(HostExecutor& ex, int r, int n, size_t count, uint64_t* seq) {
   // Grouped: a float32 tensor, an int32 one, a float32 one again.
@@ -165,16 +166,10 @@ std::string CheckGrouped(HostExecutor& ex, int r, int n, size_t count, uint64_t*
     for (size_t i = 0; i < c; ++i) {
       SetFromDouble(types[k], in32[k].data(), i, Input(r, i + k, ReduceOp::kSum));
     }
-    TensorRef tr;
-    tr.dtype = types[k];
-    tr.shape = {static_cast<int64_t>(c)};
-    tr.input = in32[k].data();
-    tr.output = out32[k].data();
-    g.tensors.push_back(tr);
+    g.tensors.push_back(Tensor(types[k], {static_cast<int64_t>(c)}, in32[k].data(),
+                               out32[k].data()));
   }
-  ExecutionStats stats;
-  Status s = ex.Execute(g, (*seq)++, &stats);
-  if (!s.ok()) return "grouped: " + s.message();
+  if (std::string e = Run(ex, g, seq, "grouped"); !e.empty()) return e;
   for (size_t k = 0; k < 3; ++k) {
     for (size_t i = 0; i < in32[k].size(); ++i) {
       if (GetAsDouble(types[k], out32[k].data(), i) != Expected(n, i + k, ReduceOp::kSum)) {
@@ -196,15 +191,9 @@ std::string CheckBroadcasts(HostExecutor& ex, int r, int n, size_t count, uint64
     b.kind = Kind::kBroadcast;
     b.name = "bcast";
     b.root = root;
-    TensorRef tr;
-    tr.dtype = DataType::kInt32;
-    tr.shape = {static_cast<int64_t>(count)};
-    tr.input = in.data();
-    tr.output = out.data();
-    b.tensors.push_back(tr);
-    ExecutionStats stats;
-    Status s = ex.Execute(b, (*seq)++, &stats);
-    if (!s.ok()) return "broadcast: " + s.message();
+    b.tensors.push_back(
+        Tensor(DataType::kInt32, {static_cast<int64_t>(count)}, in.data(), out.data()));
+    if (std::string e = Run(ex, b, seq, "broadcast"); !e.empty()) return e;
     for (size_t i = 0; i < count; ++i) {
       if (out[i] != static_cast<int32_t>(Mix(root, i) & 0xffff)) {
         return "broadcast root " + std::to_string(root) + " element " + std::to_string(i);
@@ -224,19 +213,13 @@ std::string CheckAllgather(HostExecutor& ex, int r, int n, size_t count, uint64_
   Request a;
   a.kind = Kind::kAllgather;
   a.name = "gather";
-  TensorRef ta;
-  ta.dtype = DataType::kInt32;
-  ta.shape = {rows, 3};
-  ta.input = gin.data();
-  a.tensors.push_back(ta);
+  a.tensors.push_back(Tensor(DataType::kInt32, {rows, 3}, gin.data(), nullptr));
   a.allocate_output = [&](int64_t total, void** out) {
     gout.assign(static_cast<size_t>(total * 3), -1);
     *out = gout.data();
     return Status::OK();
   };
-  ExecutionStats stats;
-  Status s = ex.Execute(a, (*seq)++, &stats);
-  if (!s.ok()) return "allgather: " + s.message();
+  if (std::string e = Run(ex, a, seq, "allgather"); !e.empty()) return e;
   if (gout.size() != gin.size() * static_cast<size_t>(n)) return "allgather size";
   for (int q = 0; q < n; ++q) {
     for (size_t i = 0; i < gin.size(); ++i) {
@@ -257,15 +240,9 @@ std::string CheckReducescatter(HostExecutor& ex, int r, int n, size_t count, uin
   rs.kind = Kind::kReducescatter;
   rs.name = "rs";
   rs.op = ReduceOp::kAverage;
-  TensorRef trs;
-  trs.dtype = DataType::kFloat32;
-  trs.shape = {static_cast<int64_t>(count)};
-  trs.input = rin.data();
-  trs.output = rout.data();
-  rs.tensors.push_back(trs);
-  ExecutionStats stats;
-  Status s = ex.Execute(rs, (*seq)++, &stats);
-  if (!s.ok()) return "reducescatter: " + s.message();
+  rs.tensors.push_back(
+      Tensor(DataType::kFloat32, {static_cast<int64_t>(count)}, rin.data(), rout.data()));
+  if (std::string e = Run(ex, rs, seq, "reducescatter"); !e.empty()) return e;
   size_t first = 0;
   for (int q = 0; q < r; ++q) first += static_cast<size_t>(parts[static_cast<size_t>(q)]);
   for (size_t i = 0; i < rout.size(); ++i) {

@@ -103,16 +103,6 @@ class GpuWorld {
   std::vector<std::shared_ptr<keras_ring::nccl::DeviceApi>> apis;
 };
 
-inline keras_ring::TensorRef Tensor(keras_ring::DataType dtype, std::vector<int64_t> shape,
-                                    const void* in, void* out) {
-  keras_ring::TensorRef t;
-  t.dtype = dtype;
-  t.shape = std::move(shape);
-  t.input = in;
-  t.output = out;
-  return t;
-}
-
 inline keras_ring::Request Allreduce(keras_ring::TensorRef t, keras_ring::ReduceOp op,
                                      double pre = 1.0, double post = 1.0,
                                      const std::string& name = "grad") {

@@ -54,15 +54,6 @@ class RuntimeWorld {
   std::vector<std::unique_ptr<Runtime>> runtimes_;
 };
 
-TensorRef Tensor(DataType dtype, std::vector<int64_t> shape, const void* in, void* out) {
-  TensorRef t;
-  t.dtype = dtype;
-  t.shape = std::move(shape);
-  t.input = in;
-  t.output = out;
-  return t;
-}
-
 Request Allreduce(const std::string& name, TensorRef t, ReduceOp op = ReduceOp::kSum,
                   double pre = 1.0, double post = 1.0) {
   Request req;

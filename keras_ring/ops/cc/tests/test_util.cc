@@ -165,6 +165,16 @@ const std::vector<ReduceOp>& AllReduceOps() {
   return all;
 }
 
+keras_ring::TensorRef Tensor(keras_ring::DataType dtype, std::vector<int64_t> shape,
+                             const void* in, void* out) {
+  keras_ring::TensorRef t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.input = in;
+  t.output = out;
+  return t;
+}
+
 uint64_t Mix(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
   uint64_t h = 0x9e3779b97f4a7c15ull;
   for (uint64_t v : {a, b, c, d}) {

@@ -11,6 +11,7 @@
 
 #include "../core/common.h"
 #include "../core/local_transport.h"
+#include "../core/request.h"
 #include "test_harness.h"
 
 namespace kr_test {
@@ -44,6 +45,10 @@ bool IsFloat(keras_ring::DataType dtype);
 // The dtypes and ops every collective supports.
 const std::vector<keras_ring::DataType>& AllDataTypes();
 const std::vector<keras_ring::ReduceOp>& AllReduceOps();
+
+// A tensor of `dtype` and `shape` read from `in` and written to `out` (may be equal).
+keras_ring::TensorRef Tensor(keras_ring::DataType dtype, std::vector<int64_t> shape,
+                             const void* in, void* out);
 
 // A deterministic hash of a few integers, for test inputs.
 uint64_t Mix(uint64_t a, uint64_t b = 0, uint64_t c = 0, uint64_t d = 0);
