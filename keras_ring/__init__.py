@@ -11,11 +11,11 @@ x = keras_ring.allreduce(tf.constant([1.0, 2.0]), op=keras_ring.Sum)
 
 from __future__ import annotations
 
-import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from keras_ring import _lifecycle
+from keras_ring._lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -59,18 +59,8 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'keras_ring' has no attribute {name!r}")
-    imported = importlib.import_module(module)
-    value = imported if module == f"keras_ring.{name}" else getattr(imported, name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports("keras_ring", _EXPORTS, globals(),
+                                   submodules=("callbacks", "elastic"))
 
 
 # The runtime sits below the modules these steps need, so the package registers them (see

@@ -28,8 +28,7 @@ side). Importing this package imports nothing heavy; the names below load on fir
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from keras_ring._lazy_exports import lazy_exports
 
 _EXPORTS = {
     "run": "keras_ring.elastic.run",
@@ -46,14 +45,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'keras_ring.elastic' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports("keras_ring.elastic", _EXPORTS, globals())

@@ -17,6 +17,7 @@ LAYERS = {
     # 0. Leaves, no TensorFlow: the environment, addresses, the errors of a launch, the
     # launcher (a stdlib-only script), the op library's builder and ABI numbering.
     "keras_ring.config": 0,
+    "keras_ring._lazy_exports": 0,
     "keras_ring.interfaces": 0,
     "keras_ring._errors_base": 0,
     "keras_ring.launcher": 0,
