@@ -80,12 +80,17 @@ def _steps(events):
     return list(zip(marks, [e["started"] for e in firsts], [e["submitted"] for e in last])), buckets
 
 
-def test_first_bucket_starts_before_backprop_ends(world):
-    rank, size = world
+def _trained_once(rank):
+    """The marked model with BUCKETS, built and its step traced by one batch; and rank's data."""
     model = _model(ks.rank_seed(0))
     model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.01), **BUCKETS), loss=ks.loss())
     x, y = _data(rank)
-    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)  # traced
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    return model, x, y
+
+
+def test_first_bucket_starts_before_backprop_ends(world):
+    model, x, y = _trained_once(world[0])
     timeline.recorded()  # forget what came before recording
     timeline.record(True)
     try:
@@ -121,11 +126,7 @@ def _ancestors(op):
 def test_first_bucket_has_no_path_from_the_last_gradient(world):
     # The deterministic half of the overlap: in the traced step, nothing (data or control
     # edge) makes the first bucket's collective wait for the first layer's gradient.
-    rank, _ = world
-    model = _model(ks.rank_seed(0))
-    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.01), **BUCKETS), loss=ks.loss())
-    x, y = _data(rank)
-    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)  # builds
+    model, x, y = _trained_once(world[0])
     graph = tf.function(model.train_step).get_concrete_function(
         (tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))).graph
     marks = [op for op in graph.get_operations() if op.type == "KerasRingTimelineMark"]
