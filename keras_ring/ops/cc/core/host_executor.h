@@ -47,8 +47,9 @@ class HostExecutor : public Executor {
     bool inlined = false;
   };
   // Agree's body. With `deliver`, small data may ride the fast agreement, which then
-  // writes the outputs (how.fast && how.inlined: the collective is complete).
-  Status AgreeOn(const Request& request, uint64_t seq, Request* deliver,
+  // writes the outputs (how.fast && how.inlined: the collective is complete). After a fast
+  // agreement `sigs` is filled only if `want_sigs`; after the full exchange, always.
+  Status AgreeOn(const Request& request, uint64_t seq, Request* deliver, bool want_sigs,
                  std::vector<Signature>* sigs, Agreement* how);
   Status FastAgree(const Request& request, uint64_t seq, Request* deliver, bool* agreed,
                    bool* delivered);
