@@ -86,7 +86,7 @@ class DistributedGradientTape:
         op: ReduceOp = Average,
         compression: Compressor | Any = Compression.none,
         bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
+        first_bucket_bytes: int | str | None = DEFAULT_FIRST_BUCKET_BYTES,
         sparse_as_dense: bool = False,
         gradient_predivide_factor: float = 1.0,
         backward_passes_per_step: int = 1,
