@@ -33,7 +33,11 @@ def start(c, env: dict, extra: list[str]) -> list[subprocess.Popen]:
 
 
 def named_rank(message: str) -> set[int]:
-    return {int(r) for r in re.findall(r"\brank (\d+)\b", message)}
+    """Every rank a message names: "rank 3", or a list such as "ranks not yet heard from: 2, 3"."""
+    named = {int(r) for r in re.findall(r"\brank (\d+)\b", message)}
+    for listed in re.findall(r"\branks [a-z ]*:? ?(\d+(?:, \d+)*)", message):
+        named |= {int(r) for r in listed.split(", ")}
+    return named
 
 
 def shm_segments() -> set[str]:

@@ -78,6 +78,7 @@ Status HostExecutor::FastAgree(const Request& request, uint64_t seq, Request* de
   fast_progress_.store(0);
   Status s = fast_.Run(transport_, ConfigFor(request), ConfigWord(), request, deliver, mine,
                        agreed, delivered, &fast_progress_, &waited_on);
+  if (!s.ok()) s = PassOnBlame(s, mine.Label());  // while the progress is still known
   fast_progress_.store(-1);
   if (s.code() == Code::kDeadlineExceeded && s.reporter() < 0 && waited_on >= 0) {
     // Our own wait on a partner that has not submitted (or waits itself on one that has
@@ -113,6 +114,7 @@ Status HostExecutor::AgreeOn(const Request& request, uint64_t seq, Request* deli
   mine.sig.inlined = PackInline(request, &mine) ? 1 : 0;
   exchange_steps_.store(0);
   Status s = ExchangeSlots(transport_, ConfigFor(request), &slots_, &exchange_steps_);
+  if (!s.ok()) s = PassOnBlame(s, mine.sig.Label());
   const int steps = exchange_steps_.exchange(-1);
   if (s.code() == Code::kDeadlineExceeded && s.reporter() < 0) {
     s = BlameForExchangeTimeout(request, seq, steps);  // our own wait, not a relayed notice
@@ -140,6 +142,23 @@ bool HostExecutor::NotYetHeardFrom(std::vector<int>* missing) const {
   missing->clear();
   for (int k = steps + 1; k < size_; ++k) missing->push_back(((rank_ - k) % size_ + size_) % size_);
   return true;
+}
+
+Status HostExecutor::PassOnBlame(const Status& s, const std::string& label) const {
+  std::vector<int> missing;
+  if (s.code() != Code::kDeadlineExceeded || s.reporter() < 0 || s.peer() != rank_ ||
+      !NotYetHeardFrom(&missing) || missing.empty()) {
+    return s;
+  }
+  std::string ranks;
+  for (int q : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+  return Status(Code::kDeadlineExceeded,
+                "rank " + std::to_string(rank_) + " was still waiting in " + label +
+                    " for ranks not yet heard from: " + ranks +
+                    " (one of them is stalled, or the network to it is down) when rank " +
+                    std::to_string(s.reporter()) + " gave up waiting for it",
+                missing.front())
+      .ReportedBy(s.reporter());
 }
 
 Status HostExecutor::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "algorithms.h"
@@ -31,6 +32,11 @@ class HostExecutor : public Executor {
   // The ranks this rank has not heard from in the agreement in progress (the stalled one is
   // among them); false when no agreement runs.
   bool NotYetHeardFrom(std::vector<int>* missing) const;
+  // `s` as this rank reports it. A peer's notice that blames this rank for not submitting,
+  // while this rank still waits in the agreement of `label` (an earlier collective: the peer
+  // got through it, this rank did not), passes the blame on to the ranks this rank has not
+  // heard from, where the stalled rank or the lost link is. Any thread.
+  Status PassOnBlame(const Status& s, const std::string& label) const;
   Transport& transport() { return transport_; }
   // Alltoall, right after Agree: every rank's splits, read from the slots and checked (the
   // same verdict everywhere, so a refusal needs no further agreement).

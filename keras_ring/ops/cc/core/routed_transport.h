@@ -52,6 +52,7 @@ class RoutedTransport : public Transport {
   size_t BufferedSendBytes() const override;
   // Every peer has a TCP connection (the liveness signal of shm peers too).
   Status PollPeerFailure() override { return tcp_->PollPeerFailure(); }
+  Status PeerNotice(int peer) override { return tcp_->PeerNotice(peer); }
   void AbortWith(const Status& cause) override;
 
  private:

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 
+#include "doubling.h"
 #include "failure_exit.h"
 
 namespace keras_ring {
@@ -262,7 +263,12 @@ Status Runtime::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
   return Failed(label, s, true);
 }
 
-Status Runtime::Failed(const std::string& label, const Status& s, bool executing) {
+Status Runtime::Failed(const std::string& label, const Status& bare, bool executing) {
+  Status s = bare;
+  if (executing && bare.fatal()) {
+    transport_->AbortWith(bare);  // first: the blamed peer's answer may say more (AskWhy)
+    s = AskWhy(bare, label);
+  }
   std::string message = "keras_ring: " + label + " failed on rank " +
                          std::to_string(options_.rank) + ": " + s.message();
   if (s.code() == Code::kDeadlineExceeded) {
@@ -279,7 +285,7 @@ Status Runtime::Failed(const std::string& label, const Status& s, bool executing
       std::lock_guard<std::mutex> lock(mu_);
       if (deferred_failure_.ok()) deferred_failure_ = failed;
     }
-    transport_->AbortWith(s);  // the bare cause, naming the rank to blame
+    transport_->AbortWith(bare);  // the bare cause, naming the rank to blame
     OnFatal(failed);
     std::lock_guard<std::mutex> lock(device_mu_);
     if (device_) device_->PeerFailed(s);
@@ -287,6 +293,30 @@ Status Runtime::Failed(const std::string& label, const Status& s, bool executing
   // A signature mismatch: every rank saw the same table and fails the same way; no data
   // moved, so the runtime stays usable.
   return failed;
+}
+
+Status Runtime::AskWhy(const Status& s, const std::string& label) {
+  const int peer = s.peer();
+  if (s.code() != Code::kDeadlineExceeded || s.reporter() >= 0 || peer < 0 ||
+      peer == options_.rank) {
+    return s;  // not this rank's own wait on a peer
+  }
+  // The peer answers our notice within its watchdog's period, unless it is frozen: bounded
+  // by the margin that separates the depths of a wait.
+  const Deadline deadline = Deadline::After(DepthMargin(options_.timeout_seconds));
+  while (!deadline.expired()) {
+    const Status answer = transport_->PeerNotice(peer);
+    if (!answer.ok()) {
+      const int blamed = answer.peer();
+      if (blamed < 0 || blamed == peer || blamed == options_.rank) return s;  // no news
+      const std::string why = answer.message().substr(0, answer.message().find(" (reported by"));
+      const std::string waited = "rank " + std::to_string(peer) + " in " + label;
+      return Status(Code::kDeadlineExceeded, "timed out waiting for " + waited + ": " + why,
+                    blamed);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // polling a peer's answer
+  }
+  return s;
 }
 
 void Runtime::RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
@@ -314,7 +344,8 @@ void Runtime::WatchdogLoop() {
       // A dead or failed peer is noticed here even while this rank is busy elsewhere (in
       // user code, or waiting on another peer), so the job ends instead of waiting.
       lock.unlock();
-      const Status failure = transport_->PollPeerFailure();
+      // A peer that gave up on this rank while it still waits on others: say on whom.
+      const Status failure = host_->PassOnBlame(transport_->PollPeerFailure(), BusyLabel());
       lock.lock();
       if (!failure.ok() && !stopping_) {
         peer_failure_ = failure;
@@ -351,12 +382,13 @@ void Runtime::OnFatal(const Status& cause) {
   ArmFailureExit(options_.failure_exit_seconds, options_.rank, cause.message());
 }
 
+std::string Runtime::BusyLabel() {
+  std::lock_guard<std::mutex> lock(label_mu_);
+  return busy_label_;
+}
+
 std::string Runtime::StallReport(double waited_seconds) {
-  std::string label;
-  {
-    std::lock_guard<std::mutex> lock(label_mu_);
-    label = busy_label_;
-  }
+  const std::string label = BusyLabel();
   const int n = options_.size;
   const int r = options_.rank;
   std::string msg = "keras_ring: WARNING: rank " + std::to_string(r) + " has waited " +

@@ -122,7 +122,13 @@ class Runtime {
   Status Execute(Request& request, uint64_t seq, ExecutionStats* stats);
   // `s` (not OK) as this runtime's error for `label`; a fatal one breaks the runtime. From
   // the executing thread (`executing`) or from a deferred completion.
-  Status Failed(const std::string& label, const Status& s, bool executing);
+  Status Failed(const std::string& label, const Status& bare, bool executing);
+  // This rank gave up waiting for s.peer(), and has told it so. That peer may have been
+  // waiting itself (still in an earlier collective, cut off from a rank that this one
+  // heard from): its answer then passes the blame on (HostExecutor::PassOnBlame), and the
+  // error says so. Waits a bounded moment for the answer; `s` unchanged without one.
+  Status AskWhy(const Status& s, const std::string& label);
+  std::string BusyLabel();
   Executor* DeviceExecutor();  // null until the first device collective
   // Warns about stalls and watches for peers that failed or died, also while idle.
   void WatchdogLoop();

@@ -401,21 +401,35 @@ Status TcpTransport::PollPeerFailure() {
   if (fds.empty() || poll(fds.data(), fds.size(), 0) <= 0) return Status::OK();
   for (size_t i = 0; i < fds.size(); ++i) {
     if (fds[i].revents == 0) continue;
-    AbortNotice notice{};
-    // Peek only: the data path may still read the notice to explain a failed transfer.
-    const ssize_t got = recv(fds[i].fd, &notice, sizeof notice, MSG_PEEK | MSG_DONTWAIT);
-    const int peer = peers[i];
-    if (got == static_cast<ssize_t>(sizeof notice) && notice.magic == kNoticeMagic) {
-      if (static_cast<Code>(notice.code) == Code::kCancelled) continue;  // a clean shutdown
-      notice.message[sizeof notice.message - 1] = '\0';
-      return PeerGaveUp(peer, static_cast<Code>(notice.code), notice.culprit, notice.message);
-    }
-    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-      return Status(Code::kUnavailable,
-                    "lost rank " + std::to_string(peer) +
-                        ": its process exited, crashed or was killed without shutting down",
-                    peer);
-    }
+    Status s = ReadableNotice(peers[i]);
+    if (!s.ok()) return s;
+  }
+  return Status::OK();
+}
+
+Status TcpTransport::PeerNotice(int peer) {
+  const int fd = peer >= 0 && peer < size_ ? control_fds_[static_cast<size_t>(peer)] : -1;
+  if (fd < 0) return Status::OK();
+  pollfd p{fd, POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) <= 0 || p.revents == 0) return Status::OK();
+  return ReadableNotice(peer);
+}
+
+Status TcpTransport::ReadableNotice(int peer) const {
+  AbortNotice notice{};
+  // Peek only: the data path may still read the notice to explain a failed transfer.
+  const ssize_t got = recv(control_fds_[static_cast<size_t>(peer)], &notice, sizeof notice,
+                           MSG_PEEK | MSG_DONTWAIT);
+  if (got == static_cast<ssize_t>(sizeof notice) && notice.magic == kNoticeMagic) {
+    if (static_cast<Code>(notice.code) == Code::kCancelled) return Status::OK();  // clean
+    notice.message[sizeof notice.message - 1] = '\0';
+    return PeerGaveUp(peer, static_cast<Code>(notice.code), notice.culprit, notice.message);
+  }
+  if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+    return Status(Code::kUnavailable,
+                  "lost rank " + std::to_string(peer) +
+                      ": its process exited, crashed or was killed without shutting down",
+                  peer);
   }
   return Status::OK();
 }

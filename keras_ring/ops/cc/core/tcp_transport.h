@@ -43,6 +43,7 @@ class TcpTransport : public Transport {
   // Watches the control sockets: an abort notice other than a clean shutdown, or an end of
   // stream with no notice at all (the process died), is a failure.
   Status PollPeerFailure() override;
+  Status PeerNotice(int peer) override;
   void AbortWith(const Status& cause) override;
 
   // Whether a wait in a graph's collective may yield the core before it blocks in poll(), as
@@ -58,6 +59,8 @@ class TcpTransport : public Transport {
                    Deadline deadline);
   Status AcceptFrom(int listen_fd, uint64_t job_token, Deadline deadline);
   Status PeerGone(int peer, const char* what, int err) const;
+  // The notice or end of stream waiting on `peer`'s control socket (readable), or OK.
+  Status ReadableNotice(int peer) const;
 
   int rank_;
   int size_;

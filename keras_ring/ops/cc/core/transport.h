@@ -97,6 +97,11 @@ class Transport {
   // cannot tell returns OK.
   virtual Status PollPeerFailure() { return Status::OK(); }
 
+  // The same for one peer, also after this rank's own abort: how `peer` gave up (its notice,
+  // whose peer() is the rank it blames) or that it died; OK while it has done neither. A rank
+  // that gave up on a peer asks this to learn whether that peer was itself waiting.
+  virtual Status PeerNotice(int /*peer*/) { return Status::OK(); }
+
   // Unblocks every wait and makes peers notice. `cause` travels to the peers where the
   // transport can carry it (its peer() is the rank to blame; code kCancelled means a clean
   // shutdown), so a rank far from the failure can still name it. After an abort only the
