@@ -141,6 +141,7 @@ class Config:
     fast_agree: bool = True  # collectives open with the O(log n) fast agreement
     doubling_max_bytes: int = 32 << 10  # allreduces up to this size: recursive doubling
     device_max_in_flight: int = 64  # NCCL collectives launched and not yet complete
+    sync_graph_kernels: bool = True  # CPU collectives in graphs run as synchronous kernels
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -166,4 +167,5 @@ class Config:
             doubling_max_bytes=int_from_env("KERAS_RING_DOUBLING_MAX_BYTES", 32 << 10,
                                             minimum=0),
             device_max_in_flight=int_from_env("KERAS_RING_DEVICE_MAX_IN_FLIGHT", 64),
+            sync_graph_kernels=_bool("KERAS_RING_SYNC_GRAPH_KERNELS", True),
         )

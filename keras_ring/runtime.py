@@ -186,6 +186,7 @@ class Runtime:
             fast_agree=int(config.fast_agree),
             doubling_max_bytes=config.doubling_max_bytes,
             device_max_in_flight=config.device_max_in_flight,
+            sync_graph_kernels=int(config.sync_graph_kernels),
         )
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))

@@ -49,6 +49,7 @@ class NativeConfig(ctypes.Structure):
         ("fast_agree", ctypes.c_int),
         ("doubling_max_bytes", ctypes.c_size_t),
         ("device_max_in_flight", ctypes.c_int),
+        ("sync_graph_kernels", ctypes.c_int),
     ]
 
 

@@ -107,6 +107,40 @@ def test_tf_function_and_variables(initialized):
     assert f().numpy().tolist() == [3.0, 6.0]
 
 
+@pytest.mark.parametrize("sync", ["1", "0"])
+def test_graph_collectives_as_synchronous_and_asynchronous_kernels(monkeypatch, sync):
+    # KERAS_RING_SYNC_GRAPH_KERNELS picks the CPU kernels' kind in graphs (TensorFlow runs a
+    # synchronous one's successor on its thread); both must give the same results and errors.
+    monkeypatch.setenv("KERAS_RING_SYNC_GRAPH_KERNELS", sync)
+    kr.init()
+    try:
+        from keras_ring import runtime
+
+        assert runtime.RUNTIME.config.sync_graph_kernels is (sync == "1")
+        v = tf.Variable(tf.range(6, dtype=tf.float32))
+
+        @tf.function
+        def chain():
+            out = v
+            for _ in range(4):  # chained: each waits for the one before
+                out = kr.allreduce(out, op=kr.Sum) + 1.0
+            return out, kr.grouped_allreduce([out, 2.0 * out]), kr.broadcast(out, 0)
+
+        out, grouped, broadcast = chain()
+        assert out.numpy().tolist() == [x + 4.0 for x in range(6)]
+        assert grouped[1].numpy().tolist() == [2.0 * (x + 4.0) for x in range(6)]
+        assert broadcast.numpy().tolist() == out.numpy().tolist()
+        from keras_ring.errors import CollectiveArgumentError
+
+        with pytest.raises(CollectiveArgumentError, match="root_rank 3 on rank 0 is out of range"):
+            tf.function(lambda: kr.broadcast(v, root_rank=3))()
+    finally:
+        kr.shutdown()
+    monkeypatch.setenv("KERAS_RING_SYNC_GRAPH_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="KERAS_RING_SYNC_GRAPH_KERNELS must be 1 or 0"):
+        kr.init()
+
+
 def test_objects_and_barrier(initialized):
     assert kr.broadcast_object({"a": [1, 2]}, root_rank=0) == {"a": [1, 2]}
     assert kr.allgather_object("x") == ["x"]

@@ -45,6 +45,10 @@ struct RuntimeOptions {
   // Device collectives launched on the stream and not yet completed, at most (NCCL); the
   // next one waits for a slot. 1: each completes before the next launches.
   int device_max_in_flight = 64;
+  // Whether the CPU kernels of collectives in graphs are synchronous (the TensorFlow adapter
+  // reads it): TensorFlow then runs a collective's successor on the same thread instead of
+  // scheduling it on its pool, which costs a hand-off per collective.
+  bool sync_graph_kernels = true;
 };
 
 // The error of a collective on a process set this rank runs no runtime for.

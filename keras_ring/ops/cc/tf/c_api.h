@@ -29,6 +29,7 @@ typedef struct {
   int fast_agree;             // open collectives with the fast agreement; equal on all ranks
   size_t doubling_max_bytes;  // allreduces up to this size by recursive doubling
   int device_max_in_flight;   // NCCL collectives launched and not yet complete; 0 = default
+  int sync_graph_kernels;     // CPU collectives in graphs run as synchronous kernels
 } keras_ring_config;
 
 // Starts the runtime of config->process_set_id (a no-op when it is running).

@@ -61,6 +61,11 @@ CollectiveKernel::CollectiveKernel(OpKernelConstruction* c)
   OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
   OP_REQUIRES_OK(c, c->GetAttr("eager", &eager_));
   OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_id_));
+  // Graphs' CPU collectives only: the runtime's idle path runs them on the calling thread
+  // anyway, and the ops of one graph are chained, so one waits at a time. Eager ops stay
+  // async (TensorFlow runs them on the caller either way); GPU ones complete on the stream.
+  std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get(process_set_id_);
+  sync_ = !on_gpu_ && !eager_ && (runtime == nullptr || runtime->options().sync_graph_kernels);
 }
 
 void CollectiveKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {

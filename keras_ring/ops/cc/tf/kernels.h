@@ -29,6 +29,10 @@ class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
  public:
   explicit CollectiveKernel(::tensorflow::OpKernelConstruction* c);
   void ComputeAsync(::tensorflow::OpKernelContext* ctx, DoneCallback done) final;
+  // A synchronous kernel: TensorFlow's executor then calls Compute (ComputeAsync, waiting
+  // for done) and runs the op's successor on this thread, instead of scheduling every
+  // successor of an async op on its pool (a thread hand-off per collective in a chain).
+  ::tensorflow::AsyncOpKernel* AsAsync() override { return sync_ ? nullptr : this; }
 
  protected:
   // Fills `request` (kind, tensors, ...) from the op's inputs, allocating what it must.
@@ -39,6 +43,7 @@ class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
   std::string tensor_name_;
   bool eager_ = false;
   bool on_gpu_ = false;
+  bool sync_ = false;
 
  protected:
   int process_set_id_ = 0;  // the runtime (process set) this op's collectives run on
