@@ -344,8 +344,9 @@ void Runtime::WatchdogLoop() {
       // A dead or failed peer is noticed here even while this rank is busy elsewhere (in
       // user code, or waiting on another peer), so the job ends instead of waiting.
       lock.unlock();
+      Status failure = transport_->PollPeerFailure();
       // A peer that gave up on this rank while it still waits on others: say on whom.
-      const Status failure = host_->PassOnBlame(transport_->PollPeerFailure(), BusyLabel());
+      if (!failure.ok()) failure = host_->PassOnBlame(failure, BusyLabel());
       lock.lock();
       if (!failure.ok() && !stopping_) {
         peer_failure_ = failure;
