@@ -103,6 +103,7 @@ void Runtime::StopWith(const Status& cause) {
     stop_cause_ = cause;  // the worker, woken below, may abort the transport first
   }
   cv_.notify_all();
+  watchdog_cv_.notify_all();
   // A collective still in flight at shutdown cannot complete without us; end it now
   // rather than after the timeout. Peers learn why: a clean shutdown, or a failure.
   transport_->AbortWith(cause);
@@ -146,11 +147,16 @@ void Runtime::SubmitOrRun(Request request) {
   request.submitted = Clock::now();
   bool deferred = false;
   const Status s = RunOne(request, &deferred);
+  bool worker_has_work = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     executing_ = false;
+    worker_has_work = stopping_ || !queue_.empty();
   }
-  cv_.notify_all();  // requests queued meanwhile are the worker's now
+  // Requests queued meanwhile (or a stop) are the worker's now. Otherwise it has nothing to
+  // do: waking it anyway costs a futex call and a context switch per collective, which on a
+  // busy host takes a core from the peers this rank waits for.
+  if (worker_has_work) cv_.notify_all();
   if (!deferred) request.done(s);
 }
 
@@ -338,7 +344,7 @@ void Runtime::WatchdogLoop() {
   uint64_t warned = 0;
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    cv_.wait_for(lock, std::chrono::milliseconds(250));
+    watchdog_cv_.wait_for(lock, std::chrono::milliseconds(250));
     if (stopping_) break;
     if (peer_failure_.ok()) {
       // A dead or failed peer is noticed here even while this rank is busy elsewhere (in

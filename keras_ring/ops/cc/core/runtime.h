@@ -150,7 +150,10 @@ class Runtime {
   std::unique_ptr<Executor> device_;
 
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;  // the worker's: a request queued, executing_ cleared, a stop
+  // The watchdog's own, woken only by a stop: sharing cv_ would wake it (and make it poll
+  // every peer) on every collective.
+  std::condition_variable watchdog_cv_;
   std::deque<Request> queue_;
   std::atomic<size_t> queued_{0};  // queue_.size(), readable without mu_
   bool stopping_ = false;
