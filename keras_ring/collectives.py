@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import math
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -30,11 +31,25 @@ Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
 
-REDUCE_DTYPES = (
+
+class _DtypeSet(tuple):
+    """Dtypes in the order errors name them, tested for membership as a set (a tuple's test
+    calls the Python ``DType.__eq__`` element by element, on every eager call)."""
+
+    def __new__(cls, dtypes):
+        self = super().__new__(cls, dtypes)
+        self._members = frozenset(dtypes)
+        return self
+
+    def __contains__(self, dtype) -> bool:
+        return dtype in self._members
+
+
+REDUCE_DTYPES = _DtypeSet((
     tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.uint16,
     tf.int32, tf.int64,
-)
-GATHER_DTYPES = REDUCE_DTYPES + (tf.bool,)
+))
+GATHER_DTYPES = _DtypeSet(REDUCE_DTYPES + (tf.bool,))
 
 
 def _check_dtype(tensor: tf.Tensor, allowed: tuple, what: str) -> None:
@@ -44,6 +59,8 @@ def _check_dtype(tensor: tf.Tensor, allowed: tuple, what: str) -> None:
 
 
 def _check_op(op: Any) -> ReduceOp:
+    if type(op) is ReduceOp:
+        return op
     try:
         return ReduceOp(op)
     except ValueError:
@@ -62,15 +79,18 @@ def _check_name(name: str | None) -> str:
 
 def _check_factor(value: Any, what: str) -> float:
     # A string would pass float() ("2" -> 2.0) and a bool is an int: both are caller bugs.
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if type(value) is not float and (
+            isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))):
         raise TypeError(f"{what} must be a number, got {type(value).__name__}: {value!r}")
     factor = float(value)
-    if not np.isfinite(factor):
+    if not math.isfinite(factor):
         raise ValueError(f"{what} must be finite, got {factor}")
     return factor
 
 
 def _to_tensor(value: Any, what: str) -> tf.Tensor:
+    if isinstance(value, tf.Tensor):  # already one (eager or symbolic): nothing to convert
+        return value
     try:
         return tf.convert_to_tensor(value)
     except (TypeError, ValueError) as e:

@@ -19,6 +19,7 @@ from keras_ring.ops.reduce_op import ReduceOp
 _NODE_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
 
 
+@functools.lru_cache(maxsize=4096)  # eager calls repeat the same few names
 def _node_name(kind: str, tensor_name: str) -> str:
     return _NODE_NAME.sub("_", f"KerasRing{kind}_{tensor_name}" if tensor_name else f"KerasRing{kind}")
 
