@@ -284,9 +284,11 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
     tuned.spin_iterations = 0;
   }
   // A graph's collective that yields while it waits cuts a wake-up per round where each rank
-  // has a core (2 ranks on 2 cores: 4 KiB in a graph 48 us instead of 105); where ranks
-  // outnumber cores, the core goes to other ranks' TensorFlow threads instead of the peer
-  // (4 ranks on 2 cores: 390-440 us instead of 280), so those sleep at once.
+  // has a core (2 ranks on 2 cores: 4 KiB in a graph 48 us instead of 105). Where ranks
+  // outnumber cores the waits sleep at once: a chain of collectives alone would yield faster
+  // (4 ranks on 2 cores, 4 KiB: 59-65 us instead of 113-265), but in training the yielded
+  // core goes to other ranks' backprop, and Keras MLP steps at 4 ranks were slower yielding
+  // in 5 of 7 alternated rounds.
   if (static_cast<long>(local.size()) + 1 > cores) tuned.yield_in_graphs = false;
   std::unique_ptr<ShmTransport> t(new ShmTransport(rank, size, tuned));
   const size_t header =
