@@ -200,6 +200,118 @@ TEST(Runtime_SubmitOrRunRunsOnTheCallerWhenIdle) {
   });
 }
 
+// A transport that holds its first data call until released, and says when it got there:
+// the test then knows the collective is running (on whichever thread) and waits in it.
+class GatedTransport : public keras_ring::Transport {
+ public:
+  explicit GatedTransport(std::unique_ptr<keras_ring::Transport> inner)
+      : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const char* name() const override { return "gated"; }
+  Status Send(int peer, const void* data, size_t bytes, keras_ring::Deadline d) override {
+    Hold();
+    return inner_->Send(peer, data, bytes, d);
+  }
+  Status Recv(int peer, void* data, size_t bytes, keras_ring::Deadline d) override {
+    Hold();
+    return inner_->Recv(peer, data, bytes, d);
+  }
+  Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
+                  size_t recv_bytes, keras_ring::Deadline d) override {
+    Hold();
+    return inner_->SendRecv(to, send_data, send_bytes, from, recv_data, recv_bytes, d);
+  }
+  void AbortWith(const Status& cause) override { inner_->AbortWith(cause); }
+
+  bool WaitEntered() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(30), [this] { return entered_; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  void Hold() {
+    std::unique_lock<std::mutex> lock(mu_);
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return released_; });
+  }
+  std::unique_ptr<keras_ring::Transport> inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false;
+  bool released_ = false;
+};
+
+// A request queued while the caller's thread runs a collective is the worker's once that
+// ends: the caller must wake it (it wakes the worker only when something waits).
+TEST(Runtime_RequestQueuedDuringAnInlineCollectiveRuns) {
+  // Declared before the runtimes, which may still complete a request while they are destroyed.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool y_done = false;
+  Status y_status(Code::kInternal, "not run");
+  auto fabric = std::make_shared<LocalFabric>(2);
+  RuntimeOptions options;
+  options.size = 2;
+  options.timeout_seconds = 5.0;
+  options.stall_warning_seconds = 0;
+  options.failure_exit_seconds = 0;
+  auto gated = std::make_unique<GatedTransport>(std::make_unique<LocalTransport>(fabric, 0));
+  GatedTransport* gate = gated.get();
+  options.rank = 0;
+  Runtime rank0(options, std::move(gated));
+  options.rank = 1;
+  Runtime rank1(options, std::make_unique<LocalTransport>(fabric, 1));
+
+  int64_t x0 = 1, y0 = 10, x1 = 2, y1 = 20;
+  std::thread::id x_ran_on, caller_id;
+  Status x_status(Code::kInternal, "not run");
+  std::thread caller([&] {
+    caller_id = std::this_thread::get_id();
+    Request x = Allreduce("x", Tensor(DataType::kInt64, {1}, &x0, &x0));
+    x.done = [&](const Status& s) {
+      x_status = s;
+      x_ran_on = std::this_thread::get_id();
+    };
+    rank0.SubmitOrRun(std::move(x));  // idle: runs here, held in the transport
+  });
+  std::thread peer([&] {
+    CHECK_OK(rank1.Run(Allreduce("x", Tensor(DataType::kInt64, {1}, &x1, &x1))));
+    CHECK_OK(rank1.Run(Allreduce("y", Tensor(DataType::kInt64, {1}, &y1, &y1))));
+  });
+
+  CHECK(gate->WaitEntered()) << "rank 0's collective never reached its transport";
+  Request y = Allreduce("y", Tensor(DataType::kInt64, {1}, &y0, &y0));
+  y.done = [&](const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    y_status = s;
+    y_done = true;
+    cv.notify_all();
+  };
+  rank0.Submit(std::move(y));  // queued behind the running collective
+  gate->Release();
+  caller.join();
+  peer.join();
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    // Bounded only so that a regression fails instead of hanging: the request stays queued
+    // forever if nobody wakes the worker (rank 1 gives up after its 5 s timeout).
+    cv.wait_for(lock, std::chrono::seconds(30), [&] { return y_done; });
+  }
+  CHECK(x_ran_on == caller_id) << "x was meant to run on the caller's thread (the runtime was idle)";
+  CHECK_OK(x_status);
+  CHECK(y_done) << "the request queued during the inline collective never ran";
+  CHECK_OK(y_status);
+  CHECK_EQ(x0, 3);
+  CHECK_EQ(y0, 30);
+}
+
 // Broadcast, allgather with different row counts, grouped allreduce with two dtypes, barrier.
 TEST(Runtime_OtherCollectives) {
   const int n = 3;
