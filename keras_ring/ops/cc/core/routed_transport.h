@@ -45,6 +45,12 @@ class RoutedTransport : public Transport {
   Status SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
                         const std::vector<RecvPiece>& recv, size_t element_bytes,
                         const ReduceFn* reduce, Deadline deadline) override;
+  Status SendRecvFramed(int peer, const void* send_data, size_t send_bytes, void* recv_data,
+                        size_t head, size_t capacity, const FrameLength& length,
+                        size_t* received, Deadline deadline) override {
+    return Route(peer).SendRecvFramed(peer, send_data, send_bytes, recv_data, head, capacity,
+                                      length, received, deadline);
+  }
   bool ReadsInPlace(int peer) const override {
     return shm_ != nullptr && peer >= 0 && shm_->Reaches(peer);
   }

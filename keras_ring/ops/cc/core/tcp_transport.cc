@@ -313,6 +313,20 @@ Status TcpTransport::Recv(int peer, void* data, size_t bytes, Deadline deadline)
 
 Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, int from,
                               void* recv_data, size_t recv_bytes, Deadline deadline) {
+  return Pump(to, send_data, send_bytes, from, recv_data, recv_bytes, nullptr, deadline);
+}
+
+Status TcpTransport::SendRecvFramed(int peer, const void* send_data, size_t send_bytes,
+                                    void* recv_data, size_t head, size_t capacity,
+                                    const FrameLength& length, size_t* received,
+                                    Deadline deadline) {
+  const Frame frame{capacity, &length, received};
+  return Pump(peer, send_data, send_bytes, peer, recv_data, head, &frame, deadline);
+}
+
+Status TcpTransport::Pump(int to, const void* send_data, size_t send_bytes, int from,
+                          void* recv_data, size_t recv_bytes, const Frame* frame,
+                          Deadline deadline) {
   const char* sp = static_cast<const char*>(send_data);
   char* rp = static_cast<char*>(recv_data);
   size_t sent = 0, received = 0;
@@ -374,6 +388,13 @@ Status TcpTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
         return PeerGone(from, "receiving", errno);
       }
       if (got > 0) received += static_cast<size_t>(got);
+      if (frame != nullptr && received == recv_bytes) {
+        // The head is in: now the whole message, as long as it announces.
+        KR_RETURN_IF_ERROR(
+            FrameTotal(from, rp, recv_bytes, frame->capacity, *frame->length, frame->total));
+        recv_bytes = *frame->total;
+        frame = nullptr;
+      }
     }
     if (send_idx >= 0 && (fds[send_idx].revents & (POLLOUT | POLLHUP | POLLERR))) {
       ssize_t put = send(fds[send_idx].fd, sp + sent, send_bytes - sent,

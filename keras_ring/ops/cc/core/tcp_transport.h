@@ -40,6 +40,10 @@ class TcpTransport : public Transport {
   Status Recv(int peer, void* data, size_t bytes, Deadline deadline) override;
   Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
                   size_t recv_bytes, Deadline deadline) override;
+  // A stream: the peer's head and body arrive in one pass, one hop for any size.
+  Status SendRecvFramed(int peer, const void* send_data, size_t send_bytes, void* recv_data,
+                        size_t head, size_t capacity, const FrameLength& length,
+                        size_t* received, Deadline deadline) override;
   // Watches the control sockets: an abort notice other than a clean shutdown, or an end of
   // stream with no notice at all (the process died), is a failure.
   Status PollPeerFailure() override;
@@ -58,6 +62,15 @@ class TcpTransport : public Transport {
   Status ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token, int32_t channel,
                    Deadline deadline);
   Status AcceptFrom(int listen_fd, uint64_t job_token, Deadline deadline);
+  // SendRecv's loop; with `frame`, only its head is expected at first, then the total it
+  // announces (written to *framed_total).
+  struct Frame {
+    size_t capacity;
+    const FrameLength* length;
+    size_t* total;
+  };
+  Status Pump(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
+              size_t recv_bytes, const Frame* frame, Deadline deadline);
   Status PeerGone(int peer, const char* what, int err) const;
   // The notice or end of stream waiting on `peer`'s control socket (readable), or OK.
   Status ReadableNotice(int peer) const;

@@ -19,6 +19,19 @@ size_t TotalBytes(const std::vector<RecvPiece>& pieces) {
 
 }  // namespace
 
+Status FrameTotal(int peer, const void* head, size_t head_bytes, size_t capacity,
+                  const FrameLength& length, size_t* total) {
+  *total = length(head);
+  if (*total < head_bytes || *total > capacity) {
+    return Status(Code::kInternal,
+                  "rank " + std::to_string(peer) + " announced a message of " +
+                      std::to_string(*total) + " bytes where " + std::to_string(head_bytes) +
+                      " to " + std::to_string(capacity) + " were expected (a protocol error)",
+                  peer);
+  }
+  return Status::OK();
+}
+
 bool AbortState::Set(const Status& cause) {
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_.load(std::memory_order_relaxed)) return false;
@@ -68,6 +81,40 @@ Status Transport::SendRecvPieces(int to, const std::vector<SendPiece>& send, int
     off += p.bytes;
   }
   return Status::OK();
+}
+
+Status Transport::SendFramed(int peer, const void* data, size_t bytes, size_t head,
+                             Deadline deadline) {
+  KR_RETURN_IF_ERROR(Send(peer, data, head, deadline));
+  if (bytes == head) return Status::OK();
+  return Send(peer, static_cast<const char*>(data) + head, bytes - head, deadline);
+}
+
+Status Transport::RecvFramed(int peer, void* data, size_t head, size_t capacity,
+                             const FrameLength& length, size_t* received, Deadline deadline) {
+  KR_RETURN_IF_ERROR(Recv(peer, data, head, deadline));
+  KR_RETURN_IF_ERROR(FrameTotal(peer, data, head, capacity, length, received));
+  if (*received == head) return Status::OK();
+  return Recv(peer, static_cast<char*>(data) + head, *received - head, deadline);
+}
+
+Status Transport::SendRecvFramed(int peer, const void* send_data, size_t send_bytes,
+                                 void* recv_data, size_t head, size_t capacity,
+                                 const FrameLength& length, size_t* received,
+                                 Deadline deadline) {
+  // Both messages buffered (each may start a cache line in): post ours, then take theirs.
+  if (BufferedSendBytes() >= send_bytes + 128) {
+    KR_RETURN_IF_ERROR(SendFramed(peer, send_data, send_bytes, head, deadline));
+    return RecvFramed(peer, recv_data, head, capacity, length, received, deadline);
+  }
+  KR_RETURN_IF_ERROR(SendRecv(peer, send_data, head, peer, recv_data, head, deadline));
+  KR_RETURN_IF_ERROR(FrameTotal(peer, recv_data, head, capacity, length, received));
+  const size_t send_body = send_bytes - head;
+  const size_t recv_body = *received - head;
+  if (send_body == 0 && recv_body == 0) return Status::OK();
+  return SendRecv(send_body > 0 ? peer : -1, static_cast<const char*>(send_data) + head,
+                  send_body, recv_body > 0 ? peer : -1, static_cast<char*>(recv_data) + head,
+                  recv_body, deadline);
 }
 
 }  // namespace keras_ring

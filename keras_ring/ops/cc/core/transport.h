@@ -32,6 +32,15 @@ struct RecvPiece {
   size_t bytes;
 };
 
+// The total length of a framed message, read from its first head bytes (see
+// Transport::SendRecvFramed).
+using FrameLength = std::function<size_t(const void* head)>;
+
+// *total = length(head), checked to lie in [head_bytes, capacity]: kInternal naming `peer`
+// if not.
+Status FrameTotal(int peer, const void* head, size_t head_bytes, size_t capacity,
+                  const FrameLength& length, size_t* total);
+
 // A transport's aborted state. Once aborted, every wait ends with WaitError(): the cause
 // when it was a failure (so a collective that the watchdog aborted because a peer failed
 // names that peer, not "aborted"), else a plain "aborted".
@@ -81,6 +90,22 @@ class Transport {
   virtual Status SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
                                 const std::vector<RecvPiece>& recv, size_t element_bytes,
                                 const ReduceFn* reduce, Deadline deadline);
+
+  // A framed message is a head of fixed size that says the message's total length, and a
+  // body of the rest: two messages on the wire (the body only if not empty), so the receiver
+  // needs no length in advance. These send one to, receive one from, or trade one with `peer`
+  // (as SendRecv): `length` reads the total from the received head; a total under `head` or
+  // over `capacity` fails (kInternal). The default trade takes one hop when the link buffers
+  // the whole message, two (heads, then bodies) otherwise; a stream (tcp) overrides it to take
+  // one hop always. Lets small collectives carry data of any size up to `capacity` in the
+  // exchange that agrees on them, and agreements without data send only the head.
+  Status SendFramed(int peer, const void* data, size_t bytes, size_t head, Deadline deadline);
+  Status RecvFramed(int peer, void* data, size_t head, size_t capacity,
+                    const FrameLength& length, size_t* received, Deadline deadline);
+  virtual Status SendRecvFramed(int peer, const void* send_data, size_t send_bytes,
+                                void* recv_data, size_t head, size_t capacity,
+                                const FrameLength& length, size_t* received,
+                                Deadline deadline);
 
   // The most bytes a Send to any peer completes with, before that peer receives them (the
   // buffering of every link). An algorithm may post sends of this size to several peers
