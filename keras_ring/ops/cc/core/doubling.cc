@@ -36,7 +36,8 @@ void Count(std::atomic<int>* progress) {
 }  // namespace
 
 Status RecursiveDoubling(Transport& t, const AlgoConfig& cfg, char* state, char* scratch,
-                         size_t bytes, const DoublingCombine& combine, char** result,
+                         size_t head, size_t capacity, const FrameLength& length,
+                         const DoublingCombine& combine, char** result,
                          std::atomic<int>* progress, int* waited_on) {
   const int n = t.size();
   const int r = t.rank();
@@ -44,26 +45,26 @@ Status RecursiveDoubling(Transport& t, const AlgoConfig& cfg, char* state, char*
   char* mine = state;
   char* other = scratch;
   *result = mine;
+  size_t got = 0;
   auto fail = [&](int peer, const Status& s) {
     if (waited_on != nullptr) *waited_on = peer;
     return s;
   };
   int rounds = 0;
   for (int m = 1; m < p; m *= 2) ++rounds;
-  const bool buffered = t.BufferedSendBytes() >= bytes;
   if (r >= p) {
     // An extra: hand the state to the core rank, then wait for the finished one.
     const int core = r - p;
-    Status s = t.Send(core, mine, bytes, DepthDeadline(cfg, 0));
+    Status s = t.SendFramed(core, mine, length(mine), head, DepthDeadline(cfg, 0));
     if (!s.ok()) return fail(core, s);
-    s = t.Recv(core, mine, bytes, DepthDeadline(cfg, rounds + 2));
+    s = t.RecvFramed(core, mine, head, capacity, length, &got, DepthDeadline(cfg, rounds + 2));
     if (!s.ok()) return fail(core, s);
     Count(progress);
     return Status::OK();
   }
   const int extra = r + p;
   if (extra < n) {
-    Status s = t.Recv(extra, other, bytes, DepthDeadline(cfg, 0));
+    Status s = t.RecvFramed(extra, other, head, capacity, length, &got, DepthDeadline(cfg, 0));
     if (!s.ok()) return fail(extra, s);
     Held held;
     held.first = extra;
@@ -77,12 +78,8 @@ Status RecursiveDoubling(Transport& t, const AlgoConfig& cfg, char* state, char*
   }
   for (int k = 0, m = 1; m < p; ++k, m *= 2) {
     const int peer = r ^ m;
-    const Deadline deadline = DepthDeadline(cfg, k + 1);
-    // A link that buffers the whole state takes the send at once: then a plain receive,
-    // cheaper than the general exchange, which must make progress both ways at once.
-    Status s = buffered ? t.Send(peer, mine, bytes, deadline)
-                        : t.SendRecv(peer, mine, bytes, peer, other, bytes, deadline);
-    if (s.ok() && buffered) s = t.Recv(peer, other, bytes, deadline);
+    Status s = t.SendRecvFramed(peer, mine, length(mine), other, head, capacity, length, &got,
+                                DepthDeadline(cfg, k + 1));
     if (!s.ok()) return fail(peer, s);
     Held held;
     held.first = peer & ~(m - 1);
@@ -94,7 +91,7 @@ Status RecursiveDoubling(Transport& t, const AlgoConfig& cfg, char* state, char*
     Count(progress);
   }
   if (extra < n) {
-    Status s = t.Send(extra, mine, bytes, DepthDeadline(cfg, rounds + 1));
+    Status s = t.SendFramed(extra, mine, length(mine), head, DepthDeadline(cfg, rounds + 1));
     if (!s.ok()) return fail(extra, s);
   }
   *result = mine;

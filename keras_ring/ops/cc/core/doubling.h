@@ -36,14 +36,16 @@ struct Held {
 using DoublingCombine =
     std::function<char*(char* mine, char* peer, bool mine_is_lower, const Held& peer_holds)>;
 
-// Runs the exchange on `bytes`-long states: `state` holds this rank's, `scratch` is as long.
-// On return *result points at the finished state (state or scratch). Every wait at depth d
+// Runs the exchange on states sent as framed messages (Transport::SendRecvFramed): a
+// `head` that `length` reads a state's length from, up to `capacity`, so a state carries only
+// the bytes it uses. `state` holds this rank's, `scratch` is `capacity` long too. On return *result points at the finished state (state or scratch). Every wait at depth d
 // (fold-in 0, round k at k + 1, the extras' wait for the result last) is bounded by the
 // timeout plus d * DepthMargin: a stalled rank's direct waiters give up first, and their
 // error, which names it, reaches the ranks that wait on it indirectly before their own
 // deadline would make them blame an innocent partner. `progress` counts completed receives.
 Status RecursiveDoubling(Transport& t, const AlgoConfig& cfg, char* state, char* scratch,
-                         size_t bytes, const DoublingCombine& combine, char** result,
+                         size_t head, size_t capacity, const FrameLength& length,
+                         const DoublingCombine& combine, char** result,
                          std::atomic<int>* progress = nullptr, int* waited_on = nullptr);
 
 // The extra bound per depth of a recursive-doubling wait (see above).

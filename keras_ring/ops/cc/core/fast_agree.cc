@@ -1,5 +1,6 @@
 #include "fast_agree.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -84,16 +85,23 @@ void DigestSignature(const Signature& s, int size, uint64_t config, uint64_t dig
   if (std::isnan(s.prescale) || std::isnan(s.postscale)) *flags |= kFastNeedsTable;
 }
 
-FastAgreement::Ride FastAgreement::Pack(const Request& r, int rank, int size,
-                                        char* payload) const {
+size_t FastRideLimit(const AlgoConfig& cfg) {
+  return std::max<size_t>(4096, std::min(cfg.doubling_max_bytes, kFastPayloadBytes));
+}
+
+FastAgreement::Ride FastAgreement::Pack(const Request& r, int rank, int size, size_t limit,
+                                        FastMessage* msg) const {
+  msg->header.payload_bytes = 0;
   if (r.placement != Placement::kHost) return Ride::kNone;
   size_t bytes = 0;
   for (const TensorRef& t : r.tensors) bytes += t.num_bytes();
+  char* payload = msg->payload;
+  Ride ride = Ride::kNone;
   switch (r.kind) {
     case Kind::kAllreduce:
     case Kind::kGroupedAllreduce:
     case Kind::kReducescatter: {
-      if (bytes > kFastPayloadBytes) return Ride::kNone;
+      if (bytes > limit) return Ride::kNone;
       size_t off = 0;
       for (const TensorRef& t : r.tensors) {
         if (t.num_bytes() == 0) continue;
@@ -101,34 +109,47 @@ FastAgreement::Ride FastAgreement::Pack(const Request& r, int rank, int size,
         Scale(t.dtype, payload + off, static_cast<size_t>(t.num_elements()), r.prescale);
         off += t.num_bytes();
       }
-      return Ride::kReduce;
+      ride = Ride::kReduce;
+      break;
     }
     case Kind::kBroadcast:
-      if (bytes > kFastPayloadBytes) return Ride::kNone;
+      if (bytes > limit) return Ride::kNone;
       if (rank == r.root && bytes > 0) std::memcpy(payload, r.tensors[0].input, bytes);
-      return Ride::kBroadcast;
+      ride = Ride::kBroadcast;
+      break;
     case Kind::kAllgather: {
       // Equal rows on every rank (the digest says so once agreed): block q at q * bytes.
-      if (bytes * static_cast<size_t>(size) > kFastPayloadBytes) return Ride::kNone;
+      if (bytes * static_cast<size_t>(size) > limit) return Ride::kNone;
       if (bytes > 0) {
         std::memcpy(payload + static_cast<size_t>(rank) * bytes, r.tensors[0].input, bytes);
       }
-      return Ride::kAllgather;
+      bytes *= static_cast<size_t>(size);
+      ride = Ride::kAllgather;
+      break;
     }
     default:
       return Ride::kNone;
   }
+  msg->header.payload_bytes = static_cast<uint32_t>(bytes);
+  return ride;
 }
 
 char* FastAgreement::Combine(Ride ride, const Request& r, char* mine, char* peer,
                              bool mine_is_lower, const Held& peer_holds) const {
   FastHeader& a = reinterpret_cast<FastMessage*>(mine)->header;
-  const FastHeader& b = reinterpret_cast<const FastMessage*>(peer)->header;
+  FastHeader& b = reinterpret_cast<FastMessage*>(peer)->header;
   for (int i = 0; i < 2; ++i) {
     a.lo[i] = std::min(a.lo[i], b.lo[i]);
     a.hi[i] = std::max(a.hi[i], b.hi[i]);
   }
   a.flags |= b.flags;
+  // Both ends of the pair decide alike: equal data combines, anything else stops the data
+  // (a mismatch the digests will show, or a rank whose data did not ride).
+  if (a.payload_bytes != b.payload_bytes) a.flags |= kFastNoData;
+  if (ride == Ride::kNone || (a.flags & kFastNoData) != 0) {
+    a.payload_bytes = 0;
+    return mine;
+  }
   char* my_data = reinterpret_cast<FastMessage*>(mine)->payload;
   char* peer_data = reinterpret_cast<FastMessage*>(peer)->payload;
   switch (ride) {
@@ -136,21 +157,20 @@ char* FastAgreement::Combine(Ride ride, const Request& r, char* mine, char* peer
       break;
     case Ride::kReduce: {
       // The lower ranks' partial first, on both ends of the pair: the same bits on both.
-      // Reduce's destination may be its first operand only, so the result may land in the
-      // peer's payload: copied back (at most 4 KiB) to keep one buffer per rank.
+      // Reduce's destination may be its first operand only, so the upper end reduces into
+      // the peer's buffer and takes the header there: that buffer holds the result.
+      char* dst = mine_is_lower ? my_data : peer_data;
+      const char* upper = mine_is_lower ? peer_data : my_data;
       size_t off = 0;
       for (const TensorRef& t : r.tensors) {
         const size_t count = static_cast<size_t>(t.num_elements());
         if (count == 0) continue;
-        if (mine_is_lower) {
-          Reduce(t.dtype, r.op, my_data + off, my_data + off, peer_data + off, count);
-        } else {
-          Reduce(t.dtype, r.op, peer_data + off, peer_data + off, my_data + off, count);
-          std::memcpy(my_data + off, peer_data + off, t.num_bytes());
-        }
+        Reduce(t.dtype, r.op, dst + off, dst + off, upper + off, count);
         off += t.num_bytes();
       }
-      break;
+      if (mine_is_lower) break;
+      b = a;
+      return peer;
     }
     case Ride::kBroadcast:
       if (peer_holds.Contains(r.root)) {
@@ -225,19 +245,24 @@ Status FastAgreement::Run(Transport& t, const AlgoConfig& cfg, uint64_t config,
   uint64_t digest[2];
   DigestSignature(mine, t.size(), config, digest, &msg.header.flags);
   for (int i = 0; i < 2; ++i) msg.header.lo[i] = msg.header.hi[i] = digest[i];
-  const Ride ride =
-      deliver != nullptr ? Pack(request, t.rank(), t.size(), msg.payload) : Ride::kNone;
+  msg.header.payload_bytes = 0;
+  const Ride ride = deliver != nullptr
+                        ? Pack(request, t.rank(), t.size(), FastRideLimit(cfg), &msg)
+                        : Ride::kNone;
   const DoublingCombine combine = [&](char* a, char* b, bool lower, const Held& held) {
     return Combine(ride, request, a, b, lower, held);
   };
+  const FrameLength length = [](const void* head) {
+    return sizeof(FastHeader) + static_cast<const FastHeader*>(head)->payload_bytes;
+  };
   char* result = nullptr;
-  KR_RETURN_IF_ERROR(RecursiveDoubling(t, cfg, reinterpret_cast<char*>(&buf_[0]),
-                                       reinterpret_cast<char*>(&buf_[1]), sizeof(FastMessage),
-                                       combine, &result, progress, waited_on));
+  KR_RETURN_IF_ERROR(RecursiveDoubling(
+      t, cfg, reinterpret_cast<char*>(&buf_[0]), reinterpret_cast<char*>(&buf_[1]),
+      sizeof(FastHeader), sizeof(FastMessage), length, combine, &result, progress, waited_on));
   const FastHeader& h = reinterpret_cast<const FastMessage*>(result)->header;
-  *agreed = h.flags == 0 && h.lo[0] == h.hi[0] && h.lo[1] == h.hi[1];
+  *agreed = (h.flags & kFastNeedsTable) == 0 && h.lo[0] == h.hi[0] && h.lo[1] == h.hi[1];
   *delivered = false;
-  if (!*agreed || ride == Ride::kNone) return Status::OK();
+  if (!*agreed || ride == Ride::kNone || (h.flags & kFastNoData) != 0) return Status::OK();
   KR_RETURN_IF_ERROR(Deliver(ride, mine, *deliver, t.rank(), t.size(),
                              reinterpret_cast<FastMessage*>(result)->payload));
   *delivered = true;

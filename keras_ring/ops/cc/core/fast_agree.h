@@ -7,9 +7,10 @@
 // rank submitted the same collective; anything else sends ALL ranks to the full slot
 // exchange, which names the differing field and ranks exactly as before.
 //
-// Small collectives ride along: their data (up to kFastPayloadBytes) is combined in the same
+// Small collectives ride along: their data (up to FastRideLimit) is combined in the same
 // rounds (reduced, the root's copied, or gathered), and outputs are written only after the
-// verdict, so a mismatch never delivers anything.
+// verdict, so a mismatch never delivers anything. Messages are framed: a collective whose
+// data does not ride sends the 64-byte header alone.
 #pragma once
 
 #include <atomic>
@@ -23,13 +24,17 @@
 
 namespace keras_ring {
 
-constexpr size_t kFastPayloadBytes = 4096;
+constexpr size_t kFastPayloadBytes = 64 << 10;  // the most data that may ride
+
+// The most bytes of data that ride with `cfg`: what recursive doubling would move anyway
+// (KERAS_RING_DOUBLING_MAX_BYTES), and at least 4 KiB.
+size_t FastRideLimit(const AlgoConfig& cfg);
 
 struct FastHeader {
-  uint64_t lo[2];   // the smallest digest of any rank, per lane
-  uint64_t hi[2];   // the largest
-  uint32_t flags;   // OR of every rank's flags
-  uint32_t unused = 0;
+  uint64_t lo[2];  // the smallest digest of any rank, per lane
+  uint64_t hi[2];  // the largest
+  uint32_t flags;  // OR of every rank's flags
+  uint32_t payload_bytes = 0;  // the data that follows (equal on every rank, or 0)
   uint64_t reserved[3] = {};
 };
 static_assert(sizeof(FastHeader) == 64, "the fast header has one layout on every rank");
@@ -41,6 +46,7 @@ struct FastMessage {
 
 enum FastFlag : uint32_t {
   kFastNeedsTable = 1,  // something only the full exchange can check or carry
+  kFastNoData = 2,      // some rank's data did not ride: agreed or not, nothing is delivered
 };
 
 // Two independent 64-bit digests of the fields CheckSignatures compares for `s` (and
@@ -62,7 +68,7 @@ class FastAgreement {
 
  private:
   enum class Ride { kNone, kReduce, kBroadcast, kAllgather };
-  Ride Pack(const Request& r, int rank, int size, char* payload) const;
+  Ride Pack(const Request& r, int rank, int size, size_t limit, FastMessage* msg) const;
   char* Combine(Ride ride, const Request& r, char* mine, char* peer, bool mine_is_lower,
                 const Held& peer_holds) const;
   Status Deliver(Ride ride, const Signature& mine, Request& r, int rank, int size,

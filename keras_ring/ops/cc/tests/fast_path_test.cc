@@ -2,12 +2,14 @@
 // HostExecutor as the runtime drives it: every world size 1-9, every dtype and op on each
 // path (data riding the agreement, recursive doubling, ring), mismatches at every rank
 // position, and the stall report's "not heard from" sets.
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "../core/doubling.h"
+#include "../core/fast_agree.h"
 #include "../core/host_executor.h"
 #include "../core/reduce.h"
 #include "test_harness.h"
@@ -33,7 +35,7 @@ AlgoConfig Config(bool fast) {
   cfg.timeout_seconds = 5.0;  // per wait: a bug fails fast instead of hanging
   cfg.segment_bytes = 4096;   // large vectors cross segments
   cfg.fast_agree = fast;
-  cfg.doubling_max_bytes = 64 << 10;
+  cfg.doubling_max_bytes = 128 << 10;  // above the ride limit: all three paths are taken
   return cfg;
 }
 
@@ -96,7 +98,8 @@ void SweepAllreduce(int n, size_t count, bool fast) {
           return;
         }
         At(outs, r).push_back(out);
-        if (fast && n > 1 && count * es <= keras_ring::kFastPayloadBytes && !stats.inlined) {
+        if (fast && n > 1 && count * es <= keras_ring::FastRideLimit(Config(true)) &&
+            !stats.inlined) {
           At(failures, r) = "a small allreduce did not ride the fast agreement";
           return;
         }
@@ -126,7 +129,8 @@ void SweepAllreduce(int n, size_t count, bool fast) {
 
 }  // namespace
 
-// Riding the agreement (<= 4 KiB), recursive doubling (<= 64 KiB), the ring: 1-9 ranks.
+// Riding the agreement (<= 64 KiB), recursive doubling (<= 128 KiB), the ring: 1-9 ranks
+// (20000 elements of 1-2 bytes ride, of 4 double, of 8 take the ring).
 TEST(FastPath_AllreduceEveryDtypeOpWorldAndPath) {
   for (int n = 1; n <= 9; ++n) {
     for (size_t count : {size_t{0}, size_t{1}, size_t{257}, size_t{3000}, size_t{20000}}) {
@@ -329,6 +333,47 @@ TEST(FastPath_MismatchAtEveryRankSameAsFullExchange) {
           CHECK_EQ(At(fast, r).message(), At(full, r).message());
           CHECK_EQ(At(fast, r).peer(), At(full, r).peer());
         }
+      }
+    }
+  }
+}
+
+// A collective whose data rides on some ranks only (here rank `bare` brings none) is still
+// agreed, on every rank, and delivered on none: the outputs stay untouched and the streams in
+// step (the same ranks then complete a collective that rides everywhere).
+TEST(FastPath_DataRidingOnSomeRanksOnlyIsDeliveredNowhere) {
+  for (int n : {2, 3, 5, 8}) {
+    for (int bare = 0; bare < n; ++bare) {
+      LocalWorld world(n);
+      std::vector<std::string> failures(static_cast<size_t>(n));
+      world.Run([&](int r, Transport& t) {
+        keras_ring::FastAgreement fast;
+        std::atomic<int> progress{0};
+        int waited_on = -1;
+        for (int pass = 0; pass < 2; ++pass) {
+          std::vector<char> in(4 * 1000, 1), out(4 * 1000, 0);
+          Request q = AllreduceRequest(DataType::kFloat32, ReduceOp::kSum, 1000, &in, &out);
+          for (size_t i = 0; i < 1000; ++i) SetFromDouble(DataType::kFloat32, in.data(), i, 1.0);
+          const bool rides = pass == 1 || r != bare;
+          bool agreed = false, delivered = false;
+          Status s = fast.Run(t, Config(true), 0, q, rides ? &q : nullptr,
+                              keras_ring::SignatureOf(q, 3 + static_cast<uint64_t>(pass)),
+                              &agreed, &delivered, &progress, &waited_on);
+          const double first = GetAsDouble(DataType::kFloat32, out.data(), 0);
+          const bool want_delivered = pass == 1;
+          if (!s.ok() || !agreed || delivered != want_delivered ||
+              first != (want_delivered ? n : 0.0)) {
+            At(failures, r) = "pass " + std::to_string(pass) + ": " + s.message() +
+                              " agreed=" + std::to_string(agreed) + " delivered=" +
+                              std::to_string(delivered) + " out[0]=" + std::to_string(first);
+            return;
+          }
+        }
+      });
+      world.CheckDrained(__FILE__, __LINE__);
+      for (int r = 0; r < n; ++r) {
+        CHECK(At(failures, r).empty()) << "n=" << n << " bare=" << bare << " rank " << r << ": "
+                                       << At(failures, r);
       }
     }
   }
