@@ -85,8 +85,15 @@ void DigestSignature(const Signature& s, int size, uint64_t config, uint64_t dig
   if (std::isnan(s.prescale) || std::isnan(s.postscale)) *flags |= kFastNeedsTable;
 }
 
-size_t FastRideLimit(const AlgoConfig& cfg) {
-  return std::max<size_t>(4096, std::min(cfg.doubling_max_bytes, kFastPayloadBytes));
+size_t FastRideLimit(const AlgoConfig& cfg, const Transport& t) {
+  size_t limit = std::min(cfg.doubling_max_bytes, kFastPayloadBytes);
+  // Riding saves the rounds of a doubling of its own and costs a copy of the data per round
+  // (received whole, then reduced; a doubling reduces straight out of a shm ring). With one
+  // round of a few µs that copy costs more than it saves from 16 KiB on (C++ bench, 2 ranks
+  // on shm, agreement + doubling / riding, µs: 16 KiB 8.4-9.1 / 9.2-10.9, 32 KiB 12.4-14.6 /
+  // 15.6-17.6); over tcp, or with more rounds, riding wins at every size up to 32 KiB.
+  if (t.size() == 2 && t.ReadsInPlace(1 - t.rank())) limit = std::min<size_t>(limit, 8 << 10);
+  return std::max<size_t>(4096, limit);
 }
 
 FastAgreement::Ride FastAgreement::Pack(const Request& r, int rank, int size, size_t limit,
@@ -247,7 +254,7 @@ Status FastAgreement::Run(Transport& t, const AlgoConfig& cfg, uint64_t config,
   for (int i = 0; i < 2; ++i) msg.header.lo[i] = msg.header.hi[i] = digest[i];
   msg.header.payload_bytes = 0;
   const Ride ride = deliver != nullptr
-                        ? Pack(request, t.rank(), t.size(), FastRideLimit(cfg), &msg)
+                        ? Pack(request, t.rank(), t.size(), FastRideLimit(cfg, t), &msg)
                         : Ride::kNone;
   const DoublingCombine combine = [&](char* a, char* b, bool lower, const Held& held) {
     return Combine(ride, request, a, b, lower, held);

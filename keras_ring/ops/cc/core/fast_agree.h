@@ -26,9 +26,10 @@ namespace keras_ring {
 
 constexpr size_t kFastPayloadBytes = 64 << 10;  // the most data that may ride
 
-// The most bytes of data that ride with `cfg`: what recursive doubling would move anyway
-// (KERAS_RING_DOUBLING_MAX_BYTES), and at least 4 KiB.
-size_t FastRideLimit(const AlgoConfig& cfg);
+// The most bytes of data that ride with `cfg` over `t`: what recursive doubling would move
+// anyway (KERAS_RING_DOUBLING_MAX_BYTES), at least 4 KiB; 8 KiB where one round on a link
+// that reduces in place is all the agreement takes (2 ranks on shm). Equal on every rank.
+size_t FastRideLimit(const AlgoConfig& cfg, const Transport& t);
 
 struct FastHeader {
   uint64_t lo[2];  // the smallest digest of any rank, per lane

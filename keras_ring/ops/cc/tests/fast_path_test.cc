@@ -98,7 +98,7 @@ void SweepAllreduce(int n, size_t count, bool fast) {
           return;
         }
         At(outs, r).push_back(out);
-        if (fast && n > 1 && count * es <= keras_ring::FastRideLimit(Config(true)) &&
+        if (fast && n > 1 && count * es <= keras_ring::FastRideLimit(Config(true), t) &&
             !stats.inlined) {
           At(failures, r) = "a small allreduce did not ride the fast agreement";
           return;
