@@ -47,6 +47,11 @@ class ShmTransport : public Transport {
   Status SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
                         const std::vector<RecvPiece>& recv, size_t element_bytes,
                         const ReduceFn* reduce, Deadline deadline) override;
+  // Head and body leave as one message (one doorbell for the peer) where the head fills
+  // whole cache lines: the body then lies where a message of its own would start.
+  Status SendRecvFramed(int peer, const void* send_data, size_t send_bytes, void* recv_data,
+                        size_t head, size_t capacity, const FrameLength& length,
+                        size_t* received, Deadline deadline) override;
   bool ReadsInPlace(int peer) const override { return Reaches(peer); }
   // A message may start up to one cache line into the ring.
   size_t BufferedSendBytes() const override { return options_.channel_bytes - 64; }
