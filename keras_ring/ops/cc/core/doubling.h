@@ -38,7 +38,8 @@ using DoublingCombine =
 
 // Runs the exchange on states sent as framed messages (Transport::SendRecvFramed): a
 // `head` that `length` reads a state's length from, up to `capacity`, so a state carries only
-// the bytes it uses. `state` holds this rank's, `scratch` is `capacity` long too. On return *result points at the finished state (state or scratch). Every wait at depth d
+// the bytes it uses. `state` holds this rank's, `scratch` is `capacity` long too. On return
+// *result points at the finished state (state or scratch). Every wait at depth d
 // (fold-in 0, round k at k + 1, the extras' wait for the result last) is bounded by the
 // timeout plus d * DepthMargin: a stalled rank's direct waiters give up first, and their
 // error, which names it, reaches the ranks that wait on it indirectly before their own
