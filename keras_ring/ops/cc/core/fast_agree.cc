@@ -98,7 +98,6 @@ size_t FastRideLimit(const AlgoConfig& cfg, const Transport& t) {
 
 FastAgreement::Ride FastAgreement::Pack(const Request& r, int rank, int size, size_t limit,
                                         FastMessage* msg) const {
-  msg->header.payload_bytes = 0;
   if (r.placement != Placement::kHost) return Ride::kNone;
   size_t bytes = 0;
   for (const TensorRef& t : r.tensors) bytes += t.num_bytes();

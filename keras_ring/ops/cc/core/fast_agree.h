@@ -69,6 +69,7 @@ class FastAgreement {
 
  private:
   enum class Ride { kNone, kReduce, kBroadcast, kAllgather };
+  // Copies the data that rides into msg's payload and sets its length (left 0 if none).
   Ride Pack(const Request& r, int rank, int size, size_t limit, FastMessage* msg) const;
   char* Combine(Ride ride, const Request& r, char* mine, char* peer, bool mine_is_lower,
                 const Held& peer_holds) const;

@@ -45,6 +45,10 @@ class RoutedTransport : public Transport {
   Status SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,
                         const std::vector<RecvPiece>& recv, size_t element_bytes,
                         const ReduceFn* reduce, Deadline deadline) override;
+  Status SendFramed(int peer, const void* data, size_t bytes, size_t head,
+                    Deadline deadline) override {
+    return Route(peer).SendFramed(peer, data, bytes, head, deadline);
+  }
   Status SendRecvFramed(int peer, const void* send_data, size_t send_bytes, void* recv_data,
                         size_t head, size_t capacity, const FrameLength& length,
                         size_t* received, Deadline deadline) override {

@@ -448,16 +448,10 @@ Status ShmTransport::SendRecv(int to, const void* send_data, size_t send_bytes, 
   return Transfer(job, deadline);
 }
 
-Status ShmTransport::SendRecvFramed(int peer, const void* send_data, size_t send_bytes,
-                                    void* recv_data, size_t head, size_t capacity,
-                                    const FrameLength& length, size_t* received,
-                                    Deadline deadline) {
-  if (head % kAlign != 0 || BufferedSendBytes() < send_bytes) {
-    return Transport::SendRecvFramed(peer, send_data, send_bytes, recv_data, head, capacity,
-                                     length, received, deadline);
-  }
-  KR_RETURN_IF_ERROR(Send(peer, send_data, send_bytes, deadline));
-  return RecvFramed(peer, recv_data, head, capacity, length, received, deadline);
+Status ShmTransport::SendFramed(int peer, const void* data, size_t bytes, size_t head,
+                                Deadline deadline) {
+  if (head % kAlign != 0) return Transport::SendFramed(peer, data, bytes, head, deadline);
+  return Send(peer, data, bytes, deadline);
 }
 
 Status ShmTransport::SendRecvPieces(int to, const std::vector<SendPiece>& send, int from,

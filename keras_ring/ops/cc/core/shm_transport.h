@@ -49,9 +49,8 @@ class ShmTransport : public Transport {
                         const ReduceFn* reduce, Deadline deadline) override;
   // Head and body leave as one message (one doorbell for the peer) where the head fills
   // whole cache lines: the body then lies where a message of its own would start.
-  Status SendRecvFramed(int peer, const void* send_data, size_t send_bytes, void* recv_data,
-                        size_t head, size_t capacity, const FrameLength& length,
-                        size_t* received, Deadline deadline) override;
+  Status SendFramed(int peer, const void* data, size_t bytes, size_t head,
+                    Deadline deadline) override;
   bool ReadsInPlace(int peer) const override { return Reaches(peer); }
   // A message may start up to one cache line into the ring.
   size_t BufferedSendBytes() const override { return options_.channel_bytes - 64; }

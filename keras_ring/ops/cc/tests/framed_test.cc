@@ -5,7 +5,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "../core/transport.h"
@@ -82,15 +81,6 @@ void TradeEverywhere(const std::function<void(const std::function<void(int, Tran
   for (int r = 0; r < n; ++r) {
     CHECK(At(failures, r).empty()) << where << " rank " << r << ": " << At(failures, r);
   }
-}
-
-void RunAll(std::vector<std::unique_ptr<Transport>>& world,
-            const std::function<void(int, Transport&)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < static_cast<int>(world.size()); ++r) {
-    threads.emplace_back([&, r] { fn(r, *At(world, r)); });
-  }
-  for (std::thread& t : threads) t.join();
 }
 
 }  // namespace

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "../core/algorithms.h"
@@ -19,18 +18,6 @@ namespace kr_test {
 namespace {
 
 using namespace keras_ring;  // NOLINT: test-local
-
-// Runs fn(rank, transport) on one thread per rank.
-void RunAll(std::vector<std::unique_ptr<Transport>>& world,
-            const std::function<void(int, Transport&)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < static_cast<int>(world.size()); ++r) {
-    threads.emplace_back([&, r] {
-      if (At(world, r) != nullptr) fn(r, *At(world, r));
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
 
 // The layouts of a cluster: 2 hosts x 2 ranks, interleaved hosts (every link crosses
 // hosts but not every pair), and 3 hosts with 3, 1 and 2 ranks.

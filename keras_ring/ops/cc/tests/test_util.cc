@@ -69,6 +69,17 @@ std::vector<std::unique_ptr<Transport>> ConnectHostWorld(const std::vector<int>&
   return out;
 }
 
+void RunAll(std::vector<std::unique_ptr<Transport>>& world,
+            const std::function<void(int, Transport&)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < static_cast<int>(world.size()); ++r) {
+    threads.emplace_back([&, r] {
+      if (At(world, r) != nullptr) fn(r, *At(world, r));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
 LocalWorld::LocalWorld(int n) : fabric_(std::make_shared<LocalFabric>(n)) {
   for (int r = 0; r < n; ++r) transports_.push_back(std::make_unique<LocalTransport>(fabric_, r));
 }

@@ -67,6 +67,11 @@ int ListenOnLoopback(int* port);
 std::vector<std::unique_ptr<keras_ring::Transport>> ConnectHostWorld(const std::vector<int>& hosts,
                                                                      uint64_t token);
 
+// Runs fn(rank, transport) on one thread per rank of `world` (null entries skipped) and
+// joins them all.
+void RunAll(std::vector<std::unique_ptr<keras_ring::Transport>>& world,
+            const std::function<void(int, keras_ring::Transport&)>& fn);
+
 inline double SecondsSince(keras_ring::Clock::time_point start) {
   return std::chrono::duration<double>(keras_ring::Clock::now() - start).count();
 }
