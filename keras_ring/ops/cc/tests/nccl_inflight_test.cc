@@ -104,6 +104,14 @@ TEST(NcclInFlight_SeveralCompleteInSubmissionOrderWithTheirOwnResults) {
   SubmitAll(w, job, count);
   // Every collective is on the stream while none has completed: the worker did not wait.
   CHECK(AllLaunched(w, count));
+  // ... and each is handed to the completion thread (just after its launch) before the GPU
+  // runs: released earlier, the first could complete before the last is counted in flight.
+  CHECK(WaitUntil([&] {
+    for (int r = 0; r < n; ++r) {
+      if (w.Backend(r)->max_in_flight_seen() < count) return false;
+    }
+    return true;
+  }));
   for (int r = 0; r < n; ++r) CHECK_EQ(job.Of(r).Get().size(), 0u) << "done before the GPU ran";
   w.fake->hold = false;
   w.fake->ReleaseHeld();
@@ -133,6 +141,12 @@ TEST(NcclInFlight_TheDepthLimitHolds) {
   // Each release lets the held launches complete; the worker then fills the freed slots.
   for (int launched = depth;; launched += depth) {
     CHECK(AllLaunched(w, std::min(launched, count))) << launched;
+    if (launched == depth) {  // the first batch is in flight before it may complete
+      CHECK(WaitUntil([&] {
+        return w.Backend(0)->max_in_flight_seen() >= depth &&
+               w.Backend(1)->max_in_flight_seen() >= depth;
+      }));
+    }
     if (launched >= count) break;
     w.fake->ReleaseHeld();
   }
