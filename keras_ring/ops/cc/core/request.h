@@ -63,7 +63,7 @@ struct Request {
   Placement placement = Placement::kHost;
   std::shared_ptr<DeviceTicket> device_ticket;  // with kDevice: the device executor's
   DeviceComm device_comm;                       // with kDevice: set by the device executor
-  bool may_yield = false;                       // waits may yield the core (an eager call)
+  bool may_yield = false;  // waits may yield the core (an eager call; a chain: Runtime)
   // Called exactly once: from the runtime's worker, from the submitting thread when the
   // runtime ran the request there (SubmitOrRun), or from Submit when it cannot take it.
   std::function<void(const Status&)> done;

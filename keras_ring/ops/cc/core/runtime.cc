@@ -219,6 +219,7 @@ Status Runtime::RunOne(Request& request, bool* deferred) {
     busy_label_ = SignatureOf(request, seq).Label();
   }
   const Clock::time_point started = Clock::now();
+  if (FollowsClosely(request, started)) request.may_yield = true;
   busy_since_ns_.store(started.time_since_epoch().count());
   busy_seq_.store(seq);
   ExecutionStats stats;
@@ -227,9 +228,23 @@ Status Runtime::RunOne(Request& request, bool* deferred) {
   Status s = Execute(request, seq, &stats);
   seq_ += stats.extra_seqs;  // a joined rank took part in that many collectives
   busy_seq_.store(0);
+  last_finished_ = Clock::now();
   *deferred = stats.deferred;  // then the request was moved out: its completion records it
   if (timeline_.recording() && !stats.deferred) RecordTimeline(request, seq, started, stats, s);
   return s;
+}
+
+bool Runtime::FollowsClosely(const Request& request, Clock::time_point started) const {
+  // A graph's collective waits without yielding where ranks outnumber cores: in training
+  // the wait is mostly for peers still in backprop, and a yielded core goes to their
+  // backprop threads, not to the peer awaited (Keras steps were slower yielding). A host
+  // collective that starts right after this rank's previous one is different: it is part
+  // of a chain (a graph's collectives back to back, or buckets one after another), whose
+  // peers are a collective behind at most, so yielding hands the core to the peer this rank
+  // waits for instead of paying a sleep and a wake-up per round. The yield stays bounded
+  // (the transports' budget), then the wait sleeps as before.
+  return request.placement == Placement::kHost && last_finished_ != Clock::time_point() &&
+         started - last_finished_ < std::chrono::duration<double>(options_.chain_gap_seconds);
 }
 
 void Runtime::CompleteDeferred(Request& request, uint64_t seq, const ExecutionStats& stats,

@@ -49,6 +49,9 @@ struct RuntimeOptions {
   // reads it): TensorFlow then runs a collective's successor on the same thread instead of
   // scheduling it on its pool, which costs a hand-off per collective.
   bool sync_graph_kernels = true;
+  // A host collective that starts within this long of the end of this rank's previous one
+  // is taken for part of a chain: its waits may yield the core (see FollowsClosely).
+  double chain_gap_seconds = 200e-6;
 };
 
 // The error of a collective on a process set this rank runs no runtime for.
@@ -124,6 +127,10 @@ class Runtime {
   Status RunOne(Request& request, bool* deferred);
   // Runs it on its executor and turns a failure into this runtime's error for it.
   Status Execute(Request& request, uint64_t seq, ExecutionStats* stats);
+  // Whether a host request starting at `started` follows this rank's previous collective
+  // within options_.chain_gap_seconds: its waits may then yield the core
+  // (Request::may_yield), as eager calls' do.
+  bool FollowsClosely(const Request& request, Clock::time_point started) const;
   // `s` (not OK) as this runtime's error for `label`; a fatal one breaks the runtime. From
   // the executing thread (`executing`) or from a deferred completion.
   Status Failed(const std::string& label, const Status& bare, bool executing);
@@ -160,6 +167,7 @@ class Runtime {
   Status stop_cause_;       // what peers are told when stopping_: a shutdown or a failure
   bool executing_ = false;  // a request runs, on the worker or on a caller's thread
   uint64_t seq_ = 0;        // of the last request run (only the executing thread touches it)
+  Clock::time_point last_finished_;  // when it ended (as seq_, the executing thread's)
   Status broken_;  // first fatal error; every later request fails with it (executor only)
   Status peer_failure_;  // a peer's failure seen by the watchdog (guarded by mu_)
   Status deferred_failure_;  // a deferred request's fatal failure (guarded by mu_)

@@ -288,7 +288,8 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
   // outnumber cores the waits sleep at once: a chain of collectives alone would yield faster
   // (4 ranks on 2 cores, 4 KiB: 59-65 us instead of 113-265), but in training the yielded
   // core goes to other ranks' backprop, and Keras MLP steps at 4 ranks were slower yielding
-  // in 5 of 7 alternated rounds.
+  // in 5 of 7 alternated rounds. The runtime lets a chain's collectives yield all the same
+  // (Runtime::FollowsClosely): their peers are a collective behind at most.
   if (static_cast<long>(local.size()) + 1 > cores) tuned.yield_in_graphs = false;
   std::unique_ptr<ShmTransport> t(new ShmTransport(rank, size, tuned));
   const size_t header =

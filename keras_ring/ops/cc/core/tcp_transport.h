@@ -52,6 +52,7 @@ class TcpTransport : public Transport {
 
   // Whether a wait in a graph's collective may yield the core before it blocks in poll(), as
   // an eager call's does (Deadline::may_yield); set where this host's ranks each have a core.
+  // (Elsewhere a chain's collectives yield all the same: Runtime::FollowsClosely.)
   void set_yield_in_graphs(bool yes) { yield_in_graphs_ = yes; }
 
   // The socket to `peer` (-1 for self); other transports watch it to notice a dead peer.

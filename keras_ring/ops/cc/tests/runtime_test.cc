@@ -1,9 +1,11 @@
 // Runtime objects for several ranks over local transports, each driven from its own thread.
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../core/runtime.h"
@@ -400,6 +402,79 @@ TEST(Runtime_MissingRankFailsAndStaysBroken) {
     CHECK(later.code() == s.code()) << " rank " << r;
     CHECK_CONTAINS(later.message(), "earlier collective failed");
   }, {0, 1});
+}
+
+// Counts the waits that may yield the core (Deadline::may_yield) and those that may not.
+class YieldCountingTransport : public keras_ring::LocalTransport {
+ public:
+  using LocalTransport::LocalTransport;
+  Status Send(int peer, const void* data, size_t bytes, keras_ring::Deadline d) override {
+    Count(d);
+    return LocalTransport::Send(peer, data, bytes, d);
+  }
+  Status Recv(int peer, void* data, size_t bytes, keras_ring::Deadline d) override {
+    Count(d);
+    return LocalTransport::Recv(peer, data, bytes, d);
+  }
+  Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
+                  size_t recv_bytes, keras_ring::Deadline d) override {
+    Count(d);
+    return LocalTransport::SendRecv(to, send_data, send_bytes, from, recv_data, recv_bytes, d);
+  }
+  // (yielding, not yielding) since the last call.
+  std::pair<int, int> Take() { return {yielding_.exchange(0), sleeping_.exchange(0)}; }
+
+ private:
+  void Count(keras_ring::Deadline d) { ++(d.may_yield() ? yielding_ : sleeping_); }
+  std::atomic<int> yielding_{0};
+  std::atomic<int> sleeping_{0};
+};
+
+// A graph's collective (may_yield false) that starts within chain_gap_seconds of this rank's
+// previous one is part of a chain: its waits may yield. One that starts later keeps sleeping
+// waits; an eager one (may_yield true) yields whatever the gap. The gap is set to "always"
+// and "never" so that no thread's timing decides the outcome.
+TEST(Runtime_ACollectiveRightAfterAnotherMayYieldItsWaits) {
+  for (const double gap : {3600.0, 0.0}) {
+    auto fabric = std::make_shared<LocalFabric>(2);
+    RuntimeOptions options;
+    options.size = 2;
+    options.timeout_seconds = 5.0;
+    options.chain_gap_seconds = gap;
+    auto counting = std::make_unique<YieldCountingTransport>(fabric, 0);
+    YieldCountingTransport* waits = counting.get();
+    options.rank = 0;
+    Runtime rank0(options, std::move(counting));
+    options.rank = 1;
+    Runtime rank1(options, std::make_unique<LocalTransport>(fabric, 1));
+    std::thread peer([&] {
+      for (const char* name : {"first", "second", "eager"}) {
+        int64_t x = 1;
+        CHECK_OK(rank1.Run(Allreduce(name, Tensor(DataType::kInt64, {1}, &x, &x))));
+      }
+    });
+    std::vector<std::pair<int, int>> counts;
+    for (const char* name : {"first", "second", "eager"}) {
+      int64_t x = 2;
+      Request req = Allreduce(name, Tensor(DataType::kInt64, {1}, &x, &x));
+      req.may_yield = std::string(name) == "eager";
+      CHECK_OK(rank0.Run(std::move(req)));
+      CHECK_EQ(x, 3);
+      counts.push_back(waits->Take());
+    }
+    peer.join();
+    CHECK_EQ(At(counts, 0).first, 0) << "the first collective follows none (gap " << gap << ")";
+    CHECK(At(counts, 0).second > 0);
+    if (gap > 0) {
+      CHECK(At(counts, 1).first > 0) << "the second collective follows the first closely";
+      CHECK_EQ(At(counts, 1).second, 0);
+    } else {
+      CHECK_EQ(At(counts, 1).first, 0) << "a gap of 0 makes no chain";
+      CHECK(At(counts, 1).second > 0);
+    }
+    CHECK(At(counts, 2).first > 0) << "an eager collective yields whatever the gap";
+    CHECK_EQ(At(counts, 2).second, 0);
+  }
 }
 
 }  // namespace
