@@ -214,9 +214,10 @@ void Runtime::WorkerLoop() {
 
 Status Runtime::RunOne(Request& request, bool* deferred) {
   const uint64_t seq = ++seq_;
+  const std::string label = SignatureOf(request, seq).Label();
   {
     std::lock_guard<std::mutex> lock(label_mu_);
-    busy_label_ = SignatureOf(request, seq).Label();
+    busy_label_ = label;
   }
   const Clock::time_point started = Clock::now();
   if (FollowsClosely(request, started)) request.may_yield = true;
@@ -225,7 +226,7 @@ Status Runtime::RunOne(Request& request, bool* deferred) {
   ExecutionStats stats;
   stats.started = started;
   stats.agreed = started;
-  Status s = Execute(request, seq, &stats);
+  Status s = Execute(request, seq, label, &stats);
   seq_ += stats.extra_seqs;  // a joined rank took part in that many collectives
   busy_seq_.store(0);
   last_finished_ = Clock::now();
@@ -259,7 +260,8 @@ Executor* Runtime::DeviceExecutor() {
   return device_.get();
 }
 
-Status Runtime::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
+Status Runtime::Execute(Request& request, uint64_t seq, const std::string& label,
+                        ExecutionStats* stats) {
   // Device collectives may still be in flight (completing on their own): one that runs here
   // must not overtake them, and sees their failure. The device executor orders its own.
   Executor* device = DeviceExecutor();
@@ -269,7 +271,6 @@ Status Runtime::Execute(Request& request, uint64_t seq, ExecutionStats* stats) {
     std::lock_guard<std::mutex> lock(mu_);
     broken_ = !peer_failure_.ok() ? peer_failure_ : deferred_failure_;
   }
-  const std::string label = SignatureOf(request, seq).Label();
   if (!broken_.ok()) {
     if (device != nullptr) device->Drain();
     return broken_.InCollective(label, "keras_ring: cannot run " + label +

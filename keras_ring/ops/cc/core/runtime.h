@@ -125,8 +125,10 @@ class Runtime {
   // Executes one request (the caller holds executing_) and returns its result; done is not
   // called here. *deferred: the device executor took it and will complete it itself.
   Status RunOne(Request& request, bool* deferred);
-  // Runs it on its executor and turns a failure into this runtime's error for it.
-  Status Execute(Request& request, uint64_t seq, ExecutionStats* stats);
+  // Runs it on its executor and turns a failure into this runtime's error for it (`label`:
+  // the request's, as errors name it).
+  Status Execute(Request& request, uint64_t seq, const std::string& label,
+                 ExecutionStats* stats);
   // Whether a host request starting at `started` follows this rank's previous collective
   // within options_.chain_gap_seconds: its waits may then yield the core
   // (Request::may_yield), as eager calls' do.
