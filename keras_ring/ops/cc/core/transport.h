@@ -91,14 +91,15 @@ class Transport {
                                 const std::vector<RecvPiece>& recv, size_t element_bytes,
                                 const ReduceFn* reduce, Deadline deadline);
 
-  // A framed message is a head of fixed size that says the message's total length, and a
-  // body of the rest: two messages on the wire (the body only if not empty; shm sends one
-  // that reads as the two), so the receiver needs no length in advance. These send one to, receive one from, or trade one with `peer`
-  // (as SendRecv): `length` reads the total from the received head; a total under `head` or
-  // over `capacity` fails (kInternal). The default trade takes one hop when the link buffers
-  // the whole message, two (heads, then bodies) otherwise; a stream (tcp) overrides it to take
-  // one hop always. Lets small collectives carry data of any size up to `capacity` in the
-  // exchange that agrees on them, and agreements without data send only the head.
+  // A framed message is a head of fixed size that says the message's total length, and a body
+  // of the rest: two messages on the wire (the body only if not empty; shm sends one that reads
+  // as the two), so the receiver needs no length in advance. These send one to, receive one
+  // from, or trade one with `peer` (as SendRecv): `length` reads the total from the received
+  // head; a total under `head` or over `capacity` fails (kInternal). The default trade takes
+  // one hop when the link buffers the whole message, two (heads, then bodies) otherwise; a
+  // stream (tcp) overrides it to take one hop always. Lets small collectives carry data of any
+  // size up to `capacity` in the exchange that agrees on them, and agreements without data send
+  // only the head.
   virtual Status SendFramed(int peer, const void* data, size_t bytes, size_t head,
                             Deadline deadline);
   Status RecvFramed(int peer, void* data, size_t head, size_t capacity,
