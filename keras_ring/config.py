@@ -142,6 +142,7 @@ class Config:
     doubling_max_bytes: int = 32 << 10  # allreduces up to this size: recursive doubling
     device_max_in_flight: int = 64  # NCCL collectives launched and not yet complete
     sync_graph_kernels: bool = True  # CPU collectives in graphs run as synchronous kernels
+    huge_page_output_bytes: int = 32 << 20  # fresh CPU outputs from this size: huge pages
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -168,4 +169,6 @@ class Config:
                                             minimum=0),
             device_max_in_flight=int_from_env("KERAS_RING_DEVICE_MAX_IN_FLIGHT", 64),
             sync_graph_kernels=_bool("KERAS_RING_SYNC_GRAPH_KERNELS", True),
+            huge_page_output_bytes=int_from_env("KERAS_RING_HUGE_PAGE_BYTES", 32 << 20,
+                                                minimum=0),
         )

@@ -187,6 +187,7 @@ class Runtime:
             doubling_max_bytes=config.doubling_max_bytes,
             device_max_in_flight=config.device_max_in_flight,
             sync_graph_kernels=int(config.sync_graph_kernels),
+            huge_page_output_bytes=config.huge_page_output_bytes,
         )
         err = ctypes.create_string_buffer(4096)
         rc = lib.c.keras_ring_init(ctypes.byref(native), err, len(err))

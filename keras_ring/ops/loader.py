@@ -50,6 +50,7 @@ class NativeConfig(ctypes.Structure):
         ("doubling_max_bytes", ctypes.c_size_t),
         ("device_max_in_flight", ctypes.c_int),
         ("sync_graph_kernels", ctypes.c_int),
+        ("huge_page_output_bytes", ctypes.c_size_t),
     ]
 
 

@@ -268,3 +268,44 @@ def test_reducescatter_and_alltoall_world_of_one(initialized, op):
     assert_same(kr.alltoall(tf.constant(x)).numpy(), x)
     assert int(kr.rank_op()) == 0 and int(kr.size_op()) == 1
     assert kr.mpi_enabled() is False  # a plain python process found no peers through MPI
+
+
+def _vm_flags_at(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding `address` (from /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(v, 16) for v in head.split("-"))
+                inside = low <= address < high
+            elif head == "VmFlags:" and inside:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _interior(tensor) -> int:
+    """An address 4 MiB into the tensor's buffer (numpy shares a CPU tensor's memory)."""
+    return np.asarray(tensor).__array_interface__["data"][0] + (4 << 20)
+
+
+@pytest.mark.parametrize("threshold,advised", [(None, True), ("0", False), ("64000000", False)])
+def test_large_fresh_outputs_are_advised_to_use_huge_pages(monkeypatch, threshold, advised):
+    # An output the collective writes into fresh memory (its input is still referenced, so
+    # it cannot be forwarded) from KERAS_RING_HUGE_PAGE_BYTES up (32 MiB by default) is
+    # advised to use transparent huge pages ("hg" in its mapping's VmFlags): page faults cost
+    # more than the transfer there. Below the threshold, or with 0, nothing is advised.
+    if threshold is not None:
+        monkeypatch.setenv("KERAS_RING_HUGE_PAGE_BYTES", threshold)
+    kr.init()
+    try:
+        x = tf.fill([40 << 18], 2.0)  # 40 MiB of float32
+        eager = kr.allreduce(x, op=kr.Sum)
+        gathered = tf.function(lambda: kr.allgather(x))()  # allocated once the rows are known
+        for out in (eager, gathered):
+            assert np.asarray(out)[[0, -1]].tolist() == [2.0, 2.0]
+            assert ("hg" in _vm_flags_at(_interior(out))) is advised
+        small = kr.allreduce(tf.fill([1 << 20], 2.0))  # 4 MiB: below the default threshold
+        assert "hg" not in _vm_flags_at(_interior(small) - (2 << 20))
+    finally:
+        kr.shutdown()

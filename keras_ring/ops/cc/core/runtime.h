@@ -49,6 +49,9 @@ struct RuntimeOptions {
   // reads it): TensorFlow then runs a collective's successor on the same thread instead of
   // scheduling it on its pool, which costs a hand-off per collective.
   bool sync_graph_kernels = true;
+  // CPU outputs of at least this many bytes that a collective writes into fresh memory are
+  // advised to use transparent huge pages (the TensorFlow adapter reads it); 0: never.
+  size_t huge_page_output_bytes = 32 << 20;
   // A host collective that starts within this long of the end of this rank's previous one
   // is taken for part of a chain: its waits may yield the core (see FollowsClosely).
   double chain_gap_seconds = 200e-6;

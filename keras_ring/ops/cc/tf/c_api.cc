@@ -80,6 +80,7 @@ int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
   options.doubling_max_bytes = cfg->doubling_max_bytes;
   if (cfg->device_max_in_flight > 0) options.device_max_in_flight = cfg->device_max_in_flight;
   options.sync_graph_kernels = cfg->sync_graph_kernels != 0;
+  options.huge_page_output_bytes = cfg->huge_page_output_bytes;
   options.failure_exit_seconds = size > 1 ? cfg->failure_exit_seconds : 0.0;
   if (set == 0) keras_ring::DisarmFailureExit();  // a program that starts again has recovered
   std::unique_ptr<keras_ring::Transport> transport;

@@ -30,6 +30,7 @@ typedef struct {
   size_t doubling_max_bytes;  // allreduces up to this size by recursive doubling
   int device_max_in_flight;   // NCCL collectives launched and not yet complete; 0 = default
   int sync_graph_kernels;     // CPU collectives in graphs run as synchronous kernels
+  size_t huge_page_output_bytes;  // fresh CPU outputs from this size use huge pages; 0 never
 } keras_ring_config;
 
 // Starts the runtime of config->process_set_id (a no-op when it is running).

@@ -6,6 +6,7 @@
 // request additionally becomes a device collective that NCCL runs on the runtime's stream.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -38,6 +39,17 @@ class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
   // Fills `request` (kind, tensors, ...) from the op's inputs, allocating what it must.
   virtual absl::Status Build(::tensorflow::OpKernelContext* ctx,
                              ::keras_ring::Request* request) = 0;
+
+  // Output `index` in place of input `index` where TensorFlow allows it, else fresh memory.
+  absl::Status ForwardOrAllocate(::tensorflow::OpKernelContext* ctx, int index,
+                                 ::tensorflow::Tensor** out) const;
+  // Output `index` of `shape` in fresh memory.
+  absl::Status Allocate(::tensorflow::OpKernelContext* ctx, int index,
+                        const ::tensorflow::TensorShape& shape, ::tensorflow::Tensor** out) const;
+  // Allocates output 0 with `rows` rows of `row_shape` once the runtime knows how many: on
+  // the worker, after every rank's signature arrived.
+  std::function<::keras_ring::Status(int64_t, void**)> AllocateRows(
+      ::tensorflow::OpKernelContext* ctx, const ::tensorflow::TensorShape& row_shape) const;
 
  private:
   std::string tensor_name_;
