@@ -56,7 +56,8 @@ kr::TensorRef Ref(const Tensor& in, Tensor* out) {
 // and where THP is off the call changes nothing.
 constexpr uintptr_t kHugePage = 2u << 20;
 
-void AdviseHugePages(const Tensor& t) {
+void AdviseHugePages(const Tensor& t, size_t min_bytes) {
+  if (min_bytes == 0 || t.TotalBytes() < min_bytes) return;
   const auto start = reinterpret_cast<uintptr_t>(t.tensor_data().data());
   const uintptr_t first = (start + kHugePage - 1) & ~(kHugePage - 1);
   const uintptr_t end = (start + t.TotalBytes()) & ~(kHugePage - 1);
@@ -96,12 +97,15 @@ absl::Status CollectiveKernel::ForwardOrAllocate(OpKernelContext* ctx, int index
 absl::Status CollectiveKernel::Allocate(OpKernelContext* ctx, int index, const TensorShape& shape,
                                         Tensor** out) const {
   TF_RETURN_IF_ERROR(ctx->allocate_output(index, shape, out));
-  if (on_gpu_ || (*out)->TotalBytes() < kHugePage) return absl::OkStatus();
+  if ((*out)->TotalBytes() >= kHugePage) AdviseHugePages(**out, HugePageBytes());
+  return absl::OkStatus();
+}
+
+size_t CollectiveKernel::HugePageBytes() const {
+  if (on_gpu_) return 0;
   // Read per call: an eager kernel outlives the runtime it was first made under.
   std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get(process_set_id_);
-  const size_t min_bytes = runtime != nullptr ? runtime->options().huge_page_output_bytes : 0;
-  if (min_bytes > 0 && (*out)->TotalBytes() >= min_bytes) AdviseHugePages(**out);
-  return absl::OkStatus();
+  return runtime != nullptr ? runtime->options().huge_page_output_bytes : 0;
 }
 
 void CollectiveKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
@@ -193,12 +197,16 @@ TensorShape RowShape(const Tensor& in) {
 
 std::function<kr::Status(int64_t, void**)> CollectiveKernel::AllocateRows(
     OpKernelContext* ctx, const TensorShape& row_shape) const {
-  return [this, ctx, row_shape](int64_t rows, void** output) -> kr::Status {
+  // Looked up here: the worker must never hold its own runtime (the last reference would
+  // then destroy it on the thread its destructor joins).
+  const size_t huge_page_bytes = HugePageBytes();
+  return [ctx, row_shape, huge_page_bytes](int64_t rows, void** output) -> kr::Status {
     TensorShape shape({rows});
     shape.AppendShape(row_shape);
     Tensor* out = nullptr;
-    absl::Status s = Allocate(ctx, 0, shape, &out);
+    absl::Status s = ctx->allocate_output(0, shape, &out);
     if (!s.ok()) return kr::Status(kr::Code::kResourceExhausted, std::string(s.message()));
+    AdviseHugePages(*out, huge_page_bytes);
     *output = const_cast<char*>(out->tensor_data().data());
     return kr::Status::OK();
   };

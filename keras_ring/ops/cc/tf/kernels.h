@@ -43,9 +43,11 @@ class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
   // Output `index` in place of input `index` where TensorFlow allows it, else fresh memory.
   absl::Status ForwardOrAllocate(::tensorflow::OpKernelContext* ctx, int index,
                                  ::tensorflow::Tensor** out) const;
-  // Output `index` of `shape` in fresh memory.
+  // Output `index` of `shape` in fresh memory (huge pages advised from HugePageBytes()).
   absl::Status Allocate(::tensorflow::OpKernelContext* ctx, int index,
                         const ::tensorflow::TensorShape& shape, ::tensorflow::Tensor** out) const;
+  // RuntimeOptions::huge_page_output_bytes of this op's runtime; 0 on a GPU or without one.
+  size_t HugePageBytes() const;
   // Allocates output 0 with `rows` rows of `row_shape` once the runtime knows how many: on
   // the worker, after every rank's signature arrived.
   std::function<::keras_ring::Status(int64_t, void**)> AllocateRows(
