@@ -2,7 +2,9 @@
 
 Run ``python -m keras_ring.ops`` to (re)build by hand; the loader calls :func:`ensure_built`
 on import, so a missing or stale library (another TensorFlow version, changed sources) is
-rebuilt automatically when a C++ compiler is present.
+rebuilt automatically when a C++ compiler is present. A build this machine has made before
+(same TensorFlow, sources, compiler and flags) is copied from the build cache
+(:mod:`keras_ring.ops.build_cache`) instead of compiled again.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from keras_ring.ops import build_cache
+
 CC_DIR = Path(__file__).resolve().parent / "cc"
-LIB_NAME = "_keras_ring_ops.so"
+LIB_NAME = build_cache.LIB_NAME
 REBUILD_COMMAND = f"{sys.executable} -m keras_ring.ops"
 
 
@@ -118,41 +122,61 @@ def _compile(cxx: str, flags: list[str], src: Path, obj: Path) -> str:
     return proc.stderr  # warnings, if any
 
 
-def build(out_dir: Path | None = None, verbose: bool = True, jobs: int | None = None) -> Path:
-    """Compiles and links the op library; returns its path. Warnings are printed."""
-    out_dir = out_dir or default_output_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _compile_and_link(cxx: str, flags: list[str], link_flags: list[str], tmp: Path,
+                      jobs: int | None) -> Path:
+    """Compiles every source in parallel and links them in ``tmp``; warnings are printed."""
+    srcs = sources()
+    objs = [tmp / (s.parent.name + "_" + s.stem + ".o") for s in srcs]
+    with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 2) as pool:
+        warnings = list(pool.map(lambda so: _compile(cxx, flags, *so), zip(srcs, objs)))
+    for w in warnings:
+        if w.strip():
+            print(w, file=sys.stderr)
+    lib = tmp / LIB_NAME
+    cmd = [cxx, "-shared", "-o", str(lib), *map(str, objs), *link_flags, "-pthread", "-ldl"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"linking failed:\n{' '.join(cmd)}\n{proc.stderr}")
+    return lib
+
+
+def build_inputs() -> tuple[dict, str, list[str], list[str]]:
+    """What a build in this environment is made from: the stamp, the compiler, the compile
+    flags and the link flags (together, the build cache's key)."""
     compile_flags, link_flags, tf_version = tf_flags()
     want = stamp(tf_version)
-    cxx = _compiler()
     info = f"tf={tf_version};src={want['sources']}"
     flags = [
         "-std=c++17", "-O3", "-fPIC", "-pthread", "-Wall", "-Wextra",
         f'-DKERAS_RING_BUILD_INFO="{info}"', *compile_flags,
     ]
+    return want, _compiler(), flags, link_flags
+
+
+def build(out_dir: Path | None = None, verbose: bool = True, jobs: int | None = None) -> Path:
+    """Compiles and links the op library (or takes this exact build from the build cache);
+    returns its path. Warnings are printed."""
+    out_dir = out_dir or default_output_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    want, cxx, flags, link_flags = build_inputs()
     lib = library_path(out_dir)
+    if verbose:
+        print(f"keras_ring: building {lib.name} for TensorFlow {want['tf_version']} ...",
+              file=sys.stderr)
+    entry = build_cache.key(want, cxx, flags, link_flags)
+    cached = build_cache.lookup(entry)
     with tempfile.TemporaryDirectory(prefix="keras_ring_build_") as tmp:
-        srcs = sources()
-        objs = [Path(tmp) / (s.parent.name + "_" + s.stem + ".o") for s in srcs]
-        if verbose:
-            print(f"keras_ring: building {lib.name} for TensorFlow {tf_version} ...", file=sys.stderr)
-        with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 2) as pool:
-            warnings = list(pool.map(lambda so: _compile(cxx, flags, *so), zip(srcs, objs)))
-        for w in warnings:
-            if w.strip():
-                print(w, file=sys.stderr)
-        tmp_lib = Path(tmp) / LIB_NAME
-        cmd = [cxx, "-shared", "-o", str(tmp_lib), *map(str, objs), *link_flags, "-pthread", "-ldl"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BuildError(f"linking failed:\n{' '.join(cmd)}\n{proc.stderr}")
+        built = cached or _compile_and_link(cxx, flags, link_flags, Path(tmp), jobs)
+        if not cached:
+            build_cache.store(entry, built)
         # Atomic replace: processes that already loaded the old file keep their mapping.
         staged = out_dir / f".{LIB_NAME}.{os.getpid()}"
-        shutil.copyfile(tmp_lib, staged)
+        shutil.copyfile(built, staged)
         os.replace(staged, lib)
     _stamp_path(lib).write_text(json.dumps(want))
     if verbose:
-        print(f"keras_ring: built {lib}", file=sys.stderr)
+        origin = f" (from the build cache, {cached.parent})" if cached else ""
+        print(f"keras_ring: built {lib}{origin}", file=sys.stderr)
     return lib
 
 

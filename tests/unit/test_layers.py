@@ -22,6 +22,7 @@ LAYERS = {
     "keras_ring._errors_base": 0,
     "keras_ring.launcher": 0,
     "keras_ring.ops.build": 0,
+    "keras_ring.ops.build_cache": 0,
     "keras_ring.ops.reduce_op": 0,
     # 1. The peer table every exchange produces.
     "keras_ring.peer_table": 1,

@@ -1,0 +1,92 @@
+"""Built op libraries kept per machine, so that returning to a TensorFlow (another environment,
+a downgrade and back, a second library directory) costs a copy instead of a compile.
+
+An entry is one directory holding one library, named by a key over everything that goes into
+the build: the stamp (TensorFlow version, source hash, Python version), the compiler and its
+version, and every compile and link flag (which name the TensorFlow installation's include
+and library directories). A library is only ever taken for exactly the build that made it.
+
+The cache lives in ``$KERAS_RING_BUILD_CACHE`` (default ``~/.cache/keras_ring/builds``;
+``0`` turns it off). The newest ``MAX_ENTRIES`` are kept. Every failure to read or write it
+is a miss: the cache can make a build faster, never make one fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+LIB_NAME = "_keras_ring_ops.so"
+MAX_ENTRIES = 8
+
+
+def cache_dir() -> Path | None:
+    """Where entries live, or None when the cache is turned off."""
+    configured = os.environ.get("KERAS_RING_BUILD_CACHE", "")
+    if configured.strip().lower() in ("0", "off", "false", "no"):
+        return None
+    if configured:
+        return Path(configured).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "keras_ring" / "builds"
+
+
+def _compiler_identity(cxx: str) -> str:
+    """The compiler's resolved path and its version banner: a new compiler is a new key."""
+    path = shutil.which(cxx) or cxx
+    try:
+        banner = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        banner = ""
+    return f"{os.path.realpath(path)}\n{banner}"
+
+
+def key(stamp: dict, cxx: str, compile_flags: list[str], link_flags: list[str]) -> str:
+    """The entry name of the library this exact build would produce."""
+    material = json.dumps({"stamp": stamp, "compiler": _compiler_identity(cxx),
+                           "compile": compile_flags, "link": link_flags}, sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:24]
+
+
+def lookup(entry_key: str) -> Path | None:
+    """The cached library of this key, or None. A hit counts as a use (kept longer)."""
+    root = cache_dir()
+    if root is None:
+        return None
+    lib = root / entry_key / LIB_NAME
+    try:
+        if not lib.is_file():
+            return None
+        os.utime(lib.parent)
+    except OSError:
+        return None
+    return lib
+
+
+def store(entry_key: str, lib: Path) -> None:
+    """Keeps a freshly built library under its key, then drops the oldest entries."""
+    root = cache_dir()
+    if root is None:
+        return
+    entry = root / entry_key
+    staged = entry / f".{LIB_NAME}.{os.getpid()}"
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(lib, staged)
+        os.replace(staged, entry / LIB_NAME)  # readers never see a half-written library
+        _prune(root)
+    except OSError:
+        with contextlib.suppress(OSError):
+            staged.unlink(missing_ok=True)
+
+
+def _prune(root: Path) -> None:
+    entries = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime,
+                     reverse=True)
+    for old in entries[MAX_ENTRIES:]:
+        shutil.rmtree(old, ignore_errors=True)
