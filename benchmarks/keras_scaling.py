@@ -2,7 +2,7 @@
 single-rank processes running at the same time (the machine's own contention baseline), so
 the cost of communication is separated from the cost of sharing the cores.
 
-Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60] [--repeat 3]
+Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60] [--repeat 3] [--models mlp]
 (it starts its own processes: one alone, N independent ones, then N-rank mpirun jobs; all are
 measured --repeat times, interleaved, and each column shows the median, because one round on
 a small shared machine moves by several percent). The N-rank job runs once per bucket layout
@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--buckets", choices=list(BUCKETS), default="default")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                        help="the models of the table (all by default)")
     args = parser.parse_args()
     if args.worker:
         worker(args.model, args.steps, args.worker == "dist", args.threads, args.buckets)
@@ -119,12 +121,12 @@ def main() -> None:
     mpirun = str(Path(sys.executable).parent / "mpirun")
     share = max(1, (os.cpu_count() or 1) // n)  # what keras_ring.init() gives each rank
     print(f"# {os.cpu_count()} cores; ms per step, median after warm-up; {n} ranks; batch per rank: "
-          + ", ".join(f"{m} {b}" for m, b in MODELS.items()))
+          + ", ".join(f"{m} {MODELS[m]}" for m in args.models))
     layouts = [b for b in BUCKETS if b != "default"]
     print(f"{'model':<6} | {'1 rank':>8} | {f'{n} independent':>15} | {f'{n} ranks':>9} | {'vs baseline':>11}"
           + "".join(f" | {name:>10} | {'vs baseline':>11}" for name in layouts)
           + " | per round vs baseline: default, " + ", ".join(layouts))
-    for model in MODELS:
+    for model in args.models:
         common = ["--model", model, "--steps", str(args.steps)]
         singles, bases = [], []
         dists: dict[str, list[float]] = {b: [] for b in BUCKETS}
