@@ -30,10 +30,14 @@ OPS_LIB := keras_ring/ops/_keras_ring_ops.so
 
 venv: $(STAMP) $(OPS_LIB)
 
+# --no-compile: pip would byte-compile every file of TensorFlow and pyspark (30 of the 100 s of
+# this install on 2 cores); Python compiles the modules a process imports, once, on first use.
+PIP_INSTALL = -m pip install -q --no-compile
+
 $(STAMP): pyproject.toml setup.py
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) $(PIP_INSTALL) --upgrade pip
+	$(VPY) $(PIP_INSTALL) -e '.[test]'
 	touch $@
 
 # The builder skips the work when the library matches this TensorFlow and these sources.
@@ -54,11 +58,15 @@ test-unit: venv
 	$(TEST_ENV) $(GUARD_UNIT) $(VPY) -m pytest tests/unit -q
 
 # Each whole module set runs under one mpirun per world size: TensorFlow starts once per rank.
-# Then TCP between ranks of one host (the path of multi-host jobs), and the randomized suite
-# at 4 ranks over TCP with 8 KiB segments, so its large tensors cross segment boundaries.
+# At 2 ranks: everything, over shared memory and then over TCP between ranks of one host (the
+# path of multi-host jobs). At 4 ranks over shared memory: the collectives, without the Keras
+# modules (three quarters of that run's time on 2 cores), which test-multihost runs at 4 ranks
+# (2 hosts x 2, shared memory and TCP in one ring). Then the randomized suite at 4 ranks over
+# TCP with 8 KiB segments, so its large tensors cross segment boundaries.
 test-parallel: venv
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
-	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 4 $(VPY) -m pytest tests/parallel -q
+	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 4 $(VPY) -m pytest tests/parallel -q \
+		--ignore-glob='*/test_keras_*.py'
 	$(TEST_ENV) KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
 	$(TEST_ENV) KERAS_RING_SHM=0 KERAS_RING_SEGMENT_BYTES=8192 $(GUARD) $(MPIRUN) -np 4 \
 		$(VPY) -m pytest tests/parallel/test_randomized.py -q
@@ -86,8 +94,8 @@ OLD_TESTS := $(addprefix tests/parallel/,test_collectives.py test_gradients.py t
 
 $(OLD_STAMP): pyproject.toml setup.py tests/versions/oldest.txt
 	test -x $(OLD_VENV)/bin/python || $(PYTHON) -m venv $(OLD_VENV)
-	$(OLD_VENV)/bin/python -m pip install -q --upgrade pip
-	$(OLD_VENV)/bin/python -m pip install -q -c tests/versions/oldest.txt -e '.[mpi]' \
+	$(OLD_VENV)/bin/python $(PIP_INSTALL) --upgrade pip
+	$(OLD_VENV)/bin/python $(PIP_INSTALL) -c tests/versions/oldest.txt -e '.[mpi]' \
 		tensorflow keras pytest hypothesis
 	touch $@
 
