@@ -3,8 +3,9 @@ a downgrade and back, a second library directory) costs a copy instead of a comp
 
 An entry is one directory holding one library, named by a key over everything that goes into
 the build: the stamp (TensorFlow version, source hash, Python version), the compiler and its
-version, and every compile and link flag (which name the TensorFlow installation's include
-and library directories). A library is only ever taken for exactly the build that made it.
+version, every compile and link flag (which name the TensorFlow installation's include and
+library directories) and the size and time of the framework library it links. A library is
+only ever taken for exactly the build that made it.
 
 The cache lives in ``$KERAS_RING_BUILD_CACHE`` (default ``~/.cache/keras_ring/builds``;
 ``0`` turns it off). The newest ``MAX_ENTRIES`` are kept. Every failure to read or write it
@@ -46,10 +47,24 @@ def _compiler_identity(cxx: str) -> str:
     return f"{os.path.realpath(path)}\n{banner}"
 
 
+def _linked_files(link_flags: list[str]) -> list[str]:
+    """Size and modification time of each library named as ``-l:NAME`` in a ``-L`` directory
+    (TensorFlow's framework library): a TensorFlow reinstalled in place is a new key."""
+    dirs = [f[2:] for f in link_flags if f.startswith("-L")]
+    found = []
+    for name in (f[3:] for f in link_flags if f.startswith("-l:")):
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(d, name))
+                found.append(f"{d}/{name}:{st.st_size}:{st.st_mtime_ns}")
+    return found
+
+
 def key(stamp: dict, cxx: str, compile_flags: list[str], link_flags: list[str]) -> str:
     """The entry name of the library this exact build would produce."""
     material = json.dumps({"stamp": stamp, "compiler": _compiler_identity(cxx),
-                           "compile": compile_flags, "link": link_flags}, sort_keys=True)
+                           "compile": compile_flags, "link": link_flags,
+                           "linked": _linked_files(link_flags)}, sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
 

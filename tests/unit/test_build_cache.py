@@ -76,6 +76,18 @@ def test_everything_that_goes_into_the_library_is_in_the_key(tmp_path):
     assert len({base, *variants}) == 1 + len(variants), variants
 
 
+def test_a_framework_library_reinstalled_in_place_is_another_key(tmp_path):
+    stamp = {"tf_version": "2.18.0", "sources": "abc", "python": "3.11.2"}
+    framework = tmp_path / "libtensorflow_framework.so.2"
+    framework.write_bytes(b"\x7fELF one build")
+    link = [f"-L{tmp_path}", "-l:libtensorflow_framework.so.2"]
+    first = build_cache.key(stamp, "g++", ["-O3"], link)
+    assert first == build_cache.key(stamp, "g++", ["-O3"], link)
+    framework.write_bytes(b"\x7fELF another build")  # same name, same version string
+    os.utime(framework, ns=(1, 1))
+    assert build_cache.key(stamp, "g++", ["-O3"], link) != first
+
+
 def test_the_newest_entries_are_kept_and_a_hit_counts_as_new(cache, tmp_path):
     lib = tmp_path / "lib.so"
     lib.write_bytes(b"\x7fELF library")
