@@ -7,6 +7,9 @@ step's buckets do): TensorFlow's per-call dispatch is paid once per K, as in a t
 "alone" is the same chain in a process set of this rank alone: TensorFlow's cost of running
 the op in a graph plus the runtime's, without a peer (the output still gets its copy of the
 input), so graph - alone is what communicating costs, to set against MPI_Allreduce.
+"call" is TensorFlow's cost of calling a tf.function that holds one no-op, paid once per graph
+call: graph - call/K is what one more allreduce adds to a graph (on a 2-vCPU AMD EPYC VM the
+call alone was ~440 us, 14 us per op of a 32-op chain: more than MPI's 4 KiB allreduce).
 "eager" is one `keras_ring.allreduce` call from Python, and "TF dispatch" is TensorFlow's own
 cost of one eager op on the same tensor (`tf.identity`: dispatch, no work), so eager keras_ring
 is within TensorFlow's dispatch cost of MPICH when eager - dispatch <= MPI.
@@ -49,9 +52,14 @@ def columns(nbytes: int, comm, alone) -> dict:
                 kr.allreduce(tensor, op=kr.Sum, process_set=process_set)
         return run
 
+    @tf.function(autograph=False)
+    def call():
+        tf.no_op()
+
     return {
         "graph": (chained(kr.global_process_set), chain),
         "alone": (chained(alone), chain),
+        "call": (call, 1),
         "MPI": (lambda: comm.Allreduce(host, out, op=MPI.SUM), 1),
         "eager": (lambda: kr.allreduce(tensor, op=kr.Sum), 1),
         "TF dispatch": (lambda: tf.identity(tensor), 1),
@@ -71,9 +79,9 @@ def main() -> None:
     preamble(comm, f"float32 Sum; graph = K allreduces in one tf.function (K <= {MAX_CHAIN}); "
                    f"{ROUNDS} interleaved rounds")
     if comm.rank == 0:
-        print(f"{'bytes':>10} {'K':>3} | {'graph us':>9} {'alone us':>9} {'MPI us':>9} "
-              f"{'eager us':>9} {'TF disp us':>10} | {'graph/MPI':>11} {'(graph-alone)/MPI':>17} "
-              f"{'(eager-disp)/MPI':>16}")
+        print(f"{'bytes':>10} {'K':>3} | {'graph us':>9} {'alone us':>9} {'call us':>9} "
+              f"{'MPI us':>9} {'eager us':>9} {'TF disp us':>10} | {'graph/MPI':>11} "
+              f"{'(graph-call/K)/MPI':>18} {'(graph-alone)/MPI':>17} {'(eager-disp)/MPI':>16}")
     for nbytes in sizes(min_bytes, max_bytes):
         cols = columns(nbytes, comm, alone)
         times: dict[str, list[float]] = {name: [] for name in cols}
@@ -82,15 +90,17 @@ def main() -> None:
                 times[name].append(timed(fn, nbytes * per_call, comm) / per_call)
         mpi = times["MPI"]
         graph_ratio = [g / m for g, m in zip(times["graph"], mpi)]
+        k = cols["graph"][1]
+        op_ratio = [max(g - c / k, 0.0) / m for g, c, m in zip(times["graph"], times["call"], mpi)]
         comm_ratio = [max(g - a, 0.0) / m for g, a, m in zip(times["graph"], times["alone"], mpi)]
         eager_ratio = [max(e - d, 0.0) / m for e, d, m in
                        zip(times["eager"], times["TF dispatch"], mpi)]
         if comm.rank == 0:
             med = {name: float(np.median(v)) * 1e6 for name, v in times.items()}
-            print(f"{nbytes:>10} {cols['graph'][1]:>3} | {med['graph']:9.1f} {med['alone']:9.1f} "
-                  f"{med['MPI']:9.1f} {med['eager']:9.1f} {med['TF dispatch']:10.1f} | "
-                  f"{span(graph_ratio):>11} {span(comm_ratio):>17} {span(eager_ratio):>16}",
-                  flush=True)
+            print(f"{nbytes:>10} {k:>3} | {med['graph']:9.1f} {med['alone']:9.1f} "
+                  f"{med['call']:9.1f} {med['MPI']:9.1f} {med['eager']:9.1f} "
+                  f"{med['TF dispatch']:10.1f} | {span(graph_ratio):>11} {span(op_ratio):>18} "
+                  f"{span(comm_ratio):>17} {span(eager_ratio):>16}", flush=True)
     kr.shutdown()
 
 
