@@ -85,7 +85,7 @@ def default_output_dir() -> Path:
     pkg = Path(__file__).resolve().parent
     if os.access(pkg, os.W_OK):
         return pkg
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "keras_ring"
+    return build_cache.user_cache()
 
 
 def library_path(out_dir: Path | None = None) -> Path:

@@ -26,6 +26,11 @@ LIB_NAME = "_keras_ring_ops.so"
 MAX_ENTRIES = 8
 
 
+def user_cache() -> Path:
+    """keras_ring's directory in the user's cache ($XDG_CACHE_HOME, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "keras_ring"
+
+
 def cache_dir() -> Path | None:
     """Where entries live, or None when the cache is turned off."""
     configured = os.environ.get("KERAS_RING_BUILD_CACHE", "")
@@ -33,7 +38,7 @@ def cache_dir() -> Path | None:
         return None
     if configured:
         return Path(configured).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "keras_ring" / "builds"
+    return user_cache() / "builds"
 
 
 def _compiler_identity(cxx: str) -> str:
