@@ -1,7 +1,8 @@
 """One rank of a small Keras job with a fault (test_job_failure.py starts it under each launcher).
 
 Environment: ``FAULT`` = ``none``, ``stall`` (sleep 600 s in user code: a hung data loader), ``crash``
-(``os._exit(3)``: gone without a word) or ``raise`` (an exception in user code, uncaught);
+(``os._exit(3)``: gone without a word), ``raise`` (an exception in user code, uncaught) or
+``stop`` (this rank's callback stops training: its ``fit`` returns and the program ends);
 ``FAULT_RANK`` (default 1) and ``FAULT_STEP`` (default 5) say where. ``JOB_DIR`` gets
 ``fault`` (the CLOCK_MONOTONIC time of the fault) and ``error.R`` (rank R's error, as JSON:
 class, keras_ring attributes, message) when a rank's ``fit`` fails. The exception is
@@ -39,6 +40,8 @@ class Fault(keras.callbacks.Callback):
             os._exit(3)
         elif fault == "raise":
             raise ValueError("a bad record in the input")
+        elif fault == "stop":  # as EarlyStopping or TerminateOnNaN decide on one rank alone
+            self.model.stop_training = True
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The job as a whole: one rank stalls in user code, crashes, or raises, under plain mpirun,
-keras-ring-run and the environment rendezvous (Spark: test_spark.py). Every process must
+keras-ring-run and the environment rendezvous (Spark: test_spark.py), or stops training alone. Every process must
 end, in about the timeout plus the failure grace, and the surviving rank's error must name
 the rank at fault.
 
@@ -100,6 +100,24 @@ def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
         # Rank 1 never saw an error: keras_ring ended it, saying why (keras-ring-run stops
         # every rank itself as soon as rank 0 fails).
         assert "ending this process (exit code 70)" in output, output[-5000:]
+
+
+def test_a_rank_that_stops_training_alone_fails_its_peer_at_once_saying_where(job_env, tmp_path):
+    # EarlyStopping or TerminateOnNaN deciding on one rank's own metrics: that rank's fit
+    # returns and its program ends cleanly, while its peer is already in the next step.
+    took, output = run_job("mpirun", "stop", job_env, tmp_path)
+    assert took < GRACE + MARGIN, f"the job ended {took:.1f} s after the stop:\n{output[-5000:]}"
+    error_file = tmp_path / "error.0"
+    assert error_file.exists(), f"rank 0's fit did not fail:\n{output[-5000:]}"
+    error = json.loads(error_file.read_text())
+    assert error["type"] == "PeerFailureError" and error["rank"] == 1, error
+    # How far rank 1 got, next to the step rank 0 is in: the same bucket, one step apart.
+    step = error["collective"]
+    assert step.startswith("grouped_allreduce"), error
+    assert "rank 1 has shut down (after " in error["message"], error
+    assert f"collectives, the last {step}) while this rank still needs it" in error["message"]
+    assert "stopped early on a decision of its own" in error["message"], error
+    assert not (tmp_path / "error.1").exists(), "rank 1's own fit ended cleanly"
 
 
 def test_ctrl_c_ends_a_training_job_at_once_with_a_plain_keyboard_interrupt(job_env, tmp_path):

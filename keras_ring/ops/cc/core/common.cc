@@ -67,10 +67,18 @@ int Deadline::remaining_ms(int cap_ms) const {
 
 Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string& cause_message) {
   if (cause_code == Code::kCancelled) {
+    // The notice says how far the peer got ("rank 1 shut down after 40 collectives, the
+    // last ..."): beside this rank's own collective, that shows where the two parted.
+    static const std::string kShutDown = " shut down ";
+    const size_t at = cause_message.find(kShutDown);
+    const std::string how_far =
+        at == std::string::npos ? "" : " (" + cause_message.substr(at + kShutDown.size()) + ")";
     return Status(Code::kUnavailable,
-                  "rank " + std::to_string(reporter) +
-                      " has shut down while this rank still needs it: the ranks ran different "
-                      "numbers of collectives (uneven data shards? see keras_ring's README)",
+                  "rank " + std::to_string(reporter) + " has shut down" + how_far +
+                      " while this rank still needs it: the ranks ran different numbers of "
+                      "collectives: uneven data shards, or a rank that stopped early on a "
+                      "decision of its own (see 'When ranks run different collectives' in "
+                      "keras_ring's README)",
                   reporter)
         .ReportedBy(reporter);
   }

@@ -228,6 +228,7 @@ Status Runtime::RunOne(Request& request, bool* deferred) {
   stats.agreed = started;
   Status s = Execute(request, seq, label, &stats);
   seq_ += stats.extra_seqs;  // a joined rank took part in that many collectives
+  ran_.store(seq_, std::memory_order_relaxed);
   busy_seq_.store(0);
   last_finished_ = Clock::now();
   *deferred = stats.deferred;  // then the request was moved out: its completion records it
@@ -433,9 +434,19 @@ std::string Runtime::StallReport(double waited_seconds) {
   return msg;
 }
 
-Status Runtime::ShutdownCause() const {
-  return Status(Code::kCancelled, "rank " + std::to_string(options_.rank) + " shut down",
-                options_.rank);
+Status Runtime::ShutdownCause() {
+  const uint64_t ran = ran_.load(std::memory_order_relaxed);
+  const uint64_t running = busy_seq_.load();
+  std::string message = "rank " + std::to_string(options_.rank) + " shut down ";
+  if (running != 0) {  // stopped mid-collective (an interrupt, say)
+    message += "during its collective " + std::to_string(running) + ", " + BusyLabel();
+  } else if (ran == 0) {
+    message += "before any collective";
+  } else {
+    message += "after " + std::to_string(ran) + (ran == 1 ? " collective" : " collectives") +
+               ", the last " + BusyLabel();
+  }
+  return Status(Code::kCancelled, message, options_.rank);
 }
 
 }  // namespace keras_ring

@@ -153,7 +153,9 @@ class Runtime {
   void RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
                       const ExecutionStats& stats, const Status& s);
   std::string StallReport(double waited_seconds);
-  Status ShutdownCause() const;
+  // What peers are told of a clean shutdown: how many collectives this rank ran, and the
+  // last one (a peer still waiting in a later one learns where the two parted).
+  Status ShutdownCause();
 
   RuntimeOptions options_;
   std::unique_ptr<Transport> transport_;
@@ -172,6 +174,7 @@ class Runtime {
   Status stop_cause_;       // what peers are told when stopping_: a shutdown or a failure
   bool executing_ = false;  // a request runs, on the worker or on a caller's thread
   uint64_t seq_ = 0;        // of the last request run (only the executing thread touches it)
+  std::atomic<uint64_t> ran_{0};  // seq_ once that request ended, for any thread to read
   Clock::time_point last_finished_;  // when it ended (as seq_, the executing thread's)
   Status broken_;  // first fatal error; every later request fails with it (executor only)
   Status peer_failure_;  // a peer's failure seen by the watchdog (guarded by mu_)

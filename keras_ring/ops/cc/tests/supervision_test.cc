@@ -119,5 +119,32 @@ TEST(Supervision_ACleanShutdownIsNoFailure) {
   const Status s = WaitForPeerFailure(*w.runtimes[0], 1.5);
   CHECK_OK(s);
 }
+// A rank that shuts down cleanly while a peer still waits in a later collective (a Keras
+// callback stopped its training alone, say): the peer's error says how far it got.
+TEST(Supervision_APeerThatStoppedEarlySaysHowFarItGot) {
+  for (const std::vector<int>& hosts : {std::vector<int>{0, 0}, std::vector<int>{0, 1}}) {
+    std::unique_ptr<Transport> unused;
+    World w = MakeWorld(hosts, &unused, -1);
+    for (int step = 0; step < 2; ++step) {
+      Request other;
+      other.kind = Kind::kBarrier;
+      Status theirs;
+      std::thread peer([&] { theirs = w.runtimes[1]->Run(std::move(other)); });
+      Request mine;
+      mine.kind = Kind::kBarrier;
+      CHECK_OK(w.runtimes[0]->Run(std::move(mine)));
+      peer.join();
+      CHECK_OK(theirs);
+    }
+    w.runtimes[1]->Stop();
+    Request third;
+    third.kind = Kind::kBarrier;
+    const Status s = w.runtimes[0]->Run(std::move(third));
+    CHECK(s.code() == Code::kUnavailable && s.peer() == 1) << s.message();
+    CHECK_CONTAINS(s.message(), "barrier #3 failed on rank 0: rank 1 has shut down (after 2 "
+                                "collectives, the last barrier #2) while this rank still needs it");
+    CHECK_CONTAINS(s.message(), "a rank that stopped early on a decision of its own");
+  }
+}
 }  // namespace
 }  // namespace kr_test
