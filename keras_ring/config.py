@@ -143,6 +143,7 @@ class Config:
     device_max_in_flight: int = 64  # NCCL collectives launched and not yet complete
     sync_graph_kernels: bool = True  # CPU collectives in graphs run as synchronous kernels
     huge_page_output_bytes: int = 32 << 20  # fresh CPU outputs from this size: huge pages
+    check_weights: bool = True  # fit checks that the ranks' weights agree (second step)
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -171,4 +172,5 @@ class Config:
             sync_graph_kernels=_bool("KERAS_RING_SYNC_GRAPH_KERNELS", True),
             huge_page_output_bytes=int_from_env("KERAS_RING_HUGE_PAGE_BYTES", 32 << 20,
                                                 minimum=0),
+            check_weights=_bool("KERAS_RING_CHECK_WEIGHTS", True),
         )

@@ -17,7 +17,7 @@ from keras_ring.ops.loader import describe_error
 __all__ = [
     "KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
     "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",
-    "CollectiveAbortedError", "ErrorInfo", "error_info", "translate", "for_status_code",
+    "CollectiveAbortedError", "WeightMismatchError", "ErrorInfo", "error_info", "translate", "for_status_code",
     "is_interrupt_clash", "install_tensorflow_hook",
 ]
 
@@ -50,6 +50,11 @@ class PeerFailureError(KerasRingError, tf.errors.UnavailableError):
 
 class CollectiveAbortedError(KerasRingError, tf.errors.AbortedError):
     """The runtime was aborted (an earlier failure, or shutdown) while the collective waited."""
+
+
+class WeightMismatchError(KerasRingError, ValueError):
+    """The ranks hold different weights of a model they train together (its initial weights
+    were never broadcast, or a checkpoint was restored on some ranks only)."""
 
 
 _BY_TF_CLASS = [

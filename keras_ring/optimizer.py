@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_ring import _keras_private, _xla
+from keras_ring import _keras_private, _weight_check, _xla
 from keras_ring._accumulation import Passes
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions, map_gradient
 from keras_ring._local import (LocalSources, check_local_layers, check_scale, check_variable,
@@ -410,6 +410,17 @@ def after_compile(model: Any, requested_jit: Any) -> None:
     if is_wrapped(optimizer):
         _xla.turn_off_model_jit(model, requested_jit)
         _build_before_first_step(model)
+        _weight_check.install(model, functools.partial(_weight_check_settings, model))
+
+
+def _weight_check_settings(model: Any) -> tuple[set[int], ProcessSet] | None:
+    """What ``_weight_check`` leaves out and where it compares, for the model's optimizer
+    now (None: not a wrapped one, e.g. the model was compiled again without keras_ring)."""
+    optimizer = getattr(model, "optimizer", None)
+    if not is_wrapped(optimizer):
+        return None
+    state = optimizer.__dict__[_STATE]
+    return state.local.keys(), state.options.process_set
 
 
 def _build_before_first_step(model: Any) -> None:

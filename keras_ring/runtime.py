@@ -40,6 +40,12 @@ class Runtime:
         # An elastic job's worker: its connection to the elastic rendezvous, opened at the
         # first init() and kept until exit; every init() then joins the next world through it.
         self._elastic: elastic_client.ElasticClient | None = None
+        self._generation = 0  # counts init()s: what is checked once per job starts again
+
+    @property
+    def generation(self) -> int:
+        """How many times ``init()`` started the runtime in this process."""
+        return self._generation
 
     @property
     def initialized(self) -> bool:
@@ -103,6 +109,7 @@ class Runtime:
             self._sets = {0: (tuple(range(table.topology.size)), table.topology)}
             self._config = config
             self._leaving_with = None
+            self._generation += 1
             if not self._atexit_registered:
                 atexit.register(self._at_exit)
                 _chain_excepthook(self)

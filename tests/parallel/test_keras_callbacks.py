@@ -155,7 +155,7 @@ def test_schedule_staircase_within_its_epoch_range(world):
     probe = Probe()
     schedule = LearningRateScheduleCallback(0.2, multiplier=0.5, start_epoch=1, end_epoch=3)
     _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.05)), rank, size,
-         [schedule, probe], epochs=4)
+         [BroadcastGlobalVariablesCallback(0), schedule, probe], epochs=4)
     per_epoch = [probe.rates[e, b] for e in range(4) for b in range(STEPS)]
     expected = [0.05] * STEPS + [0.2] * STEPS + [0.1] * STEPS + [0.1] * STEPS
     np.testing.assert_allclose(per_epoch, expected, rtol=1e-6)
@@ -167,7 +167,7 @@ def test_schedule_smooth_uses_the_fractional_epoch(world):
     schedule = LearningRateScheduleCallback(0.3, multiplier=lambda e: 1.0 / (1.0 + e),
                                             staircase=False, momentum_correction=False)
     _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.05, momentum=0.5)),
-         rank, size, [schedule, probe], epochs=2)
+         rank, size, [BroadcastGlobalVariablesCallback(0), schedule, probe], epochs=2)
     for (epoch, batch), rate in probe.rates.items():
         np.testing.assert_allclose(rate, 0.3 / (1.0 + epoch + batch / STEPS), rtol=1e-6)
     # Without momentum correction the velocity is left as the step left it.
@@ -185,7 +185,7 @@ def test_on_rank_zero_runs_the_callback_on_rank_zero_only(world, tmp_path):
     wrapped = on_rank_zero(logger)
     assert (wrapped is logger) == (rank == 0)
     _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.1)), rank, size,
-         [MetricAverageCallback(), wrapped], epochs=2)
+         [BroadcastGlobalVariablesCallback(0), MetricAverageCallback(), wrapped], epochs=2)
     assert path.exists() == (rank == 0)
     if rank == 0:
         assert len(path.read_text().strip().splitlines()) == 3  # header and two epochs

@@ -1,0 +1,154 @@
+"""fit and train_on_batch check that the ranks train the same weights (keras_ring/_weight_check.py).
+
+Ranks that start from different weights would otherwise train side by side for ever: the
+averaged gradients move each rank's weights alike. The check runs before the second step.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+import keras
+import keras_ring as kr
+from keras_ring.callbacks import BroadcastGlobalVariablesCallback
+from keras_ring.errors import WeightMismatchError
+
+from tests.parallel import keras_support as ks
+
+BATCH = 4
+
+
+class Steps(keras.callbacks.Callback):
+    """Counts the training batches begun and ended."""
+
+    def __init__(self):
+        super().__init__()
+        self.begun = self.ended = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.begun += 1
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ended += 1
+
+
+class BroadcastAfterFirstBatch(keras.callbacks.Callback):
+    """Horovod's older callback: the first step runs on each rank's own weights, then the
+    root's weights and optimizer state replace them."""
+
+    def __init__(self):
+        super().__init__()
+        self.done = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.done:
+            kr.broadcast_variables(self.model.variables + self.model.optimizer.variables, 0)
+            self.done = True
+
+
+def _compiled(seed: int, optimizer=None) -> keras.Model:
+    model = ks.mlp(seed)
+    model.compile(optimizer=optimizer or kr.wrap(keras.optimizers.SGD(0.1)), loss=ks.loss())
+    return model
+
+
+def _data(rank: int):
+    x, y = ks.classification_data(8 * BATCH, seed=rank)
+    return x, y
+
+
+def _expected_message(size: int) -> str:
+    others = ", ".join(str(r) for r in range(1, size))
+    return f"differ between rank 0 and rank(s) {others}."
+
+
+def test_ranks_that_start_apart_fail_on_every_rank_before_the_second_step(world):
+    rank, size = world
+    model = _compiled(ks.rank_seed(rank))  # no broadcast: each rank its own initial weights
+    steps = Steps()
+    x, y = _data(rank)
+    with pytest.raises(WeightMismatchError) as info:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[steps])
+    assert (steps.begun, steps.ended) == (2, 1)  # one step done, the second refused
+    message = str(info.value)
+    assert _expected_message(size) in message, message
+    # The kernels differ, the zero-initialised biases do not: named, and counted.
+    kernels = [w.path for w in model.trainable_weights if "kernel" in w.path]
+    assert f"2 of 4 trainable weights ('{kernels[0]}', '{kernels[1]}')" in message, message
+    assert "BroadcastGlobalVariablesCallback(0)" in message
+    assert isinstance(info.value, kr.KerasRingError) and isinstance(info.value, ValueError)
+    # Nothing broke: the job goes on, and a broadcast mends the model.
+    kr.broadcast_variables(model.variables, root_rank=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
+def test_train_on_batch_is_checked_too(world):
+    rank, size = world
+    model = _compiled(ks.rank_seed(rank))
+    x, y = _data(rank)
+    model.train_on_batch(x[:BATCH], y[:BATCH])
+    with pytest.raises(WeightMismatchError, match=re.escape(_expected_message(size))):
+        model.train_on_batch(x[:BATCH], y[:BATCH])
+
+
+def test_the_same_start_passes_however_it_is_reached(world):
+    rank, _ = world
+    x, y = _data(rank)
+    # The callback, a broadcast after the first batch, or the same seed on every rank.
+    for seed, callbacks in [(ks.rank_seed(rank), [BroadcastGlobalVariablesCallback(0)]),
+                            (ks.rank_seed(rank), [BroadcastAfterFirstBatch()]),
+                            (7, [])]:
+        model = _compiled(seed)
+        steps = Steps()
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks + [steps])
+        assert steps.ended == 16
+        ks.assert_same_on_all_ranks(ks.weights(model))
+
+
+def test_local_layers_may_differ(world):
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(rank))
+    local = model.layers[0]
+    optimizer = kr.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[local])
+    model.compile(optimizer=optimizer, loss=ks.loss())
+    x, y = _data(rank)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
+        BroadcastGlobalVariablesCallback(0, local_variables=local.trainable_weights)])
+    # The shared layer agrees; the local one kept each rank's own weights.
+    ks.assert_same_on_all_ranks(ks.weights(model)[2:])
+    kernels = kr.allgather(local.kernel.value[np.newaxis], name="local_kernels").numpy()
+    assert all((kernels[r] != kernels[0]).any() for r in range(1, size))
+
+
+def test_a_model_compiled_again_without_keras_ring_is_not_checked(world):
+    rank, size = world
+    model = _compiled(ks.rank_seed(rank))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=ks.loss())  # each rank alone
+    x, y = _data(rank)
+    steps = Steps()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[steps])
+    assert steps.ended == 8
+    kernels = kr.allgather(model.layers[0].kernel.value[np.newaxis], name="own_kernels").numpy()
+    assert all((kernels[r] != kernels[0]).any() for r in range(1, size))
+
+
+def test_off_with_the_variable_and_on_again_after_each_init(world, monkeypatch):
+    rank, size = world
+    model = _compiled(ks.rank_seed(rank))
+    x, y = _data(rank)
+    monkeypatch.setenv("KERAS_RING_CHECK_WEIGHTS", "0")
+    kr.shutdown()
+    kr.init()
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # unchecked: trains apart
+    finally:
+        monkeypatch.delenv("KERAS_RING_CHECK_WEIGHTS")
+        kr.shutdown()
+        kr.init()
+    # A new init() checks the same model again, before its second step since then.
+    steps = Steps()
+    with pytest.raises(WeightMismatchError, match=re.escape(_expected_message(size))):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[steps])
+    assert steps.ended == 1
