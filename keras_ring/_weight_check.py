@@ -7,8 +7,8 @@ every rank's weights alike, so the difference stays for good, and the model save
 0 is one of several that trained. The check runs before the second step, not the first, so a
 program that broadcasts after its first batch (as Horovod's older callback did) passes.
 
-It compares per-weight fingerprints: the sum of the weight's bit patterns as integers. An
-integer sum is exact in any order, so equal weights give equal fingerprints whatever the
+It compares per-weight fingerprints: the sum of the weight's bit patterns as unsigned
+integers. Such a sum is exact in any order, so equal weights give equal fingerprints whatever the
 thread count, host or kernel that sums them; different random initialisations essentially
 never do. One allgather of one int64 per weight; nothing is added to the training step.
 """
@@ -72,16 +72,22 @@ def install(model: Any, settings: Callable[[], tuple[set[int], ProcessSet] | Non
     setattr(model, _INSTALLED, True)
 
 
+_UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32, 8: tf.uint32}
+
+
 def fingerprint(value: Any) -> tf.Tensor:
-    """The sum of the value's elements' bit patterns, as an int64 (exact in any order)."""
+    """The sum of the value's elements' bit patterns modulo 2**32, as an int64.
+
+    Unsigned addition wraps exactly, so the sum is the same in any order; 4- and 8-byte
+    elements are summed in place as 32-bit words (no widened copy of a large weight).
+    """
     value = tf.convert_to_tensor(value)
-    if value.dtype.is_floating:
-        bits = tf.bitcast(value, tf.int16 if value.dtype.size == 2 else tf.int32)
-    elif value.dtype.is_integer:
-        bits = value
-    else:  # bool, complex, string: not trained by gradients
-        return tf.constant(0, tf.int64)
-    return tf.reduce_sum(tf.cast(bits, tf.int64))
+    if not (value.dtype.is_floating or value.dtype.is_integer):
+        return tf.constant(0, tf.int64)  # bool, complex, string: not trained by gradients
+    words = tf.bitcast(value, _UNSIGNED[value.dtype.size])
+    if words.dtype != tf.uint32:
+        words = tf.cast(words, tf.uint32)
+    return tf.cast(tf.reduce_sum(words), tf.int64)
 
 
 def _label(variable: Any) -> str:

@@ -215,3 +215,29 @@ def test_the_first_compile_of_a_fresh_process_sees_the_wrapped_optimizer(clean_e
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=clean_env, timeout=300)
     assert "RESULT False 4" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int8",
+                                   "int32", "int64"])
+def test_weight_fingerprints_ignore_summation_order_and_see_one_changed_bit(dtype):
+    from keras_ring._weight_check import fingerprint
+
+    rng = np.random.default_rng(3)
+    values = tf.cast(tf.constant(rng.normal(size=(64, 33)) * 100), dtype)
+    flat = tf.reshape(values, [-1])
+    shuffled = tf.gather(flat, rng.permutation(flat.shape[0]))
+    assert int(fingerprint(values)) == int(fingerprint(shuffled))
+    # One element's lowest bit flipped (as a differently initialised weight differs, only less).
+    width = {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}.get(values.dtype.size, tf.uint8)
+    bits = tf.bitcast(flat, width).numpy().copy()
+    bits[100] ^= 1
+    changed = tf.bitcast(tf.constant(bits), values.dtype)
+    assert int(fingerprint(changed)) != int(fingerprint(values))
+
+
+def test_fit_runs_through_the_weight_checking_wrapper():
+    model = _model(seed=5)
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(np.ones((8, 4)), np.ones((8, 2)), batch_size=2, epochs=1, verbose=0)
+    # The training function is keras_ring's wrapper around Keras's own.
+    assert hasattr(model.train_function, "_keras_ring_checked")
