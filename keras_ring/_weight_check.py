@@ -1,16 +1,20 @@
-"""Every rank trains the same model: a check that the ranks' weights agree, once per model
-and ``init()``, before the second training step of ``fit``/``train_on_batch``.
+"""Every rank trains the same model: a check that the ranks' weights agree when ``fit`` or
+``train_on_batch`` starts training a model, after each ``init()``.
 
 Ranks that start from different weights (no ``BroadcastGlobalVariablesCallback``, a
 checkpoint restored on one rank only) never fail by themselves: the averaged gradients move
 every rank's weights alike, so the difference stays for good, and the model saved from rank
-0 is one of several that trained. The check runs before the second step, not the first, so a
-program that broadcasts after its first batch (as Horovod's older callback did) passes.
+0 is one of several that trained.
 
-It compares per-weight fingerprints: the sum of the weight's bit patterns as unsigned
-integers. Such a sum is exact in any order, so equal weights give equal fingerprints whatever the
-thread count, host or kernel that sums them; different random initialisations essentially
-never do. One allgather of one int64 per weight; nothing is added to the training step.
+The weights are compared before the first step, after the callbacks' broadcast, where equal
+weights are equal to the bit: per-weight fingerprints (the sum of the weight's bit patterns
+as unsigned integers, exact in any order, so equal weights give equal fingerprints whatever
+the thread count, host or kernel that sums them). Where they differ, the verdict waits for
+the second step: a program that broadcasts after its first batch (Horovod's older callback
+did) has mended them by then, to the bit again. Ranks that started equal are not compared
+later: updates need not be bit-identical across ranks (a GPU's atomic scatter-adds, a
+gradient norm summed by a different number of threads). One allgather of one int64 per
+weight, rarely two; nothing is added to the training step's graph.
 """
 
 from __future__ import annotations
@@ -30,42 +34,76 @@ _INSTALLED = "_keras_ring_weight_check"
 NAME = "keras_ring.weight_check"  # the collective's name, seen in errors beside the other side's
 _SHOWN = 3  # weights named in the error
 
+Settings = Callable[[], "tuple[set[int], ProcessSet] | None"]
 
-def install(model: Any, settings: Callable[[], tuple[set[int], ProcessSet] | None]) -> None:
-    """Makes the training function of ``model`` check, before its second step after each
-    ``init()``, that every rank holds the same trainable weights. ``settings()``, asked at
-    that moment (the model may have been compiled again since), gives the ids of variables
-    left out (local layers' weights differ by design) and the process set that trains, or
-    None when the model's optimizer no longer communicates.
+
+class _Checker:
+    """One model's check: where it stands since the last ``init()``."""
+
+    def __init__(self, model: Any, settings: Settings) -> None:
+        self.model = model
+        self.settings = settings
+        self.generation: int | None = None
+        self.steps_done = 0
+        self.differed_at: int | None = None  # steps done when a comparison first differed
+        self.passed = False
+
+    def before_step(self) -> None:
+        if self.generation != RUNTIME.generation:
+            self.generation, self.steps_done = RUNTIME.generation, 0
+            self.differed_at, self.passed = None, False
+        if self.passed or not RUNTIME.config.check_weights:
+            return
+        current = self.settings()
+        if current is None:  # compiled again without keras_ring: each rank trains alone
+            return
+        mismatch = compare_weights(self.model, *current)
+        if mismatch is None:
+            self.passed = True
+        elif self.differed_at is None:
+            self.differed_at = self.steps_done  # a broadcast after this step may mend it
+        elif self.steps_done > self.differed_at:
+            raise mismatch
+
+    def after_step(self) -> None:
+        self.steps_done += 1
+
+
+class _CheckedFunction:
+    """Keras's training function, checked before it trains (attributes pass through, so a
+    ``tf.function``'s ``function_spec`` and ``get_concrete_function`` stay reachable)."""
+
+    def __init__(self, function: Any, checker: _Checker) -> None:
+        self._keras_ring_checked = function
+        self._checker = checker
+
+    def __call__(self, *args, **kwargs):
+        self._checker.before_step()
+        result = self._keras_ring_checked(*args, **kwargs)
+        self._checker.after_step()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._keras_ring_checked, name)
+
+
+def install(model: Any, settings: Settings) -> None:
+    """Makes the training function of ``model`` check that every rank holds the same
+    trainable weights (see above). ``settings()``, asked when it compares (the model may
+    have been compiled again since), gives the ids of variables left out (local layers'
+    weights differ by design) and the process set that trains, or None when the model's
+    optimizer no longer communicates.
     """
     if getattr(model, _INSTALLED, False) or not hasattr(model, "make_train_function"):
         return
     original = model.make_train_function
-    # Steps completed since the last init(): a step that failed (a mismatch the gradients'
-    # collective reported) does not count, so the check still follows one finished step.
-    steps = {"generation": None, "done": 0}
-
-    def checked(function):
-        def train_function(*args, **kwargs):
-            generation = RUNTIME.generation
-            if steps["generation"] != generation:
-                steps["generation"], steps["done"] = generation, 0
-            if steps["done"] == 1 and RUNTIME.config.check_weights:
-                current = settings()
-                if current is not None:
-                    check_same_weights(model, *current)
-            result = function(*args, **kwargs)
-            steps["done"] += 1
-            return result
-
-        train_function._keras_ring_checked = function  # (a tf.function has __wrapped__)
-        return train_function
+    checker = _Checker(model, settings)
 
     def make_train_function(force: bool = False):
         result = original(force=force)
         function = model.train_function  # Keras sets it; some versions also return it
-        if function is not None and not hasattr(function, "_keras_ring_checked"):
-            model.train_function = checked(function)
+        if function is not None and not isinstance(function, _CheckedFunction):
+            model.train_function = _CheckedFunction(function, checker)
         return model.train_function if result is not None else result
 
     model.make_train_function = make_train_function
@@ -94,13 +132,13 @@ def _label(variable: Any) -> str:
     return str(getattr(variable, "path", None) or variable.name)
 
 
-def check_same_weights(model: Any, local: set[int],
-                       process_set: ProcessSet = global_process_set) -> None:
-    """Raises ``WeightMismatchError`` on every rank of ``process_set`` when their trainable
-    weights (except those with ids in ``local``) differ; a collective: every rank calls it."""
+def compare_weights(model: Any, local: set[int],
+                    process_set: ProcessSet = global_process_set) -> WeightMismatchError | None:
+    """The error to raise on every rank of ``process_set`` when their trainable weights
+    (except those with ids in ``local``) differ, else None; a collective: every rank calls it."""
     ranks = process_set.ranks or list(range(RUNTIME.topology().size))
     if len(ranks) < 2:
-        return
+        return None
     variables = [v for v in model.trainable_variables
                  if id(v) not in local and id(getattr(v, "value", None)) not in local]
     with tf.init_scope():  # eager, also when called while a function traces
@@ -109,17 +147,20 @@ def check_same_weights(model: Any, local: set[int],
         everyone = allgather(mine[tf.newaxis], name=NAME, process_set=process_set).numpy()
     differs = (everyone != everyone[0]).any(axis=0)
     if not differs.any():
-        return
+        return None
     odd = [ranks[i] for i in range(1, len(ranks)) if (everyone[i] != everyone[0]).any()]
     names = [_label(v) for v, d in zip(variables, differs) if d]
     shown = ", ".join(f"'{n}'" for n in names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
-    raise WeightMismatchError(
-        f"keras_ring: the ranks are training different models: before the second training "
-        f"step of model '{model.name}', {len(names)} of {len(variables)} trainable weights "
+    error = WeightMismatchError(
+        f"keras_ring: the ranks are training different models: at the start of training "
+        f"model '{model.name}', {len(names)} of {len(variables)} trainable weights "
         f"({shown}) differ between rank {ranks[0]} and rank(s) "
-        f"{', '.join(map(str, odd))}. Averaged gradients never remove such a difference. "
-        "Start every rank from the same weights: put "
+        f"{', '.join(map(str, odd))}, also after the first step. Averaged gradients never "
+        "remove such a difference. Start every rank from the same weights: put "
         "keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) in fit's callbacks (or call "
         "keras_ring.broadcast_variables(model.variables, root_rank=0) before training); "
         "weights meant to differ belong to the local_layers of a "
-        "PartialDistributedOptimizer. KERAS_RING_CHECK_WEIGHTS=0 turns this check off.")
+        "PartialDistributedOptimizer. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this "
+        "check off.")
+    error.rank, error.reason = odd[0], str(error).removeprefix("keras_ring: ")
+    return error

@@ -143,7 +143,7 @@ class Config:
     device_max_in_flight: int = 64  # NCCL collectives launched and not yet complete
     sync_graph_kernels: bool = True  # CPU collectives in graphs run as synchronous kernels
     huge_page_output_bytes: int = 32 << 20  # fresh CPU outputs from this size: huge pages
-    check_weights: bool = True  # fit checks that the ranks' weights agree (second step)
+    check_weights: bool = True  # fit checks that the ranks' weights agree as training starts
 
     @classmethod
     def from_env(cls) -> "Config":

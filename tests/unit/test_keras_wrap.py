@@ -241,3 +241,10 @@ def test_fit_runs_through_the_weight_checking_wrapper():
     model.fit(np.ones((8, 4)), np.ones((8, 2)), batch_size=2, epochs=1, verbose=0)
     # The training function is keras_ring's wrapper around Keras's own.
     assert hasattr(model.train_function, "_keras_ring_checked")
+    # Whatever Keras's own function offers (a tf.function's function_spec, which Keras 3.5's
+    # TensorBoard callback looks for) is reachable through it.
+    inner = model.train_function._keras_ring_checked
+    public = [a for a in dir(inner) if not a.startswith("_")]
+    assert all(hasattr(model.train_function, a) for a in public)
+    inner.offered_by_keras = "spec"
+    assert model.train_function.offered_by_keras == "spec"
