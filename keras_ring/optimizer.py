@@ -366,7 +366,8 @@ def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: in
 # --- Model.compile integration -----------------------------------------------------------
 
 def install_compile_hook() -> None:
-    """Wraps ``Model.compile`` once, to fix up models compiled with wrapped optimizers."""
+    """Wraps ``Model.compile`` once, to fix up models compiled with wrapped optimizers (and
+    to accept Horovod-era ``experimental_run_tf_function=``, which Keras 3 no longer has)."""
     global _compile_hook_installed
     if _compile_hook_installed:
         return
@@ -379,6 +380,10 @@ def install_compile_hook() -> None:
 
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
+        # Horovod's Keras examples pass it (TF 2.x Keras needed it to use the distributed
+        # optimizer); Keras 3 always does and has no such argument, so a ported program
+        # would fail on it alone.
+        kwargs.pop("experimental_run_tf_function", None)
         result = original(self, *args, **kwargs)
         try:
             requested = signature.bind(self, *args, **kwargs).arguments.get("jit_compile", "auto")

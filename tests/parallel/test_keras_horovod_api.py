@@ -258,3 +258,51 @@ def test_load_model_takes_compression_and_custom_optimizers(world, monkeypatch, 
     log = CollectiveLog(monkeypatch)
     _train(loaded, loaded.optimizer, rank, size, seed=7)
     assert log.traced and all(dtypes == ["float16"] * len(dtypes) for _, _, dtypes in log.traced)
+
+
+# --- a program written for Horovod, import swapped ------------------------------------------
+
+def test_horovods_keras_mnist_example_runs_with_the_import_swapped(world, tmp_path):
+    # The shape of Horovod's examples/tensorflow2/tensorflow2_keras_mnist.py (generated
+    # images instead of a download): tf.keras names, a model without an Input,
+    # DistributedOptimizer with Horovod's arguments, compile(experimental_run_tf_function=
+    # False), which Keras 3 no longer has, the three callbacks, a rank-0 checkpoint
+    # (".keras": Keras 3 refuses the example's ".h5"), a repeated dataset, steps_per_epoch.
+    hvd = keras_ring
+    rank, size = world
+    rng = np.random.default_rng(rank)
+    images = rng.random((256, 12, 12)).astype("float32")
+    labels = (images.mean(axis=(1, 2)) > 0.5).astype("int64")
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (tf.cast(images[..., tf.newaxis], tf.float32), tf.cast(labels, tf.int64)))
+    dataset = dataset.repeat().shuffle(256, seed=rank).batch(16)
+    tf.keras.utils.set_random_seed(rank)  # different on every rank: the broadcast mends it
+    model = tf.keras.Sequential([
+        tf.keras.layers.Conv2D(4, [3, 3], activation="relu"),
+        tf.keras.layers.MaxPooling2D(pool_size=(2, 2)),
+        tf.keras.layers.Dropout(0.25),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(8, activation="relu"),
+        tf.keras.layers.Dense(2, activation="softmax"),
+    ])
+    scaled_lr = 0.01 * hvd.size()
+    opt = hvd.DistributedOptimizer(tf.optimizers.Adam(scaled_lr), backward_passes_per_step=1,
+                                   average_aggregated_gradients=True)
+    model.compile(loss=tf.losses.SparseCategoricalCrossentropy(), optimizer=opt,
+                  metrics=["accuracy"], experimental_run_tf_function=False)
+    callbacks = [
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=2),
+    ]
+    checkpoint = tmp_path / "checkpoint-{epoch}.keras"
+    if hvd.rank() == 0:
+        callbacks.append(tf.keras.callbacks.ModelCheckpoint(str(checkpoint)))
+    history = model.fit(dataset, steps_per_epoch=32 // hvd.size(), callbacks=callbacks,
+                        epochs=3, verbose=0)
+    ks.assert_same_on_all_ranks(ks.weights(model))
+    losses = history.history["loss"]
+    assert len(losses) == 3 and all(np.isfinite(losses)), losses
+    # The metrics every rank logged are the averages, the same everywhere.
+    ks.assert_same_on_all_ranks([np.array(losses)])
+    assert (tmp_path / "checkpoint-3.keras").exists() == (rank == 0)
