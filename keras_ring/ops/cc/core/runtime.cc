@@ -228,7 +228,7 @@ Status Runtime::RunOne(Request& request, bool* deferred) {
   stats.agreed = started;
   Status s = Execute(request, seq, label, &stats);
   seq_ += stats.extra_seqs;  // a joined rank took part in that many collectives
-  ran_.store(seq_, std::memory_order_relaxed);
+  ran_.store(seq_);
   busy_seq_.store(0);
   last_finished_ = Clock::now();
   *deferred = stats.deferred;  // then the request was moved out: its completion records it
@@ -435,8 +435,10 @@ std::string Runtime::StallReport(double waited_seconds) {
 }
 
 Status Runtime::ShutdownCause() {
-  const uint64_t ran = ran_.load(std::memory_order_relaxed);
+  // Running first: a collective that ends meanwhile stores ran_ before clearing busy_seq_,
+  // so the count read after an idle busy_seq_ includes it.
   const uint64_t running = busy_seq_.load();
+  const uint64_t ran = ran_.load();
   std::string message = "rank " + std::to_string(options_.rank) + " shut down ";
   if (running != 0) {  // stopped mid-collective (an interrupt, say)
     message += "during its collective " + std::to_string(running) + ", " + BusyLabel();
