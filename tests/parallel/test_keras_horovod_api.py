@@ -1,4 +1,5 @@
-"""Horovod's Keras API under mpirun: backward passes, local gradients, compressors, load_model."""
+"""Horovod's Keras API under mpirun: backward passes, local gradients, compressors, load_model,
+and programs written for Horovod (its two TF2 MNIST examples) with the import swapped."""
 
 import numpy as np
 import pytest
@@ -306,3 +307,45 @@ def test_horovods_keras_mnist_example_runs_with_the_import_swapped(world, tmp_pa
     # The metrics every rank logged are the averages, the same everywhere.
     ks.assert_same_on_all_ranks([np.array(losses)])
     assert (tmp_path / "checkpoint-3.keras").exists() == (rank == 0)
+
+
+def test_horovods_custom_loop_mnist_example_runs_with_the_import_swapped(world, tmp_path):
+    # The shape of Horovod's examples/tensorflow2/tensorflow2_mnist.py: a tf.function step
+    # with DistributedGradientTape and a plain optimizer, the broadcast of model and
+    # optimizer variables inside the first step, after its update (first_batch is a Python
+    # bool: two traces), a tf.train.Checkpoint saved on rank 0. Keras 3's optimizer.variables
+    # is a list where the example calls opt.variables().
+    hvd = keras_ring
+    rank, size = world
+    rng = np.random.default_rng(rank)
+    images = rng.random((128, 10, 10, 1)).astype("float32")
+    labels = (images.mean(axis=(1, 2, 3)) > 0.5).astype("int64")
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).repeat().shuffle(128).batch(8)
+    tf.keras.utils.set_random_seed(rank)
+    model = tf.keras.Sequential([
+        tf.keras.layers.Conv2D(4, [3, 3], activation="relu"),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(2, activation="softmax"),
+    ])
+    loss = tf.losses.SparseCategoricalCrossentropy()
+    opt = tf.optimizers.Adam(0.001 * hvd.size())
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+
+    @tf.function
+    def training_step(images, labels, first_batch):
+        with tf.GradientTape() as tape:
+            loss_value = loss(labels, model(images, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss_value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)
+        return loss_value
+
+    losses = [float(training_step(x, y, batch == 0))
+              for batch, (x, y) in enumerate(dataset.take(24 // hvd.size()))]
+    assert all(np.isfinite(losses)), losses
+    ks.assert_same_on_all_ranks(ks.weights(model) + [v.numpy() for v in opt.variables])
+    if hvd.rank() == 0:
+        assert checkpoint.save(str(tmp_path / "ckpt"))
