@@ -69,10 +69,13 @@ Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string&
   if (cause_code == Code::kCancelled) {
     // The notice says how far the peer got ("rank 1 shut down after 40 collectives, the
     // last ..."): beside this rank's own collective, that shows where the two parted.
-    static const std::string kShutDown = " shut down ";
+    // A plain array, not a static std::string: a runtime thread may still get here while
+    // the exiting process runs its static destructors.
+    static constexpr char kShutDown[] = " shut down ";
     const size_t at = cause_message.find(kShutDown);
     const std::string how_far =
-        at == std::string::npos ? "" : " (" + cause_message.substr(at + kShutDown.size()) + ")";
+        at == std::string::npos ? ""
+                                : " (" + cause_message.substr(at + sizeof kShutDown - 1) + ")";
     return Status(Code::kUnavailable,
                   "rank " + std::to_string(reporter) + " has shut down" + how_far +
                       " while this rank still needs it: the ranks ran different numbers of "
