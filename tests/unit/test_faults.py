@@ -76,7 +76,9 @@ class Job:
     def log(self) -> str:
         err = "\n".join(line for line in self.stderr.splitlines()
                         if "keras_ring" in line or "Error" in line or "error" in line)
-        return f"--- stdout\n{self.stdout}\n--- stderr (filtered)\n{err}"
+        crash = self.stderr.find("Fatal Python error")  # faulthandler's stacks, whole
+        stacks = f"\n--- crash\n{self.stderr[crash:crash + 6000]}" if crash >= 0 else ""
+        return f"--- stdout\n{self.stdout}\n--- stderr (filtered)\n{err}{stacks}"
 
 
 def parse(job: Job) -> Job:
@@ -160,8 +162,11 @@ def _check_clean(before: set[str], job: Job) -> None:
 
 def _env(clean_env, transport: str, timeout: float) -> dict:
     env = dict(clean_env)
+    # PYTHONFAULTHANDLER: a rank that crashes prints every thread's stack (one rank's
+    # SIGSEGV after a forwarded Ctrl-C was seen once and never reproduced).
     env.update(KERAS_RING_TIMEOUT_SECONDS=str(timeout), KERAS_RING_STALL_WARNING_SECONDS="1",
-               KERAS_RING_SHM=TRANSPORTS[transport], PYTHONUNBUFFERED="1")
+               KERAS_RING_SHM=TRANSPORTS[transport], PYTHONUNBUFFERED="1",
+               PYTHONFAULTHANDLER="1")
     return env
 
 
