@@ -102,7 +102,8 @@ OLD_ENV := $(TEST_ENV) KERAS_RING_OPS_DIR=$(CURDIR)/build/ops-oldest
 OLD_TESTS := $(addprefix tests/parallel/,test_collectives.py test_gradients.py test_scatter.py \
 	test_keras_equivalence.py test_keras_optimizer.py test_keras_save_load.py \
 	test_keras_lazy_models.py test_keras_callbacks.py test_keras_horovod_api.py \
-	test_keras_sync_batch_norm.py test_keras_weight_check.py test_mismatch.py)
+	test_keras_sync_batch_norm.py test_keras_weight_check.py test_keras_custom_train_step.py \
+	test_mismatch.py)
 
 $(OLD_STAMP): pyproject.toml setup.py tests/versions/oldest.txt
 	test -x $(OLD_VENV)/bin/python || $(PYTHON) -m venv $(OLD_VENV)

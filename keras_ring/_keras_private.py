@@ -94,9 +94,20 @@ def built_variables(optimizer: Any) -> list:
     return optimizer._trainable_variables
 
 
-def unbuilt_layers(model: Any) -> bool:
-    """Whether any layer of the model (nested ones included) still has no variables."""
-    return not all(layer.built for layer in model._flatten_layers())
+def has_call(layer: Any) -> bool:
+    """Whether the layer's class implements ``call``. A model that only overrides
+    ``train_step`` (keras-io's VAE and GAN examples) has none: nothing ever builds it, and
+    Keras on TensorFlow trains it with ``built`` False."""
+    import keras
+
+    return getattr(type(layer), "call", None) not in (keras.Model.call, keras.layers.Layer.call)
+
+
+def unbuilt_layers(model: Any) -> list:
+    """The layers of the model (itself and nested ones) that have no variables yet because
+    they have not run. Those without a ``call`` are left out: what they hold are other
+    layers, listed on their own, and variables made in ``__init__``, which exist."""
+    return [layer for layer in model._flatten_layers() if not layer.built and has_call(layer)]
 
 
 def forget_traced_functions(model: Any) -> None:
@@ -128,6 +139,14 @@ def variable_classes() -> tuple[type, ...]:
     base = [c for c in keras.Variable.__mro__
             if c.__module__ == "keras.src.backend.common.variables"]
     return (keras.Variable, *base[:1])
+
+
+def is_seed_state(variable: Any) -> bool:
+    """Whether ``variable`` is the state of a ``keras.random.SeedGenerator`` (what Dropout,
+    GaussianNoise and the Random* augmentation layers draw from). Keras lists these in a
+    layer's ``variables``, not in its ``weights``, and names them so in every Keras 3."""
+    return (isinstance(variable, variable_classes()) and not variable.trainable
+            and variable.name == "seed_generator_state")
 
 
 def has_symbolic_build(model: Any) -> bool:

@@ -25,6 +25,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_ring import _keras_private
+from keras_ring._local import variable_keys
 from keras_ring.collectives import allgather
 from keras_ring.errors import WeightMismatchError
 from keras_ring.process_sets import ProcessSet, global_process_set
@@ -34,6 +36,7 @@ _INSTALLED = "_keras_ring_weight_check"
 NAME = "keras_ring.weight_check"  # the collective's name, seen in errors beside the other side's
 _SHOWN = 3  # weights named in the error
 
+_UNKNOWN = object()
 Settings = Callable[[], "tuple[set[int], ProcessSet] | None"]
 
 
@@ -47,6 +50,12 @@ class _Checker:
         self.steps_done = 0
         self.differed_at: int | None = None  # steps done when a comparison first differed
         self.passed = False
+        self.current: Any = _UNKNOWN  # settings() for the present training function
+
+    def new_function(self) -> None:
+        """Keras made a new training function (compile, or fit after it): the optimizers
+        that train the model may be others now."""
+        self.current = _UNKNOWN
 
     def before_step(self) -> None:
         if self.generation != RUNTIME.generation:
@@ -54,10 +63,13 @@ class _Checker:
             self.differed_at, self.passed = None, False
         if self.passed or not RUNTIME.config.check_weights:
             return
-        current = self.settings()
-        if current is None:  # compiled again without keras_ring: each rank trains alone
+        if self.current is _UNKNOWN:
+            self.current = self.settings()
+        if self.current is None:  # no keras_ring optimizer trains it: each rank trains alone
             return
-        mismatch = compare_weights(self.model, *current)
+        if _keras_private.unbuilt_layers(self.model):
+            return  # weights still to be made: compare when the first step has made them
+        mismatch = compare_weights(self.model, *self.current)
         if mismatch is None:
             self.passed = True
         elif self.differed_at is None:
@@ -103,6 +115,7 @@ def install(model: Any, settings: Settings) -> None:
         result = original(force=force)
         function = model.train_function  # Keras sets it; some versions also return it
         if function is not None and not isinstance(function, _CheckedFunction):
+            checker.new_function()
             model.train_function = _CheckedFunction(function, checker)
         return model.train_function if result is not None else result
 
@@ -139,8 +152,7 @@ def compare_weights(model: Any, local: set[int],
     ranks = process_set.ranks or list(range(RUNTIME.topology().size))
     if len(ranks) < 2:
         return None
-    variables = [v for v in model.trainable_variables
-                 if id(v) not in local and id(getattr(v, "value", None)) not in local]
+    variables = [v for v in model.trainable_variables if not variable_keys(v) & local]
     with tf.init_scope():  # eager, also when called while a function traces
         mine = tf.stack([fingerprint(v.value if isinstance(v, keras.Variable) else v)
                          for v in variables] or [tf.constant(0, tf.int64)])

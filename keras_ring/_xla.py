@@ -46,7 +46,8 @@ def check_not_xla_compiled(what: str) -> None:
         raise JitCompileError(
             f"keras_ring: {what} inside an XLA-compiled function (jit_compile=True), but "
             "keras_ring's collectives have no XLA kernel. Trace this step without XLA: "
-            "tf.function(..., jit_compile=False), or model.compile(..., jit_compile=False). "
+            "tf.function(..., jit_compile=False), or model.compile(..., jit_compile=False) "
+            "(or model.jit_compile = False before fit, where compile takes other arguments). "
             "(Model.compile already does this by itself for keras_ring.wrap() optimizers.)"
         )
 

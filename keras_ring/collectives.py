@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import errors
+from keras_ring import _keras_private, errors
 from keras_ring.ops import loader, wrappers
 from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.process_sets import (ProcessSet, global_process_set, resolve, root_in_set,
@@ -378,11 +378,33 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     return _run(wrappers.broadcast, tensor, root, _check_name(name), set_id)
 
 
+def _without_seed_states(variables: Sequence[Any]) -> list[Any]:
+    """``variables`` less the random-seed states of Keras layers. A Keras model's
+    ``variables`` include the seeds its Dropout (and noise and augmentation) layers draw
+    from: with the root's seeds every rank would drop the same units and flip the same
+    images, and the ranks' samples would share their noise, which one process training on
+    the global batch never does (nor did Horovod, whose TF2 Keras kept no seeds in
+    variables). Each rank keeps its own, as the processes drew them."""
+    return [v for v in variables if not _keras_private.is_seed_state(v)]
+
+
 def broadcast_variables(variables: Sequence[Any], root_rank: int,
                         process_set: ProcessSet = global_process_set) -> None:
-    """Assigns the root rank's values to ``variables`` (tf or Keras variables) on every rank."""
+    """Assigns the root rank's values to ``variables`` (tf or Keras variables) on every rank.
+
+    The random-seed states of Keras layers (``keras.random.SeedGenerator``, in
+    ``model.variables`` but not in ``model.weights``) are left out: each rank keeps drawing
+    its own dropout masks and augmentations. To give every rank the root's seeds anyway,
+    ``v.assign(keras_ring.broadcast(v.value, root_rank))`` them one by one.
+
+    Example:
+
+    ```python
+    keras_ring.broadcast_variables(model.variables, root_rank=0)
+    ```
+    """
     resolve(process_set, "broadcast_variables")
-    for i, var in enumerate(variables):
+    for i, var in enumerate(_without_seed_states(variables)):
         var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=f"broadcast_variables.{i}",
                              process_set=process_set))
 
@@ -390,7 +412,8 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Horovod's in-place broadcast: assigns the root's values to ``variables`` on every rank
-    and returns their new values. Works eagerly and inside ``tf.function``.
+    and returns their new values (Keras random-seed states keep and return their own, as in
+    :func:`broadcast_variables`). Works eagerly and inside ``tf.function``.
 
     Example:
 
@@ -402,8 +425,9 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     root, base = _check_root(root_rank), _check_name(name) or "broadcast_"
     values = []
     for i, var in enumerate(variables):
-        var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i}",
-                             process_set=process_set))
+        if not _keras_private.is_seed_state(var):
+            var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i}",
+                                 process_set=process_set))
         values.append(tf.convert_to_tensor(var))
     return values
 

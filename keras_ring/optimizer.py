@@ -415,17 +415,28 @@ def after_compile(model: Any, requested_jit: Any) -> None:
     if is_wrapped(optimizer):
         _xla.turn_off_model_jit(model, requested_jit)
         _build_before_first_step(model)
-        _weight_check.install(model, functools.partial(_weight_check_settings, model))
+    # Every model: one whose train_step applies wrapped optimizers of its own (keras-io's
+    # GAN compiles with none and keeps two as attributes) trains distributed too.
+    _weight_check.install(model, functools.partial(_weight_check_settings, model))
 
 
 def _weight_check_settings(model: Any) -> tuple[set[int], ProcessSet] | None:
-    """What ``_weight_check`` leaves out and where it compares, for the model's optimizer
-    now (None: not a wrapped one, e.g. the model was compiled again without keras_ring)."""
+    """What ``_weight_check`` leaves out and where it compares, for the wrapped optimizers
+    that train the model now: its compiled one, else those it holds as attributes. None:
+    there are none (a model compiled again without keras_ring trains alone on each rank), or
+    they average over different process sets (no one set of ranks must agree)."""
     optimizer = getattr(model, "optimizer", None)
-    if not is_wrapped(optimizer):
+    if is_wrapped(optimizer):
+        optimizers = [optimizer]
+    else:
+        optimizers = [value for value in vars(model).values() if is_wrapped(value)]
+    states = [o.__dict__[_STATE] for o in optimizers]
+    if not states or any(s.options.process_set != states[0].options.process_set for s in states):
         return None
-    state = optimizer.__dict__[_STATE]
-    return state.local.keys(), state.options.process_set
+    local: set[int] = set()
+    for state in states:
+        local |= state.local.keys()
+    return local, states[0].options.process_set
 
 
 def _build_before_first_step(model: Any) -> None:
@@ -443,7 +454,7 @@ def _build_before_first_step(model: Any) -> None:
     original = model._maybe_symbolic_build
 
     def maybe_symbolic_build(iterator=None, data_batch=None):
-        if (not _keras_private.unbuilt_layers(model)
+        if (not _keras_private.unbuilt_layers(model) or not _keras_private.has_call(model)
                 or getattr(model, "_distribute_strategy", None) is not None):
             return original(iterator=iterator, data_batch=data_batch)
         if data_batch is None and iterator is not None:

@@ -21,7 +21,7 @@ def _check_root(root_rank: Any) -> int:
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """Broadcasts the model's and the optimizer's variables from ``root_rank`` to all ranks.
+    """Broadcasts the model's weights and the optimizer's variables from ``root_rank`` to all ranks.
 
     Ranks build their models independently, so their initial weights differ; this callback
     makes every rank continue from the root's weights and optimizer state. It broadcasts
@@ -29,7 +29,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ``on_train_begin`` and ``on_epoch_begin`` (so also after a checkpoint that one of them
     restored, e.g. ``keras.callbacks.BackupAndRestore``), and after building the
     optimizer's variables if they did not exist yet, so no step ever runs on
-    unsynchronised weights or slots.
+    unsynchronised weights or slots. The random-seed states of the model's layers (Dropout's,
+    the augmentation layers') are not broadcast: each rank keeps drawing its own.
 
     Args:
         root_rank: the rank whose variables everybody gets. Default 0.
@@ -94,15 +95,18 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
         ValueError: the model is not built yet (it has no variables to send); the message
             says how to build it.
     """
-    if not model.built or _keras_private.unbuilt_layers(model):
+    unbuilt = _keras_private.unbuilt_layers(model)
+    if unbuilt:
+        what = ("it is" if unbuilt[0] is model else
+                f"its layer '{unbuilt[0].name}'{' (and more)' if len(unbuilt) > 1 else ''} is")
         raise ValueError(
-            f"keras_ring: cannot broadcast the variables of model '{model.name}': it is not "
-            "built yet, so it has no variables (Keras builds a model without an Input when it "
-            "first runs). Build it first: model.build(input_shape), call it on a batch, give "
-            "it a keras.Input, or compile it with keras_ring.wrap(optimizer), which makes "
-            "fit() build it before the first step")
+            f"keras_ring: cannot broadcast the variables of model '{model.name}': {what} not "
+            "built yet, so some variables do not exist (Keras builds a layer without an Input "
+            "when it first runs). Build it first: model.build(input_shape), call it on a "
+            "batch, give it a keras.Input, or compile it with keras_ring.wrap(optimizer), "
+            "which makes fit() build it before the first step")
     optimizer = getattr(model, "optimizer", None)
-    variables = list(model.variables)
+    variables = list(model.weights)  # not its variables: those add the layers' random seeds
     if optimizer is not None:
         if not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)

@@ -194,10 +194,10 @@ class KerasState(TensorFlowState):
 
     def _tracked(self) -> list[Any]:
         model = self.model
-        if not model.built or _keras_private.unbuilt_layers(model):
+        if _keras_private.unbuilt_layers(model):
             return []
         optimizer = self.optimizer or getattr(model, "optimizer", None)
-        variables = list(model.variables)
+        variables = list(model.weights)  # not the layers' random seeds: each rank keeps its own
         if optimizer is not None:
             if not optimizer.built and model.trainable_variables:
                 optimizer.build(model.trainable_variables)

@@ -248,3 +248,33 @@ def test_fit_runs_through_the_weight_checking_wrapper():
     assert all(hasattr(model.train_function, a) for a in public)
     inner.offered_by_keras = "spec"
     assert model.train_function.offered_by_keras == "spec"
+
+
+class _NoCall(keras.Model):
+    """keras-io's VAE shape: sub-models and a train_step, no call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+
+def test_unbuilt_layers_leave_out_models_that_have_no_call():
+    from keras_ring._keras_private import has_call, unbuilt_layers
+
+    built = _NoCall(_model())
+    assert not built.built and not has_call(built) and has_call(built.inner)
+    assert unbuilt_layers(built) == []  # nothing could build it; its layers are built
+    lazy = keras.Sequential([keras.layers.Dense(2, name="lazy_dense")], name="lazy")
+    assert [layer.name for layer in unbuilt_layers(_NoCall(lazy))] == ["lazy", "lazy_dense"]
+    assert unbuilt_layers(lazy)[0] is lazy
+
+
+def test_seed_states_are_told_apart_from_weights():
+    from keras_ring._keras_private import is_seed_state
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5),
+                              keras.layers.BatchNormalization()])
+    seeds = [v for v in model.variables if is_seed_state(v)]
+    assert seeds == [model.layers[1].seed_generator.state]
+    assert not any(is_seed_state(v) for v in model.weights)  # moving statistics included
+    assert not is_seed_state(tf.Variable([1, 2], name="seed_generator_state", trainable=False))
