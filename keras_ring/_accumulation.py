@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import tensorflow as tf
 
@@ -52,20 +52,12 @@ def _ref(source: Any) -> Callable[[], Any]:
         return lambda: source
 
 
-class Accumulator:
-    """Per-source sums of gradients over passes, and the pass counter, for one list of sources.
+class SourcesState:
+    """State kept for one list of sources (variables), found again by them: a tape is
+    usually made anew in every step, so what must outlive it lives in a registry of these."""
 
-    The variables are made outside any ``tf.function`` (``tf.init_scope``), so a step function
-    that is traced again reuses them.
-    """
-
-    def __init__(self, sources: Sequence[Any], grads: Sequence[Any], steps: int) -> None:
-        self.steps = steps
+    def __init__(self, sources: Sequence[Any]) -> None:
         self._refs = [_ref(s) for s in sources]
-        with tf.init_scope():
-            self.sums = [None if g is None else _zeros_variable(g, i) for i, g in enumerate(grads)]
-            self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name="keras_ring_backward_passes")
 
     def alive(self) -> bool:
         return all(r() is not None for r in self._refs)
@@ -73,6 +65,38 @@ class Accumulator:
     def serves(self, sources: Sequence[Any]) -> bool:
         return len(sources) == len(self._refs) and all(
             r() is s for r, s in zip(self._refs, sources))
+
+
+State = TypeVar("State", bound=SourcesState)
+
+
+def state_for(registry: dict[tuple, State], key: tuple, sources: Sequence[Any],
+              make: Callable[[], State]) -> State:
+    """``registry``'s state for these sources (the same objects, in this order; ``key``
+    holds their ids), made by ``make`` on first use."""
+    found = registry.get(key)
+    if found is None or not found.serves(sources):
+        # Dead entries (sources garbage collected) would only hold memory: drop them too.
+        for stale in [k for k, a in registry.items() if not a.alive()]:
+            del registry[stale]
+        found = registry[key] = make()
+    return found
+
+
+class Accumulator(SourcesState):
+    """Per-source sums of gradients over passes, and the pass counter, for one list of sources.
+
+    The variables are made outside any ``tf.function`` (``tf.init_scope``), so a step function
+    that is traced again reuses them.
+    """
+
+    def __init__(self, sources: Sequence[Any], grads: Sequence[Any], steps: int) -> None:
+        super().__init__(sources)
+        self.steps = steps
+        with tf.init_scope():
+            self.sums = [None if g is None else _zeros_variable(g, i) for i, g in enumerate(grads)]
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name="keras_ring_backward_passes")
 
     def add(self, grads: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
         """Adds this pass's gradients; returns the sums so far and whether this pass updates."""
@@ -113,11 +137,5 @@ _ACCUMULATORS: dict[tuple, Accumulator] = {}
 
 def accumulator_for(sources: Sequence[Any], grads: Sequence[Any], steps: int) -> Accumulator:
     """The accumulator of these sources (the same objects, in this order), made on first use."""
-    key = (steps, tuple(id(s) for s in sources))
-    found = _ACCUMULATORS.get(key)
-    if found is None or not found.serves(sources):
-        # Dead entries (sources garbage collected) would only hold memory: drop them too.
-        for stale in [k for k, a in _ACCUMULATORS.items() if not a.alive()]:
-            del _ACCUMULATORS[stale]
-        found = _ACCUMULATORS[key] = Accumulator(sources, grads, steps)
-    return found
+    return state_for(_ACCUMULATORS, (steps, tuple(id(s) for s in sources)), sources,
+                     lambda: Accumulator(sources, grads, steps))

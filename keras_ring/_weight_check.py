@@ -19,6 +19,7 @@ weight, rarely two; nothing is added to the training step's graph.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,15 +29,23 @@ import tensorflow as tf
 from keras_ring import _keras_private
 from keras_ring._local import variable_keys
 from keras_ring.collectives import allgather
-from keras_ring.errors import WeightMismatchError
+from keras_ring.errors import WEIGHTS_DIFFER, WeightMismatchError
 from keras_ring.process_sets import ProcessSet, global_process_set
 from keras_ring.runtime import RUNTIME
 
 _INSTALLED = "_keras_ring_weight_check"
 NAME = "keras_ring.weight_check"  # the collective's name, seen in errors beside the other side's
-_SHOWN = 3  # weights named in the error
+SHOWN = 3  # weights named in the error
 
 _UNKNOWN = object()
+_fit_step = threading.local()
+
+
+def in_checked_fit_step() -> bool:
+    """Whether a model's training function that this module checks is running (or tracing)."""
+    return getattr(_fit_step, "checked", False)
+
+
 Settings = Callable[[], "tuple[set[int], ProcessSet] | None"]
 
 
@@ -91,7 +100,14 @@ class _CheckedFunction:
 
     def __call__(self, *args, **kwargs):
         self._checker.before_step()
-        result = self._keras_ring_checked(*args, **kwargs)
+        # This check covers the model: the optimizers' in-step check (``_step_check``, for
+        # custom loops) stays out of the step while Keras traces it here.
+        outer = getattr(_fit_step, "checked", False)
+        _fit_step.checked = self._checker.current not in (None, _UNKNOWN)
+        try:
+            result = self._keras_ring_checked(*args, **kwargs)
+        finally:
+            _fit_step.checked = outer
         self._checker.after_step()
         return result
 
@@ -141,38 +157,60 @@ def fingerprint(value: Any) -> tf.Tensor:
     return tf.cast(tf.reduce_sum(words), tf.int64)
 
 
-def _label(variable: Any) -> str:
+def label(variable: Any) -> str:
     return str(getattr(variable, "path", None) or variable.name)
+
+
+def trained_variables(model: Any, local: set[int]) -> list[Any]:
+    return [v for v in model.trainable_variables if not variable_keys(v) & local]
+
+
+# The error's text; a traced step fills in {count}, {shown} and {odd} with string tensors.
+TEMPLATE = (
+    f"keras_ring: {WEIGHTS_DIFFER}: {{where}}, {{count}} of {{total}} "
+    "trainable weights ({shown}) differ between rank {first} and rank(s) {odd}, also after "
+    "the first step. Averaged gradients never remove such a difference. Start every rank "
+    "from the same weights: {advice}; weights meant to differ belong to the local_layers of "
+    "a {partial}. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
+FIT_ADVICE = (
+    "put keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) in fit's callbacks (or call "
+    "keras_ring.broadcast_variables(model.variables, root_rank=0) before training)")
+
+
+def compare_variables(variables: list[Any], text: dict[str, Any],
+                      process_set: ProcessSet = global_process_set) -> WeightMismatchError | None:
+    """The error to raise on every rank of ``process_set`` when their ``variables`` differ,
+    else None; a collective: every rank calls it. ``text`` fills TEMPLATE's ``where``,
+    ``advice`` and ``partial``."""
+    ranks = process_set.ranks or list(range(RUNTIME.topology().size))
+    if len(ranks) < 2:
+        return None
+    with tf.init_scope():  # eager, also when called while a function traces
+        mine = tf.stack([fingerprint(value_of(v)) for v in variables]
+                        or [tf.constant(0, tf.int64)])
+        everyone = allgather(mine[tf.newaxis], name=NAME, process_set=process_set).numpy()
+    differs = (everyone != everyone[0]).any(axis=0)
+    if not differs.any():
+        return None
+    odd = [ranks[i] for i in range(1, len(ranks)) if (everyone[i] != everyone[0]).any()]
+    names = [label(v) for v, d in zip(variables, differs) if d]
+    shown = ", ".join(f"'{n}'" for n in names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
+    error = WeightMismatchError(TEMPLATE.format(
+        count=len(names), total=len(variables), shown=shown, first=ranks[0],
+        odd=", ".join(map(str, odd)), **text))
+    error.rank, error.reason = odd[0], str(error).removeprefix("keras_ring: ")
+    return error
+
+
+def value_of(variable: Any) -> Any:
+    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 def compare_weights(model: Any, local: set[int],
                     process_set: ProcessSet = global_process_set) -> WeightMismatchError | None:
     """The error to raise on every rank of ``process_set`` when their trainable weights
     (except those with ids in ``local``) differ, else None; a collective: every rank calls it."""
-    ranks = process_set.ranks or list(range(RUNTIME.topology().size))
-    if len(ranks) < 2:
-        return None
-    variables = [v for v in model.trainable_variables if not variable_keys(v) & local]
-    with tf.init_scope():  # eager, also when called while a function traces
-        mine = tf.stack([fingerprint(v.value if isinstance(v, keras.Variable) else v)
-                         for v in variables] or [tf.constant(0, tf.int64)])
-        everyone = allgather(mine[tf.newaxis], name=NAME, process_set=process_set).numpy()
-    differs = (everyone != everyone[0]).any(axis=0)
-    if not differs.any():
-        return None
-    odd = [ranks[i] for i in range(1, len(ranks)) if (everyone[i] != everyone[0]).any()]
-    names = [_label(v) for v, d in zip(variables, differs) if d]
-    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
-    error = WeightMismatchError(
-        f"keras_ring: the ranks are training different models: at the start of training "
-        f"model '{model.name}', {len(names)} of {len(variables)} trainable weights "
-        f"({shown}) differ between rank {ranks[0]} and rank(s) "
-        f"{', '.join(map(str, odd))}, also after the first step. Averaged gradients never "
-        "remove such a difference. Start every rank from the same weights: put "
-        "keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) in fit's callbacks (or call "
-        "keras_ring.broadcast_variables(model.variables, root_rank=0) before training); "
-        "weights meant to differ belong to the local_layers of a "
-        "PartialDistributedOptimizer. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this "
-        "check off.")
-    error.rank, error.reason = odd[0], str(error).removeprefix("keras_ring: ")
-    return error
+    return compare_variables(
+        trained_variables(model, local),
+        {"where": f"at the start of training model '{model.name}'", "advice": FIT_ADVICE,
+         "partial": "PartialDistributedOptimizer"}, process_set)

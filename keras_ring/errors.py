@@ -52,6 +52,12 @@ class CollectiveAbortedError(KerasRingError, tf.errors.AbortedError):
     """The runtime was aborted (an earlier failure, or shutdown) while the collective waited."""
 
 
+# In every weight check's message (keras_ring._weight_check.TEMPLATE), and the first rank
+# whose weights differ from the first rank's.
+WEIGHTS_DIFFER = "the ranks are training different models"
+_ODD_RANK = re.compile(r"and rank\(s\) (?P<rank>\d+)")
+
+
 class WeightMismatchError(KerasRingError, ValueError):
     """The ranks hold different weights of a model they train together (its initial weights
     were never broadcast, or a checkpoint was restored on some ranks only)."""
@@ -84,6 +90,8 @@ def translate(error: tf.errors.OpError) -> Exception:
     message = _TF_SUFFIX.sub("", error.message[start.start():]).strip()
     if "has not been initialized" in message:
         return NotInitializedError("running a collective")
+    if WEIGHTS_DIFFER in message:
+        return _weight_mismatch(message)
     info = error_info(message)
     if info is not None and info.code in _BY_CODE:
         return _ours(_BY_CODE[info.code], message, error.node_def, error.op)
@@ -92,6 +100,17 @@ def translate(error: tf.errors.OpError) -> Exception:
     for tf_class, ours in _BY_TF_CLASS:
         if isinstance(error, tf_class) or original is tf_class:
             return _ours(ours, message, error.node_def, error.op)
+    return error
+
+
+def _weight_mismatch(message: str) -> WeightMismatchError:
+    """The error of a traced step's weight check (keras_ring._step_check): TensorFlow's
+    Assert printed its text in brackets, quotes escaped."""
+    text = message.removesuffix("]").replace("\\'", "'")
+    error = WeightMismatchError(text)
+    odd = _ODD_RANK.search(text)
+    error.rank = int(odd["rank"]) if odd else None
+    error.reason = text.removeprefix("keras_ring: ")
     return error
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_ring import _step_check
 from keras_ring._accumulation import Passes, accumulator_for
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions
 from keras_ring._local import LocalSources, check_local_layers, check_scale, reduce_partially
@@ -140,10 +141,14 @@ class DistributedGradientTape:
                                     unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
         flat_sources = tf.nest.flatten(sources, expand_composites=False)
-        if self._passes.steps > 1:
-            reduced = self._accumulate(flat, flat_sources)
-        else:
-            reduced = reduce_partially(flat, flat_sources, self._options, self._local)
+        checks = _step_check.before_reduce(
+            flat_sources, self._local.keys(), self._options.process_set, self._passes.steps,
+            f"in {_WHO}.gradient", "PartialDistributedGradientTape")
+        with tf.control_dependencies(checks):
+            if self._passes.steps > 1:
+                reduced = self._accumulate(flat, flat_sources)
+            else:
+                reduced = reduce_partially(flat, flat_sources, self._options, self._local)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
 
     def _accumulate(self, grads: list, sources: list) -> list:

@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_ring import _keras_private, _weight_check, _xla
+from keras_ring import _keras_private, _step_check, _weight_check, _xla
 from keras_ring._accumulation import Passes
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions, map_gradient
 from keras_ring._local import (LocalSources, check_local_layers, check_scale, check_variable,
@@ -302,10 +302,15 @@ def _communicate(optimizer, state: _WrapState, grads: list, variables) -> list:
     steps = None
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         steps = optimizer.gradient_accumulation_steps
-    if not steps:
-        return reduce(grads, _variables(optimizer, variables))
-    return _reduce_once_per_update(optimizer, reduce, grads, variables, steps,
-                                   state.passes.sum_factor)
+    checks = _step_check.before_reduce(  # a custom step's (fit has its own, between steps)
+        _variables(optimizer, variables), state.local.keys(), state.options.process_set,
+        steps or 1, f"in the apply of wrapped optimizer '{optimizer.name}'",
+        "PartialDistributedOptimizer")
+    with tf.control_dependencies(checks):
+        if not steps:
+            return reduce(grads, _variables(optimizer, variables))
+        return _reduce_once_per_update(optimizer, reduce, grads, variables, steps,
+                                       state.passes.sum_factor)
 
 
 def _variables(optimizer, variables) -> list | None:

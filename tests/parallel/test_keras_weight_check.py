@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras
 import keras_ring as kr
@@ -191,3 +192,143 @@ def test_off_with_the_variable_and_on_again_after_each_init(world, monkeypatch):
     with pytest.raises(WeightMismatchError, match=re.escape(_expected_message(size))):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[steps])
     assert steps.ended == 1
+
+
+# --- custom training steps (keras_ring/_step_check.py) ---------------------------------------
+
+def _custom_step(model, optimizer, path, traced, broadcast_first, tape_options=None):
+    """A custom loop's step as Horovod's TF2 example writes it; ``path``: who reduces (a
+    DistributedGradientTape, or a wrapped optimizer under a plain tape)."""
+    loss_fn = ks.loss()
+
+    def step(x, y, first):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        if path == "tape":
+            tape = kr.DistributedGradientTape(tape, **(tape_options or {}))
+        grads = tape.gradient(loss, model.trainable_variables)
+        # With accumulation the passes that do not update get zeros: plain SGD keeps still.
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if first and broadcast_first:
+            kr.broadcast_variables(model.variables, root_rank=0)
+            kr.broadcast_variables(optimizer.variables, root_rank=0)
+        return loss
+
+    return tf.function(step) if traced else step
+
+
+def _run_steps(step, rank, count):
+    x, y = _data(rank)
+    done = 0
+    for b in range(count):
+        step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH], b == 0)
+        done += 1
+    return done
+
+
+PATHS = [("tape", False), ("tape", True), ("optimizer", False), ("optimizer", True)]
+PATH_IDS = ["tape-eager", "tape-traced", "optimizer-eager", "optimizer-traced"]
+
+
+@pytest.mark.parametrize("path,traced", PATHS, ids=PATH_IDS)
+def test_a_custom_loop_that_never_broadcasts_fails_on_every_rank_in_its_second_step(
+        world, path, traced):
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(rank))
+    optimizer = keras.optimizers.SGD(0.1)
+    if path == "optimizer":
+        optimizer = kr.wrap(optimizer)
+    step = _custom_step(model, optimizer, path, traced, broadcast_first=False)
+    x, y = _data(rank)
+    step(x[:BATCH], y[:BATCH], False)  # the first step: a broadcast after it would mend them
+    with pytest.raises(WeightMismatchError) as info:
+        step(x[BATCH:2 * BATCH], y[BATCH:2 * BATCH], False)
+    message = str(info.value)
+    assert _expected_message(size) in message, message
+    where = ("in keras_ring.DistributedGradientTape.gradient" if path == "tape"
+             else f"in the apply of wrapped optimizer '{optimizer.name}'")
+    kernels = [w.path for w in model.trainable_weights if "kernel" in w.path]
+    assert f"{where}, 2 of 4 trainable weights ('{kernels[0]}', '{kernels[1]}')" in message
+    assert "broadcast_variables(model.variables, root_rank=0)" in message
+    assert info.value.rank == 1 and "\\'" not in message and not message.endswith("]")
+
+
+@pytest.mark.parametrize("path,traced", PATHS, ids=PATH_IDS)
+def test_horovods_broadcast_inside_the_first_step_passes_and_is_not_compared_again(
+        world, path, traced):
+    rank, _ = world
+    model = ks.mlp(ks.rank_seed(rank))
+    optimizer = keras.optimizers.SGD(0.1)
+    if path == "optimizer":
+        optimizer = kr.wrap(optimizer)
+    step = _custom_step(model, optimizer, path, traced, broadcast_first=True)
+    assert _run_steps(step, rank, 2) == 2
+    ks.assert_same_on_all_ranks(ks.weights(model))
+    # Settled: rank 1 drifting by an ulp (updates need not be bit-identical) is not an error.
+    if rank == 1:
+        for w in model.trainable_weights:
+            w.assign(np.nextafter(w.numpy(), np.inf))
+    x, y = _data(rank)
+    for b in range(2, 5):
+        step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH], False)
+
+
+def test_accumulated_passes_may_differ_until_their_first_update(world):
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(rank))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    step = _custom_step(model, optimizer, "tape", True, broadcast_first=False,
+                        tape_options={"backward_passes_per_step": 2})
+    x, y = _data(rank)
+    step(x[:BATCH], y[:BATCH], False)  # pass 1 of the first update
+    step(x[BATCH:2 * BATCH], y[BATCH:2 * BATCH], False)  # pass 2: the update
+    kr.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
+    assert _run_steps(step, rank, 4) == 4  # equal now: settled
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+    apart = ks.mlp(ks.rank_seed(rank))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(apart.trainable_variables)
+    step = _custom_step(apart, optimizer, "tape", True, broadcast_first=False,
+                        tape_options={"backward_passes_per_step": 2})
+    step(x[:BATCH], y[:BATCH], False)
+    step(x[BATCH:2 * BATCH], y[BATCH:2 * BATCH], False)
+    with pytest.raises(WeightMismatchError, match=re.escape(_expected_message(size))):
+        step(x[2 * BATCH:3 * BATCH], y[2 * BATCH:3 * BATCH], False)
+
+
+def test_a_custom_loop_with_local_layers_may_differ_there(world):
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(rank))
+    local = model.layers[0]
+    kr.broadcast_variables(model.layers[1].weights, root_rank=0)
+    optimizer = keras.optimizers.SGD(0.1)
+    loss_fn = ks.loss()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = kr.PartialDistributedGradientTape(tape, local_layers=[local])
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    x, y = _data(rank)
+    for b in range(3):
+        step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH])
+    ks.assert_same_on_all_ranks(ks.weights(model)[2:])
+    kernels = kr.allgather(local.kernel.value[np.newaxis], name="local_kernels").numpy()
+    assert all((kernels[r] != kernels[0]).any() for r in range(1, size))
+
+
+def test_fit_does_not_add_the_custom_step_check_to_its_step(world):
+    from keras_ring import _step_check
+
+    rank, _ = world
+    model = _compiled(ks.rank_seed(rank))
+    x, y = _data(rank)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[BroadcastGlobalVariablesCallback(0)])
+    ids = {id(v) for v in model.trainable_variables}
+    assert not [key for key in _step_check._CHECKS if set(key[2]) & ids]

@@ -1,0 +1,126 @@
+"""The weight check of custom training steps: ``DistributedGradientTape.gradient`` and a
+wrapped optimizer's ``apply`` outside ``fit``.
+
+``fit``'s check (``_weight_check``) runs in Python between steps. A custom loop's step is one
+traced function that makes its tape anew on every call, and Horovod's examples broadcast the
+weights inside its first call, after the update: so this check lives in the step's graph. A
+state variable, kept per list of variables, says where the check stands; while it is not
+settled, the step allgathers the variables' fingerprints before reducing the gradients.
+Equal: settled, and later steps only read the state. Different: tolerated in the first
+update (the broadcast after it mends them; with accumulation, its passes), then an error on
+every rank, from the same comparison. Ranks that compared equal are not compared again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from keras_ring import _weight_check
+from keras_ring._accumulation import SourcesState, state_for
+from keras_ring._local import is_variable, variable_keys
+from keras_ring.collectives import allgather
+from keras_ring.process_sets import ProcessSet
+from keras_ring.runtime import RUNTIME
+
+_PASSED = -1  # else: how many comparisons differed so far
+
+_ADVICE = ("call keras_ring.broadcast_variables(model.variables, root_rank=0) before the first "
+           "step, or right after its update as Horovod's examples do")
+
+
+class _Check(SourcesState):
+    """Where one list of variables' check stands, in a variable that traced steps read."""
+
+    def __init__(self, variables: Sequence[Any]) -> None:
+        super().__init__(variables)
+        self.generation = RUNTIME.generation
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self.state = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                     name="keras_ring_weight_check")
+
+
+# (tolerance, process set, ids of the variables) -> _Check
+_CHECKS: dict[tuple, _Check] = {}
+
+
+def before_reduce(sources: Sequence[Any] | None, local: set[int], process_set: ProcessSet,
+                  tolerance: int, where: str, partial: str) -> list[Any]:
+    """Checks (eagerly) or adds to the step (traced) that every rank of ``process_set`` holds
+    the same ``sources`` that are variables (except ``local`` ones). Returns what the
+    reduction must wait for. ``tolerance``: the calls a difference may last (the passes of
+    one update); ``where`` and ``partial`` go into the error (what reduces, and its form
+    with local layers)."""
+    if (sources is None or _weight_check.in_checked_fit_step()
+            or not RUNTIME.config.check_weights):
+        return []
+    ranks = process_set.ranks or list(range(RUNTIME.topology().size))
+    variables = [v for v in sources if is_variable(v) and not variable_keys(v) & local]
+    if len(ranks) < 2 or not variables:
+        return []
+    check = state_for(_CHECKS, (tolerance, id(process_set), tuple(map(id, variables))),
+                      variables, lambda: _Check(variables))
+    if check.generation != RUNTIME.generation:  # a new world (elastic): compare anew
+        check.generation = RUNTIME.generation
+        with tf.init_scope():
+            check.state.assign(0)
+    text = {"where": where, "advice": _ADVICE, "partial": partial}
+    if tf.executing_eagerly():
+        _compare_now(check, variables, process_set, tolerance, text)
+        return []
+    return [_compare_in_graph(check, variables, ranks, process_set, tolerance, text)]
+
+
+def _compare_now(check: _Check, variables: list[Any], process_set: ProcessSet,
+                 tolerance: int, text: dict[str, str]) -> None:
+    state = int(check.state.numpy())
+    if state == _PASSED:
+        return
+    mismatch = _weight_check.compare_variables(variables, text, process_set)
+    if mismatch is None:
+        check.state.assign(_PASSED)
+    elif state >= tolerance:
+        raise mismatch
+    else:
+        check.state.assign(state + 1)
+
+
+def _compare_in_graph(check: _Check, variables: list[Any], ranks: list[int],
+                      process_set: ProcessSet, tolerance: int, text: dict[str, str]) -> tf.Tensor:
+    def compare():
+        state = check.state.read_value()
+        mine = tf.stack([_weight_check.fingerprint(_weight_check.value_of(v))
+                         for v in variables])
+        everyone = allgather(mine[tf.newaxis], name=_weight_check.NAME, process_set=process_set)
+        unequal = tf.not_equal(everyone, everyone[0])
+        differs = tf.reduce_any(unequal, axis=0)
+        any_differ = tf.reduce_any(differs)
+        failed = tf.logical_and(any_differ, state >= tolerance)
+        message = _message(variables, ranks, differs, tf.reduce_any(unequal, axis=1), text)
+        assertion = tf.debugging.Assert(tf.logical_not(failed), [message], summarize=1)
+        with tf.control_dependencies([assertion]):
+            return check.state.assign(tf.where(any_differ, state + 1, _PASSED))
+
+    return tf.cond(tf.equal(check.state.read_value(), _PASSED),
+                   lambda: tf.constant(_PASSED), compare)
+
+
+def _message(variables: list[Any], ranks: list[int], differs: tf.Tensor, odd_ranks: tf.Tensor,
+             text: dict[str, str]) -> tf.Tensor:
+    """``_weight_check.TEMPLATE`` as a string tensor: the counts, names and ranks are the
+    step's."""
+    names = tf.boolean_mask(tf.constant([_weight_check.label(v) for v in variables]), differs)
+    first = tf.strings.reduce_join(names[:_weight_check.SHOWN], separator="', '")
+    more = tf.where(tf.size(names) > _weight_check.SHOWN, ", ...", "")
+    shown = tf.strings.join(["'", first, "'", more])
+    odd = tf.strings.reduce_join(
+        tf.strings.as_string(tf.boolean_mask(tf.constant(ranks), odd_ranks)), separator=", ")
+    fields = {"count": tf.strings.as_string(tf.size(names)), "shown": shown, "odd": odd}
+    template = _weight_check.TEMPLATE.format(
+        total=len(variables), first=ranks[0], count="{count}", shown="{shown}", odd="{odd}",
+        **text)
+    pieces = re.split(r"\{(count|shown|odd)\}", template)  # text, field, text, field, ...
+    return tf.strings.join([fields[p] if i % 2 else p for i, p in enumerate(pieces)])
