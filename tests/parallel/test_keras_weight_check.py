@@ -332,3 +332,23 @@ def test_fit_does_not_add_the_custom_step_check_to_its_step(world):
               callbacks=[BroadcastGlobalVariablesCallback(0)])
     ids = {id(v) for v in model.trainable_variables}
     assert not [key for key in _step_check._CHECKS if set(key[2]) & ids]
+
+
+def _conditionals(step, rank) -> int:
+    x, y = _data(rank)
+    graph = step.get_concrete_function(x[:BATCH], y[:BATCH], False).graph
+    return sum(op.type in ("If", "StatelessIf") for op in graph.get_operations())
+
+
+@pytest.mark.parametrize("path", ["tape", "optimizer"])
+def test_a_step_traced_on_equal_weights_gets_nothing_and_one_traced_apart_a_check(world, path):
+    rank, _ = world
+    steps = []
+    for seed in (7, ks.rank_seed(rank)):  # equal on every rank, then each rank its own
+        model = ks.mlp(seed)
+        optimizer = keras.optimizers.SGD(0.1)
+        if path == "optimizer":
+            optimizer = kr.wrap(optimizer)
+        steps.append(_custom_step(model, optimizer, path, True, broadcast_first=False))
+    assert _conditionals(steps[0], rank) == 0  # settled while tracing: nothing per step
+    assert _conditionals(steps[1], rank) == 1  # compared each time it runs, until settled
