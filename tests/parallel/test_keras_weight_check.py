@@ -147,6 +147,13 @@ def test_a_rank_with_a_single_batch_may_join_while_the_others_train_on(world):
     assert last != 0 or size == 1
 
 
+def _assert_only_the_local_layer_differs(model, local, size):
+    """The shared layer agrees; the local one kept each rank's own weights."""
+    ks.assert_same_on_all_ranks(ks.weights(model)[2:])
+    kernels = kr.allgather(local.kernel.value[np.newaxis], name="local_kernels").numpy()
+    assert all((kernels[r] != kernels[0]).any() for r in range(1, size))
+
+
 def test_local_layers_may_differ(world):
     rank, size = world
     model = ks.mlp(ks.rank_seed(rank))
@@ -156,10 +163,7 @@ def test_local_layers_may_differ(world):
     x, y = _data(rank)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
         BroadcastGlobalVariablesCallback(0, local_variables=local.trainable_weights)])
-    # The shared layer agrees; the local one kept each rank's own weights.
-    ks.assert_same_on_all_ranks(ks.weights(model)[2:])
-    kernels = kr.allgather(local.kernel.value[np.newaxis], name="local_kernels").numpy()
-    assert all((kernels[r] != kernels[0]).any() for r in range(1, size))
+    _assert_only_the_local_layer_differs(model, local, size)
 
 
 def test_a_model_compiled_again_without_keras_ring_is_not_checked(world):
@@ -226,6 +230,12 @@ def _run_steps(step, rank, count):
     return done
 
 
+def _model_and_optimizer(seed, path):
+    """A model, and the optimizer its step applies: wrapped where it is the one to reduce."""
+    optimizer = keras.optimizers.SGD(0.1)
+    return ks.mlp(seed), kr.wrap(optimizer) if path == "optimizer" else optimizer
+
+
 PATHS = [("tape", False), ("tape", True), ("optimizer", False), ("optimizer", True)]
 PATH_IDS = ["tape-eager", "tape-traced", "optimizer-eager", "optimizer-traced"]
 
@@ -234,10 +244,7 @@ PATH_IDS = ["tape-eager", "tape-traced", "optimizer-eager", "optimizer-traced"]
 def test_a_custom_loop_that_never_broadcasts_fails_on_every_rank_in_its_second_step(
         world, path, traced):
     rank, size = world
-    model = ks.mlp(ks.rank_seed(rank))
-    optimizer = keras.optimizers.SGD(0.1)
-    if path == "optimizer":
-        optimizer = kr.wrap(optimizer)
+    model, optimizer = _model_and_optimizer(ks.rank_seed(rank), path)
     step = _custom_step(model, optimizer, path, traced, broadcast_first=False)
     x, y = _data(rank)
     step(x[:BATCH], y[:BATCH], False)  # the first step: a broadcast after it would mend them
@@ -257,10 +264,7 @@ def test_a_custom_loop_that_never_broadcasts_fails_on_every_rank_in_its_second_s
 def test_horovods_broadcast_inside_the_first_step_passes_and_is_not_compared_again(
         world, path, traced):
     rank, _ = world
-    model = ks.mlp(ks.rank_seed(rank))
-    optimizer = keras.optimizers.SGD(0.1)
-    if path == "optimizer":
-        optimizer = kr.wrap(optimizer)
+    model, optimizer = _model_and_optimizer(ks.rank_seed(rank), path)
     step = _custom_step(model, optimizer, path, traced, broadcast_first=True)
     assert _run_steps(step, rank, 2) == 2
     ks.assert_same_on_all_ranks(ks.weights(model))
@@ -317,9 +321,7 @@ def test_a_custom_loop_with_local_layers_may_differ_there(world):
     x, y = _data(rank)
     for b in range(3):
         step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH])
-    ks.assert_same_on_all_ranks(ks.weights(model)[2:])
-    kernels = kr.allgather(local.kernel.value[np.newaxis], name="local_kernels").numpy()
-    assert all((kernels[r] != kernels[0]).any() for r in range(1, size))
+    _assert_only_the_local_layer_differs(model, local, size)
 
 
 def test_fit_does_not_add_the_custom_step_check_to_its_step(world):
@@ -345,10 +347,7 @@ def test_a_step_traced_on_equal_weights_gets_nothing_and_one_traced_apart_a_chec
     rank, _ = world
     steps = []
     for seed in (7, ks.rank_seed(rank)):  # equal on every rank, then each rank its own
-        model = ks.mlp(seed)
-        optimizer = keras.optimizers.SGD(0.1)
-        if path == "optimizer":
-            optimizer = kr.wrap(optimizer)
+        model, optimizer = _model_and_optimizer(seed, path)
         steps.append(_custom_step(model, optimizer, path, True, broadcast_first=False))
     assert _conditionals(steps[0], rank) == 0  # settled while tracing: nothing per step
     assert _conditionals(steps[1], rank) == 1  # compared each time it runs, until settled
