@@ -240,6 +240,25 @@ def test_errors_of_a_graph_keep_keras_ring_classes_when_tensorflow_replaced_the_
     assert "[[{{node" not in str(ours) and "[Op:" not in str(ours)
 
 
+def test_a_traced_steps_weight_check_becomes_a_weight_mismatch_error():
+    from keras_ring import errors
+
+    # What TensorFlow's Assert makes of keras_ring._step_check's message: bracketed, the
+    # quotes escaped, the node appended.
+    raw = tf.errors.InvalidArgumentError(
+        None, None, "assertion failed: [keras_ring: the ranks are training different models: "
+        "in keras_ring.DistributedGradientTape.gradient, 1 of 2 trainable weights (\\'d/k\\') "
+        "differ between rank 0 and rank(s) 3, 5, also after the first step. More.]\n\t "
+        "[[{{function_node cond_false_6}}{{node cond/Assert/Assert}}]]")
+    ours = errors.translate(raw)
+    assert isinstance(ours, kr.WeightMismatchError) and isinstance(ours, ValueError)
+    assert str(ours) == (
+        "keras_ring: the ranks are training different models: in "
+        "keras_ring.DistributedGradientTape.gradient, 1 of 2 trainable weights ('d/k') differ "
+        "between rank 0 and rank(s) 3, 5, also after the first step. More.")
+    assert ours.rank == 3 and ours.reason == str(ours).removeprefix("keras_ring: ")
+
+
 @pytest.mark.parametrize("env, expected", [
     ({"KERAS_RING_INTRA_OP_THREADS": "3"}, 3),
     ({"KERAS_RING_INTRA_OP_THREADS": "0"}, 0),  # 0: TensorFlow's own default
