@@ -42,7 +42,8 @@ _EXPORTS = {
     **dict.fromkeys(
         ["KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
          "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",
-         "CollectiveAbortedError", "WeightMismatchError"], "keras_ring.errors"),
+         "CollectiveAbortedError", "WeightMismatchError", "LearningRateMismatchError"],
+        "keras_ring.errors"),
     # Keras integration: wrap(optimizer), DistributedGradientTape, compression and callbacks.
     "wrap": "keras_ring.optimizer",
     "DistributedOptimizer": "keras_ring.optimizer",
@@ -110,8 +111,8 @@ if TYPE_CHECKING:
     from keras_ring.config import Config
     from keras_ring.errors import (CollectiveAbortedError, CollectiveArgumentError,
                                    CollectiveMismatchError, CollectiveTimeoutError, InitError,
-                                   KerasRingError, NotInitializedError, PeerFailureError,
-                                   WeightMismatchError)
+                                   KerasRingError, LearningRateMismatchError,
+                                   NotInitializedError, PeerFailureError, WeightMismatchError)
     from keras_ring.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
     from keras_ring.ops.loader import Library
     from keras_ring.optimizer import DistributedOptimizer, PartialDistributedOptimizer, wrap

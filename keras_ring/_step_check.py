@@ -103,9 +103,11 @@ def _compare_in_graph(check: _Check, variables: list[Any], ranks: list[int],
                       process_set: ProcessSet, tolerance: int, text: dict[str, str]) -> tf.Tensor:
     def compare():
         state = check.state.read_value()
-        mine = tf.stack([_weight_check.fingerprint(_weight_check.value_of(v))
-                         for v in variables])
-        everyone = allgather(mine[tf.newaxis], name=_weight_check.NAME, process_set=process_set)
+        sums = [_weight_check.fingerprint(_weight_check.value_of(v)) for v in variables]
+        with tf.device("/CPU:0"):  # the sums, summed where the weights are, travel by host
+            mine = tf.stack(sums)
+            everyone = allgather(mine[tf.newaxis], name=_weight_check.NAME,
+                                 process_set=process_set)
         unequal = tf.not_equal(everyone, everyone[0])
         differs = tf.reduce_any(unequal, axis=0)
         any_differ = tf.reduce_any(differs)

@@ -52,6 +52,11 @@ class CollectiveAbortedError(KerasRingError, tf.errors.AbortedError):
     """The runtime was aborted (an earlier failure, or shutdown) while the collective waited."""
 
 
+class LearningRateMismatchError(KerasRingError, ValueError):
+    """The ranks train with different learning rates: a callback set the rate from one
+    rank's own metrics (``ReduceLROnPlateau`` without ``MetricAverageCallback``)."""
+
+
 # In every weight check's message (keras_ring._weight_check.TEMPLATE), and the first rank
 # whose weights differ from the first rank's.
 WEIGHTS_DIFFER = "the ranks are training different models"

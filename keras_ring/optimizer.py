@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_ring import _keras_private, _step_check, _weight_check, _xla
+from keras_ring import _keras_private, _rate_check, _step_check, _weight_check, _xla
 from keras_ring._accumulation import Passes
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions, map_gradient
 from keras_ring._local import (LocalSources, check_local_layers, check_scale, check_variable,
@@ -398,6 +398,7 @@ def install_compile_hook() -> None:
         return result
 
     owner.compile = compile
+    _rate_check.install_fit_hook(distributed_optimizers)
     _compile_hook_installed = True
 
 
@@ -425,23 +426,31 @@ def after_compile(model: Any, requested_jit: Any) -> None:
     _weight_check.install(model, functools.partial(_weight_check_settings, model))
 
 
-def _weight_check_settings(model: Any) -> tuple[set[int], ProcessSet] | None:
-    """What ``_weight_check`` leaves out and where it compares, for the wrapped optimizers
-    that train the model now: its compiled one, else those it holds as attributes. None:
-    there are none (a model compiled again without keras_ring trains alone on each rank), or
-    they average over different process sets (no one set of ranks must agree)."""
+def distributed_optimizers(model: Any) -> tuple[list[Any], ProcessSet] | None:
+    """The wrapped optimizers that train the model now, and the ranks they average over:
+    its compiled one, else those it holds as attributes (keras-io's GAN). None: there are
+    none (a model compiled again without keras_ring trains alone on each rank), or they
+    average over different process sets (no one set of ranks must agree)."""
     optimizer = getattr(model, "optimizer", None)
     if is_wrapped(optimizer):
         optimizers = [optimizer]
     else:
         optimizers = [value for value in vars(model).values() if is_wrapped(value)]
-    states = [o.__dict__[_STATE] for o in optimizers]
-    if not states or any(s.options.process_set != states[0].options.process_set for s in states):
+    sets = [o.__dict__[_STATE].options.process_set for o in optimizers]
+    if not sets or any(s != sets[0] for s in sets):
+        return None
+    return optimizers, sets[0]
+
+
+def _weight_check_settings(model: Any) -> tuple[set[int], ProcessSet] | None:
+    """What ``_weight_check`` leaves out (local variables) and where it compares."""
+    found = distributed_optimizers(model)
+    if found is None:
         return None
     local: set[int] = set()
-    for state in states:
-        local |= state.local.keys()
-    return local, states[0].options.process_set
+    for optimizer in found[0]:
+        local |= optimizer.__dict__[_STATE].local.keys()
+    return local, found[1]
 
 
 def _build_before_first_step(model: Any) -> None:

@@ -189,3 +189,56 @@ def test_on_rank_zero_runs_the_callback_on_rank_zero_only(world, tmp_path):
     assert path.exists() == (rank == 0)
     if rank == 0:
         assert len(path.read_text().strip().splitlines()) == 3  # header and two epochs
+
+
+# --- the learning rates agree (keras_ring/_rate_check.py) -----------------------------------
+
+class RankSignal(keras.callbacks.Callback):
+    """Puts a metric in the epoch logs that stalls on rank 0 and improves elsewhere."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["signal"] = 1.0 if keras_ring.rank() == 0 else 1.0 - epoch
+
+
+def _plateau_fit(rank, callbacks, epochs=4):
+    """ReduceLROnPlateau on a metric of this rank's own: rank 0 halves the rate after epoch 1."""
+    model = ks.mlp(ks.rank_seed(rank))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05)), loss=ks.loss())
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="signal", mode="min", factor=0.5,
+                                                patience=0)
+    epochs_begun = []
+    probe = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: epochs_begun.append(e))
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0,
+              callbacks=[BroadcastGlobalVariablesCallback(0), RankSignal(), *callbacks, plateau,
+                         probe])
+    return model, epochs_begun
+
+
+def test_a_rate_set_from_one_ranks_metrics_fails_every_rank_before_its_epoch_trains(world):
+    rank, size = world
+    with pytest.raises(keras_ring.LearningRateMismatchError) as info:
+        _plateau_fit(rank, [])
+    message = str(info.value)
+    others = ", ".join(f"rank {r} 0.05" for r in range(1, size))
+    assert f"as epoch 2 begins (rank 0 0.025, {others})" in message, message
+    assert "MetricAverageCallback() first" in message and info.value.rank == 1
+
+
+def test_averaged_metrics_keep_the_rates_equal_and_the_epochs_run(world):
+    rank, _ = world
+    model, epochs_begun = _plateau_fit(rank, [MetricAverageCallback()])
+    assert epochs_begun == [0, 1, 2, 3]
+    ks.assert_same_on_all_ranks(ks.weights(model) + [model.optimizer.learning_rate.numpy()])
+
+
+def test_rates_that_differ_before_the_broadcast_are_not_an_error(world):
+    rank, _ = world
+    model = ks.mlp(ks.rank_seed(rank))
+    # A rate restored on one rank only: the broadcast callback sets the root's everywhere.
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1 * (rank + 1))),
+                  loss=ks.loss())
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+              callbacks=(BroadcastGlobalVariablesCallback(0),))
+    ks.assert_same_on_all_ranks([model.optimizer.learning_rate.numpy()])

@@ -67,6 +67,7 @@ LAYERS = {
     "keras_ring._local": 7,
     "keras_ring._weight_check": 7,
     "keras_ring._step_check": 7,
+    "keras_ring._rate_check": 7,
     "keras_ring.sync_batch_normalization": 7,
     "keras_ring.optimizer": 7,
     "keras_ring.gradient_tape": 7,

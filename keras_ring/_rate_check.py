@@ -1,0 +1,102 @@
+"""``fit`` checks that the ranks' learning rates agree as each of its epochs after the first
+begins.
+
+A callback that sets the rate from this rank's own epoch metrics decides on each rank alone
+(``ReduceLROnPlateau`` without ``MetricAverageCallback`` before it). Ranks that then apply the
+same averaged gradients with different rates train apart, silently: the weight check compared
+them once, at the start. The rates are compared after every callback's ``on_epoch_begin``
+(``LearningRateScheduler`` sets the rate there) and before the epoch's first step: one
+allgather of a float64 per optimizer per epoch. A rank that stopped instead (``EarlyStopping``)
+has left ``fit``: its peers' check fails on its shutdown notice, as their next step would.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_ring.collectives import allgather
+from keras_ring.errors import LearningRateMismatchError
+from keras_ring.process_sets import ProcessSet
+from keras_ring.runtime import RUNTIME
+
+NAME = "keras_ring.rate_check"
+
+Finder = Callable[[Any], "tuple[list[Any], ProcessSet] | None"]
+
+
+def current_rate(optimizer: Any) -> float:
+    """The rate the optimizer's next update uses (a schedule's value at its step)."""
+    return float(np.asarray(keras.ops.convert_to_numpy(optimizer.learning_rate)))
+
+
+class RateCheck(keras.callbacks.Callback):
+    """Compares the optimizers' learning rates over ``process_set`` as each epoch of a
+    ``fit`` after its first begins (the first: the broadcast callback may still set them)."""
+
+    def __init__(self, optimizers: list[Any], process_set: ProcessSet) -> None:
+        super().__init__()
+        self.optimizers = optimizers
+        self.process_set = process_set
+        self._first = True
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._first = True
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self._first or not RUNTIME.config.check_weights:
+            self._first = False
+            return
+        mine = np.array([current_rate(o) for o in self.optimizers], np.float64)
+        everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
+                             process_set=self.process_set).numpy()
+        bits = everyone.view(np.int64)
+        if (bits == bits[0]).all():
+            return
+        ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))
+        odd = [i for i in range(1, len(ranks)) if (bits[i] != bits[0]).any()]
+        shown = ", ".join(f"rank {ranks[i]} {_rates(everyone[i])}" for i in [0] + odd)
+        error = LearningRateMismatchError(
+            f"keras_ring: the ranks train with different learning rates as epoch {epoch} "
+            f"begins ({shown}): they would apply the same averaged gradients differently and "
+            "train apart. A callback set the rate from this rank's own metrics "
+            "(ReduceLROnPlateau reads this rank's loss): put "
+            "keras_ring.callbacks.MetricAverageCallback() first in fit's callbacks, so every "
+            "later callback sees the same averaged metrics and decides alike. "
+            "KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
+        error.rank, error.reason = ranks[odd[0]], str(error).removeprefix("keras_ring: ")
+        raise error
+
+
+def _rates(values: np.ndarray) -> str:
+    return "/".join(f"{v:.6g}" for v in values)
+
+
+def install_fit_hook(find: Finder) -> None:
+    """Makes ``Model.fit`` add a :class:`RateCheck` for a model that ``find`` says trains
+    with keras_ring optimizers (a list of callbacks is extended, never changed in place)."""
+    owner = next(klass for klass in keras.Model.__mro__ if "fit" in vars(klass))
+    original = owner.fit
+    if getattr(original, "_keras_ring", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        found = find(self)
+        if found is not None:
+            bound = signature.bind(self, *args, **kwargs)
+            callbacks = bound.arguments.get("callbacks")
+            if callbacks is None or isinstance(callbacks, (list, tuple)):
+                bound.arguments["callbacks"] = [*(callbacks or []), RateCheck(*found)]
+                return original(*bound.args, **bound.kwargs)
+        return original(self, *args, **kwargs)
+
+    fit._keras_ring = True
+    owner.fit = fit
