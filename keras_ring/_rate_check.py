@@ -50,7 +50,8 @@ class RateCheck(keras.callbacks.Callback):
         self._first = True
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        if self._first or not RUNTIME.config.check_weights:
+        ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))
+        if self._first or len(ranks) < 2 or not RUNTIME.config.check_weights:
             self._first = False
             return
         mine = np.array([current_rate(o) for o in self.optimizers], np.float64)
@@ -59,7 +60,6 @@ class RateCheck(keras.callbacks.Callback):
         bits = everyone.view(np.int64)
         if (bits == bits[0]).all():
             return
-        ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))
         odd = [i for i in range(1, len(ranks)) if (bits[i] != bits[0]).any()]
         shown = ", ".join(f"rank {ranks[i]} {_rates(everyone[i])}" for i in [0] + odd)
         error = LearningRateMismatchError(
