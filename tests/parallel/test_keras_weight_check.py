@@ -268,6 +268,10 @@ def test_horovods_broadcast_inside_the_first_step_passes_and_is_not_compared_aga
     step = _custom_step(model, optimizer, path, traced, broadcast_first=True)
     assert _run_steps(step, rank, 2) == 2
     ks.assert_same_on_all_ranks(ks.weights(model))
+    from keras_ring import _step_check
+    ids = {id(w) for w in model.trainable_weights}
+    checks = [c for key, c in _step_check._CHECKS.items() if set(key[2]) & ids]
+    assert checks and all(c.settled for c in checks)  # the host knows: no read per step
     # Settled: rank 1 drifting by an ulp (updates need not be bit-identical) is not an error.
     if rank == 1:
         for w in model.trainable_weights:
