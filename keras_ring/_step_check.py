@@ -10,7 +10,8 @@ step is traced, the check goes into its graph: the step allgathers the fingerpri
 reducing the gradients, each time it runs until settled (reading the state costs an ``If``,
 ~15-35 us). A difference is tolerated in the first update (the broadcast after it mends
 them; with accumulation, its passes), then it is an error on every rank, from the same
-comparison. Ranks that compared equal are not compared again.
+comparison. Ranks that compared equal are not compared again (the host remembers it, so a
+settled eager step reads no variable).
 """
 
 from __future__ import annotations
