@@ -25,7 +25,20 @@ const char* KindName(Kind k) {
 
 void Signature::SetName(const std::string& n) {
   std::memset(name, 0, sizeof name);
-  std::memcpy(name, n.data(), std::min(n.size(), sizeof name - 1));
+  if (n.size() < sizeof name && n.find('\0') == std::string::npos) {
+    std::memcpy(name, n.data(), n.size());
+    return;
+  }
+  // Too long for the fixed field, or holding a NUL (which would end it early): its start and
+  // a hash of the whole, so that names which differ only past that point still differ.
+  uint64_t h = 14695981039346656037ull;
+  for (const char c : n) h = HashMix(h, static_cast<unsigned char>(c));
+  char tail[24];
+  std::snprintf(tail, sizeof tail, "...#%016llx", static_cast<unsigned long long>(h));
+  const size_t keep = std::min(std::min(n.size(), n.find('\0')),
+                               sizeof name - 1 - std::strlen(tail));
+  std::memcpy(name, n.data(), keep);
+  std::memcpy(name + keep, tail, std::strlen(tail));
 }
 
 std::string Signature::Label() const {

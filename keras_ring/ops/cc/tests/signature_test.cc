@@ -150,6 +150,34 @@ TEST(Signatures_SeveralRanksDiffer) {
   CHECK_CONTAINS(v[0].message(), " 3 4)");
 }
 
+// Names longer than the signature's field (or holding a NUL) keep their start and a hash of
+// the whole: two that differ only past the field or after the NUL still differ.
+TEST(Signatures_LongNamesThatDifferLateAreAMismatch) {
+  const std::string base(130, 'a');
+  const auto v = ExchangeAndCheck(3, [](int r) {
+    Signature s = AllreduceSig(10);
+    s.SetName(r == 1 ? std::string(130, 'a') + "Y" : std::string(130, 'a') + "X");
+    return s;
+  });
+  CheckSameVerdict(v);
+  for (const Status& s : v) {
+    CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+    CHECK_CONTAINS(s.message(), "name");
+  }
+  const auto nul = ExchangeAndCheck(2, [](int r) {
+    Signature s = AllreduceSig(10);
+    s.SetName(r == 0 ? std::string("grad\0one", 8) : std::string("grad\0two", 8));
+    return s;
+  });
+  for (const Status& s : nul) CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+  Signature same_a, same_b;
+  same_a.SetName(base + "tail");
+  same_b.SetName(base + "tail");
+  CHECK_EQ(std::string(same_a.name), std::string(same_b.name));
+  CHECK_EQ(std::string(same_a.name).size(), sizeof same_a.name - 1);
+  CHECK_EQ(std::string(same_a.name).substr(0, 20), base.substr(0, 20));
+}
+
 TEST(Signatures_OperationMismatch) {
   const auto v = ExchangeAndCheck(2, [](int r) {
     Signature s = AllreduceSig(10);
