@@ -184,11 +184,13 @@ def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
                      name: str = "gradients") -> list[Any]:
     """Allreduces ``grads`` (tensors, ``tf.IndexedSlices`` or None) and returns them in order.
 
-    ``None`` entries stay ``None`` and take no part: every rank runs the same program, so
-    every rank has the same ``None`` entries; a rank that differs makes the bucket's
-    collective fail on every rank with a mismatch error instead of reducing wrong buffers.
+    ``None`` entries stay ``None`` and take no part. Their positions are part of the first
+    collective's name, so ranks whose ``None`` entries differ (a data-dependent branch left
+    different variables unused) fail on every rank with a mismatch error that says so,
+    instead of reducing one variable's gradient into another's.
     """
     _xla.check_not_xla_compiled("reducing gradients")
+    missing = _missing_tag(grads)
     out: list[Any] = [None] * len(grads)
     dense_positions: list[int] = []
     wire: list[tf.Tensor] = []
@@ -209,7 +211,25 @@ def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
     sizes = [_wire_bytes(w) for w in wire]
     bucket_bytes, first_bucket_bytes = options.resolved_sizes() if wire else (None, None)
     for k, bucket in enumerate(plan_buckets(sizes, bucket_bytes, first_bucket_bytes)):
-        reduced = _reduce_dense([wire[j] for j in bucket], options, f"{name}.bucket{k}")
+        reduced = _reduce_dense([wire[j] for j in bucket], options,
+                                f"{name}.bucket{k}{missing if k == 0 else ''}")
         for j, r in zip(bucket, reduced):
             out[dense_positions[j]] = options.compression.decompress(r, contexts[j])
+    if missing and not wire:  # nothing dense to reduce: still meet the others, by name
+        _reduce_dense([tf.zeros([0])], options, f"{name}.bucket0{missing}")
     return out
+
+
+def _missing_tag(grads: Sequence[Any]) -> str:
+    """Where ``grads`` has no gradient, for the first bucket's name: "" if everywhere."""
+    positions = [i for i, g in enumerate(grads) if g is None]
+    if not positions:
+        return ""
+    runs: list[str] = []  # "0-3,7": readable in the mismatch error for a few layers' worth
+    for i in positions:
+        if runs and i == last + 1:
+            runs[-1] = f"{runs[-1].split('-')[0]}-{i}"
+        else:
+            runs.append(str(i))
+        last = i
+    return f" (no gradient for sources {','.join(runs)} of {len(grads)})"

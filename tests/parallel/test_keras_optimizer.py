@@ -131,6 +131,42 @@ def test_none_gradients_are_skipped_on_every_rank(world):
         np.testing.assert_array_equal(v.numpy(), before)
 
 
+@pytest.mark.parametrize("path", ["tape-eager", "tape-traced", "wrap-apply"])
+@pytest.mark.parametrize("case", ["swapped", "all-missing-on-one-rank"])
+def test_ranks_missing_different_gradients_fail_on_every_rank_saying_which(world, path, case):
+    # A data-dependent branch (routing, a multi-task batch) leaves rank 0 without a gradient
+    # for b and rank 1 without one for a: same shapes, so only the positions tell them apart.
+    rank, size = world
+    a, b = tf.Variable([1.0, 2.0]), tf.Variable([3.0, 4.0])
+    uses_a = rank % 2 == 0 or case == "all-missing-on-one-rank"
+
+    def gradients():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(a * 2.0) if uses_a else tf.reduce_sum(b * 3.0)
+        if case == "all-missing-on-one-rank" and rank == size - 1:
+            loss = tf.constant(0.0)  # this rank's batch touched neither
+        if path == "wrap-apply":
+            return tape.gradient(loss, [a, b])
+        return keras_ring.DistributedGradientTape(tape, op=keras_ring.Sum).gradient(loss, [a, b])
+
+    step = tf.function(gradients) if path == "tape-traced" else gradients
+    optimizer = keras_ring.wrap(keras.optimizers.SGD(1.0), op=keras_ring.Sum)
+    optimizer.build([a, b])
+    with pytest.raises(keras_ring.CollectiveMismatchError) as info:
+        grads = step()
+        if path == "wrap-apply":
+            optimizer.apply(grads, [a, b])
+    message = str(info.value)
+    assert "name mismatch" in message, message
+    if case == "swapped":
+        assert "no gradient for sources 0 of 2" in message
+        assert "no gradient for sources 1 of 2" in message
+    else:
+        assert "no gradient for sources 0-1 of 2" in message
+    ks.assert_same_on_all_ranks([a.numpy(), b.numpy()])  # nothing was applied anywhere
+    np.testing.assert_array_equal(a.numpy(), [1.0, 2.0])
+
+
 def _embedding_model(seed):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(50, 4),
