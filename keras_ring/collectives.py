@@ -224,9 +224,11 @@ def _allreduce_indexed_slices(slices, op, name, prescale, postscale, process_set
     if exact:
         values, indices = _combine_rows(values, indices)
         values = _scale_integers(values, prescale)
-    values = allgather(values, name=f"{name}.values" if name else None, process_set=process_set)
-    indices = allgather(indices, name=f"{name}.indices" if name else None,
-                        process_set=process_set)
+    # The allgathers' signatures carry no op, factors or dense shape: their names do, so
+    # that ranks which differ there fail on every rank instead of scaling differently.
+    tag = _sparse_tag(op, prescale, postscale, slices.dense_shape)
+    values = allgather(values, name=f"{name}.values {tag}", process_set=process_set)
+    indices = allgather(indices, name=f"{name}.indices {tag}", process_set=process_set)
     if exact:
         values, indices = _combine_rows(values, indices)
         if op == Average:
@@ -237,6 +239,12 @@ def _allreduce_indexed_slices(slices, op, name, prescale, postscale, process_set
         if scale != 1.0:
             values = values * tf.constant(scale, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def _sparse_tag(op: ReduceOp, prescale: float, postscale: float, dense_shape: Any) -> str:
+    shape = None if dense_shape is None else tf.get_static_value(dense_shape)
+    shown = "?" if shape is None else "x".join(str(int(d)) for d in np.ravel(shape))
+    return f"[{op.name} pre={prescale!r} post={postscale!r} dense_shape={shown}]"
 
 
 def _combine_rows(values: tf.Tensor, indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:

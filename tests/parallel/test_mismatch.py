@@ -125,3 +125,30 @@ def test_grouped_shapes_that_differ_at_equal_sizes_are_a_mismatch(world, shapes)
     with pytest.raises(kr.CollectiveMismatchError, match="shape mismatch"):
         kr.grouped_allreduce([tf.ones([1]), tf.zeros(mine)], name="grouped_shapes")
     assert kr.allreduce(tf.ones([1]), op=kr.Sum).numpy().tolist() == [size]
+
+
+@pytest.mark.parametrize("differs", ["op", "prescale", "postscale", "dense_shape"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_sparse_allreduces_that_differ_fail_on_every_rank(world, differs, traced):
+    # IndexedSlices are allgathered; op, factors and dense shape must still agree, or each
+    # rank would scale (or shape) the same rows differently.
+    rank, size = world
+    odd = rank == size - 1
+    rows = 3 + (differs == "dense_shape" and odd)
+    slices = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0]]), tf.constant([0, 2]),
+                              dense_shape=tf.constant([rows, 2]))
+    kwargs = {"op": kr.Average if differs == "op" and odd else kr.Sum,
+              "prescale_factor": 2.0 if differs == "prescale" and odd else 1.0,
+              "postscale_factor": 0.5 if differs == "postscale" and odd else 1.0}
+    call = (tf.function(lambda: kr.allreduce(slices, **kwargs)) if traced
+            else lambda: kr.allreduce(slices, **kwargs))
+    _expect_on_every_rank(lambda: tf.convert_to_tensor(call()), kr.CollectiveMismatchError,
+                          "name mismatch", ".values [")
+
+
+def test_sparse_allreduces_that_agree_name_nothing_of_their_own(world):
+    rank, size = world
+    slices = tf.IndexedSlices(tf.constant([[1.0, 2.0]]), tf.constant([rank]),
+                              dense_shape=tf.constant([size, 2]))
+    out = tf.convert_to_tensor(kr.allreduce(slices, op=kr.Sum, name="emb")).numpy()
+    np.testing.assert_array_equal(out, np.tile([[1.0, 2.0]], (size, 1)))
