@@ -149,5 +149,13 @@ def is_seed_state(variable: Any) -> bool:
             and variable.name == "seed_generator_state")
 
 
+def is_gradient_accumulator(variable: Any) -> bool:
+    """Whether ``variable`` is one of the sums an optimizer with ``gradient_accumulation_steps``
+    keeps between updates (``add_variable_from_reference(..., "gradient_accumulator")``,
+    named ``<variable>_gradient_accumulator`` in every Keras 3)."""
+    return (isinstance(variable, variable_classes()) and not variable.trainable
+            and variable.name.endswith("gradient_accumulator"))
+
+
 def has_symbolic_build(model: Any) -> bool:
     return hasattr(model, "_maybe_symbolic_build") and hasattr(model, "_symbolic_build")

@@ -386,14 +386,25 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     return _run(wrappers.broadcast, tensor, root, _check_name(name), set_id)
 
 
+def _own_to_each_rank(variable: Any) -> bool:
+    """Whether a broadcast leaves ``variable`` alone: the random-seed states of Keras layers
+    and an optimizer's gradient accumulators.
+
+    A Keras model's ``variables`` include the seeds its Dropout (and noise and augmentation)
+    layers draw from: with the root's seeds every rank would drop the same units and flip the
+    same images, and the ranks' samples would share their noise, which one process training
+    on the global batch never does (nor did Horovod, whose TF2 Keras kept no seeds in
+    variables). Each rank keeps its own, as the processes drew them. An optimizer's
+    ``variables`` include, with gradient accumulation, each rank's own sum of the passes so
+    far, not yet reduced: the root's would replace the others' gradients (Horovod's loop
+    broadcasts the optimizer after its first step, mid-accumulation)."""
+    return _keras_private.is_seed_state(variable) or _keras_private.is_gradient_accumulator(
+        variable)
+
+
 def _without_seed_states(variables: Sequence[Any]) -> list[Any]:
-    """``variables`` less the random-seed states of Keras layers. A Keras model's
-    ``variables`` include the seeds its Dropout (and noise and augmentation) layers draw
-    from: with the root's seeds every rank would drop the same units and flip the same
-    images, and the ranks' samples would share their noise, which one process training on
-    the global batch never does (nor did Horovod, whose TF2 Keras kept no seeds in
-    variables). Each rank keeps its own, as the processes drew them."""
-    return [v for v in variables if not _keras_private.is_seed_state(v)]
+    """``variables`` less those each rank keeps (``_own_to_each_rank``)."""
+    return [v for v in variables if not _own_to_each_rank(v)]
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int,
@@ -402,7 +413,8 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
 
     The random-seed states of Keras layers (``keras.random.SeedGenerator``, in
     ``model.variables`` but not in ``model.weights``) are left out: each rank keeps drawing
-    its own dropout masks and augmentations. To give every rank the root's seeds anyway,
+    its own dropout masks and augmentations; so are an optimizer's gradient accumulators
+    (each rank's own passes, not yet reduced). To give every rank the root's seeds anyway,
     ``v.assign(keras_ring.broadcast(v.value, root_rank))`` them one by one.
 
     Example:
@@ -420,8 +432,8 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Horovod's in-place broadcast: assigns the root's values to ``variables`` on every rank
-    and returns their new values (Keras random-seed states keep and return their own, as in
-    :func:`broadcast_variables`). Works eagerly and inside ``tf.function``.
+    and returns their new values (Keras random-seed states and gradient accumulators keep and
+    return their own, as in :func:`broadcast_variables`). Works eagerly and inside ``tf.function``.
 
     Example:
 
@@ -433,7 +445,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     root, base = _check_root(root_rank), _check_name(name) or "broadcast_"
     values = []
     for i, var in enumerate(variables):
-        if not _keras_private.is_seed_state(var):
+        if not _own_to_each_rank(var):
             var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i}",
                                  process_set=process_set))
         values.append(tf.convert_to_tensor(var))

@@ -325,8 +325,8 @@ def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: in
     """With gradient accumulation: communicate only on the micro-batch that updates.
 
     Keras accumulates locally and on the update step applies ``(g + acc) / steps``. On that
-    step we hand it ``g' = factor * allreduce(g + acc) - acc`` instead of ``g``, so it applies
-    the ranks' average of the accumulated sums times ``factor / steps`` (``factor`` is
+    step we empty ``acc`` and hand it ``g' = factor * allreduce(g + acc)`` instead of ``g``, so
+    it applies the ranks' average of the accumulated sums times ``factor / steps`` (``factor`` is
     ``steps`` for Horovod's ``backward_passes_per_step``, which applies the sum), and on
     other steps the local ``g`` unchanged. Every rank counts the same iterations, so all
     take the same branch. This reads the accumulators Keras keeps
@@ -357,7 +357,13 @@ def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: in
         acc = scaled_accumulators()
         totals = reduce([g + a for g, a in zip(dense, acc)], [variables[i] for i in live],
                         name="gradients.accumulated")
-        return [t * factor - a if factor != 1 else t - a for t, a in zip(totals, acc)]
+        # Keras adds its accumulators back: emptied here (it resets them after the update
+        # anyway), it adds zeros, so every rank applies exactly the reduced sum. Returning
+        # t - acc instead left ulps of each rank's own acc in the weights.
+        with tf.control_dependencies(totals):
+            emptied = [a.assign(tf.zeros_like(a)) for a in accumulators]
+        with tf.control_dependencies([e for e in emptied if e is not None]):
+            return [tf.identity(t * factor if factor != 1 else t) for t in totals]
 
     micro_batch = tf.convert_to_tensor(_keras_private.raw_iterations(optimizer))
     is_update = tf.equal(tf.math.floormod(micro_batch + 1, steps), 0)

@@ -37,6 +37,37 @@ def test_wrap_backward_passes_communicate_once_and_sum_the_passes(world, monkeyp
     expected = _reference(x, y, 2 * size * BATCH,
                           keras.optimizers.SGD(0.1 if average else 0.2, momentum=0.5))
     ks.assert_weights_close(ks.weights(model), expected, atol=1e-6)
+    ks.assert_same_on_all_ranks(ks.weights(model))  # bitwise: no rank's own sums left in
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_broadcast_of_the_optimizer_mid_accumulation_keeps_each_ranks_passes(world, traced):
+    # Horovod's loop broadcasts the model and the optimizer's variables after its first
+    # step; with backward_passes_per_step=2 that is between the passes of the first update,
+    # and each rank's accumulated pass must survive it (one process's equal on the same start).
+    rank, size = world
+    x, y = ks.classification_data(size * BATCH * 4, seed=5)
+    model = ks.mlp(ks.rank_seed(0))
+    optimizer = keras_ring.wrap(keras.optimizers.Adam(0.01), backward_passes_per_step=2,
+                                average_aggregated_gradients=True)
+    optimizer.build(model.trainable_variables)
+
+    def step(xb, yb, first):
+        with tf.GradientTape() as tape:
+            loss = ks.loss()(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        if first:
+            keras_ring.broadcast_variables(model.variables, root_rank=0)
+            keras_ring.broadcast_variables(optimizer.variables, root_rank=0)
+
+    step = _maybe_traced(step, traced)
+    mine_x, mine_y = ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH)
+    for k in range(4):
+        step(mine_x[k * BATCH:(k + 1) * BATCH], mine_y[k * BATCH:(k + 1) * BATCH], k == 0)
+    expected = _reference(x, y, 2 * size * BATCH, keras.optimizers.Adam(0.01))
+    ks.assert_weights_close(ks.weights(model), expected, atol=1e-6)
+    ks.assert_same_on_all_ranks(ks.weights(model))
 
 
 @pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
