@@ -164,8 +164,10 @@ def mpirun_command(mpirun: str, flavour: str, np: int, hosts: str | None,
 class _Job:
     """mpirun running the ranks; pumps their output and stops them when asked."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], token: bytes) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], token: bytes, ranks: int) -> None:
         self.token = token
+        self.ranks = ranks
+        self.reported = 0  # ranks whose wrapper told how they ended
         self.first_failure: tuple[int, int] | None = None  # (rank, exit code)
         self.interrupted = False
         self._stopping = threading.Lock()
@@ -188,6 +190,7 @@ class _Job:
         reader.close()
 
     def _on_exit(self, rank: int, code: int) -> None:
+        self.reported += 1
         if code != 0 and self.first_failure is None:
             self.first_failure = (rank, code)
             self.stop(signal.SIGTERM)
@@ -221,7 +224,15 @@ class _Job:
             return 130
         if self.first_failure is not None:
             return self.first_failure[1]
-        return code if code >= 0 else 128 - code
+        code = code if code >= 0 else 128 - code
+        if self.reported < self.ranks:
+            # Killed before its wrapper could tell: MPICH's mpirun kills every rank when one
+            # that started MPI leaves without finalizing it (os._exit), and may exit 0.
+            print(f"keras-ring-run: {self.ranks - self.reported} of {self.ranks} ranks ended "
+                  "without an exit status (killed by mpirun, e.g. after another rank left "
+                  "with os._exit); the job failed", file=sys.stderr)
+            return code or 1
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     token = secrets.token_hex(8)
     env = dict(os.environ, **{_TOKEN_ENV: token})
-    job = _Job(cmd, env, token.encode())
+    job = _Job(cmd, env, token.encode(), args.np)
 
     def on_signal(signum, frame):
         job.interrupted = job.interrupted or signum == signal.SIGINT

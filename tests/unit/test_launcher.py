@@ -96,6 +96,21 @@ def test_a_failing_rank_stops_the_job_with_its_exit_code(mpirun, clean_env, tmp_
     _wait_until_gone(_pids(out)[0])
 
 
+def test_a_rank_killed_by_mpirun_without_a_word_fails_the_job(mpirun, clean_env, tmp_path):
+    # A rank that started MPI and leaves with os._exit (a common way to skip a slow teardown)
+    # makes MPICH's mpirun kill the others at once: they never report, and mpirun may exit 0.
+    script = _script(tmp_path, """
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
+        if RANK == 1:
+            os._exit(0)
+        signal.pause()
+    """)
+    code, out, err = _run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    assert code != 0, (out, err)
+    assert "1 of 2 ranks ended without an exit status" in err, err
+
+
 def test_exit_code_is_zero_when_every_rank_succeeds(mpirun, clean_env, tmp_path):
     script = _script(tmp_path, "print('done', RANK)\n")
     code, out, err = _run(mpirun, ["-np", "3", sys.executable, script], clean_env)
