@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras_ring import _keras_private
 from keras_ring._buckets import ReduceOptions, map_gradient, reduce_gradients
 from keras_ring.basics import size
+from keras_ring.collectives import Min, allreduce
 
 
 def variable_keys(variable: Any) -> set[int]:
@@ -97,11 +98,14 @@ def check_scale(scale_local_gradients: Any, who: str) -> bool:
 
 
 def reduce_partially(grads: Sequence[Any], sources: Sequence[Any] | None, options: ReduceOptions,
-                     local: LocalSources | None, name: str = "gradients") -> list[Any]:
+                     local: LocalSources | None, name: str = "gradients",
+                     overflow_everywhere: bool = False) -> list[Any]:
     """``reduce_gradients``, except for the gradients of ``local`` sources: those stay here.
 
     ``sources`` are the variables (or tensors) in the order of ``grads``; with no local
-    sources they are not needed and may be None.
+    sources they are not needed and may be None. ``overflow_everywhere`` (a loss-scale
+    optimizer's): a non-finite local gradient on any rank makes every rank's local gradients
+    non-finite, so every rank skips the step and lowers its scale alike.
     """
     keys = local.keys() if local is not None else set()
     if not keys or sources is None:
@@ -112,5 +116,28 @@ def reduce_partially(grads: Sequence[Any], sources: Sequence[Any] | None, option
     shared = reduce_gradients([None if mine else g for g, mine in zip(grads, is_local)],
                               options, name)
     n = (options.process_set.size() or size()) if local.scale else 1
-    return [(map_gradient(g, lambda v: v / n) if n != 1 else g) if mine else r
-            for g, mine, r in zip(grads, is_local, shared)]
+    out = [(map_gradient(g, lambda v: v / n) if n != 1 else g) if mine else r
+           for g, mine, r in zip(grads, is_local, shared)]
+    if overflow_everywhere:
+        out = _overflow_everywhere(out, is_local, options, name)
+    return out
+
+
+def _overflow_everywhere(grads: list[Any], is_local: list[bool], options: ReduceOptions,
+                         name: str) -> list[Any]:
+    # The reduced gradients are the same everywhere, the local ones are not: without this a
+    # rank whose own layer overflowed would skip a step the others take.
+    mine = [g for g, local in zip(grads, is_local) if local and g is not None]
+    if not mine:
+        return grads
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g))) for g in mine])
+    everywhere = allreduce(tf.cast(finite, tf.int32), op=Min, name=f"{name}.local_finite",
+                           process_set=options.process_set)
+    def poisoned(v):
+        return tf.where(everywhere > 0, v, tf.fill(tf.shape(v), tf.constant(float("nan"), v.dtype)))
+
+    return [map_gradient(g, poisoned) if local else g for g, local in zip(grads, is_local)]
+
+
+def _values(grad: Any) -> Any:
+    return grad.values if isinstance(grad, tf.IndexedSlices) else tf.convert_to_tensor(grad)

@@ -293,14 +293,18 @@ def _apply(self, grads, trainable_variables=None):
 
 
 def _communicate(optimizer, state: _WrapState, grads: list, variables) -> list:
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    _check_global_clipnorm(optimizer, state)
+
     def reduce(grads: list, variables: list | None, name: str = "gradients") -> list:
-        return reduce_partially(grads, variables, state.options, state.local, name)
+        return reduce_partially(grads, variables, state.options, state.local, name,
+                                overflow_everywhere=scaled)
 
     # A LossScaleOptimizer has no accumulation of its own (its inner one may: then the
     # averaged gradients are accumulated, which costs one allreduce per micro-batch but
     # keeps every rank's skip-on-overflow decision the same).
     steps = None
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if not scaled:
         steps = optimizer.gradient_accumulation_steps
     checks = _step_check.before_reduce(  # a custom step's (fit has its own, between steps)
         _variables(optimizer, variables), state.local.keys(), state.options.process_set,
@@ -311,6 +315,17 @@ def _communicate(optimizer, state: _WrapState, grads: list, variables) -> list:
             return reduce(grads, _variables(optimizer, variables))
         return _reduce_once_per_update(optimizer, reduce, grads, variables, steps,
                                        state.passes.sum_factor)
+
+
+def _check_global_clipnorm(optimizer, state: _WrapState) -> None:
+    clipping = getattr(getattr(optimizer, "inner_optimizer", optimizer), "global_clipnorm", None)
+    if clipping and state.local.keys():
+        raise ValueError(
+            f"keras_ring: optimizer '{optimizer.name}' has global_clipnorm={clipping} and local "
+            "gradients (PartialDistributedOptimizer, register_local_var): the norm would include "
+            "each rank's own local gradients, so every rank would scale the shared, reduced "
+            "gradients differently and the ranks' shared weights would drift apart. Use "
+            "clipnorm (per variable) or clipvalue instead")
 
 
 def _variables(optimizer, variables) -> list | None:

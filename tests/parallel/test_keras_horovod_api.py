@@ -164,6 +164,40 @@ def test_partial_optimizer_applies_local_gradients_unreduced(world, scale, how, 
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_local_overflow_on_one_rank_skips_the_step_on_every_rank(world, traced):
+    # Mixed precision with local layers: the loss-scale optimizer's finiteness check also
+    # sees this rank's own, unreduced gradients. One rank's overflow must make every rank
+    # skip the step and lower its scale alike, or their shared weights part ways.
+    rank, size = world
+    model, shared, head = _two_layer_model()
+    optimizer = keras_ring.PartialDistributedOptimizer(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0)), local_layers=head)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    before, scale = ks.weights(model), float(optimizer.dynamic_scale)
+    apply = _maybe_traced(lambda grads: optimizer.apply(grads, variables), traced)
+    grads = [tf.ones(v.shape) for v in variables]
+    overflowing = grads[:-1] + [grads[-1] * np.inf]  # the head's bias: local
+    apply(overflowing if rank == size - 1 else grads)
+    for w0, w1 in zip(before, ks.weights(model)):
+        np.testing.assert_array_equal(w1, w0)  # skipped everywhere, the shared layer included
+    assert int(optimizer.iterations) == 0 and float(optimizer.dynamic_scale) == scale / 2
+    apply(grads)  # a finite step is taken everywhere
+    assert int(optimizer.iterations) == 1
+    ks.assert_same_on_all_ranks(ks.weights(model)[:len(shared.trainable_weights)])
+
+
+def test_global_clipnorm_with_local_gradients_is_refused(world):
+    model, shared, head = _two_layer_model()
+    optimizer = keras_ring.PartialDistributedOptimizer(
+        keras.optimizers.SGD(1.0, global_clipnorm=0.1), local_layers=head)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    with pytest.raises(ValueError, match="global_clipnorm=0.1 and local gradients"):
+        optimizer.apply([tf.ones(v.shape) for v in variables], variables)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 def test_partial_tape_keeps_local_layers_and_sources_on_their_rank(world, traced):
     rank, size = world
     model, shared, head = _two_layer_model()
