@@ -7,8 +7,13 @@ keras-ring[mpi]``), and a program launched otherwise must not load it.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
 import secrets
+import signal
 import socket
+import subprocess
 import sys
 
 from keras_ring import interfaces
@@ -27,20 +32,61 @@ def mpi_bootstrap(config: Config) -> PeerTable:
     that imported mpi4py itself keeps its MPI.
     """
     user_owns_mpi = "mpi4py.MPI" in sys.modules
-    try:
-        from mpi4py import MPI
-    except ModuleNotFoundError as e:
-        if e.name != "mpi4py":
-            raise
+    if importlib.util.find_spec("mpi4py") is None:
         raise InitError("an MPI launcher started this process, but mpi4py is not installed: "
                         "pip install keras-ring[mpi] (or launch without MPI through the "
-                        "KERAS_RING_RENDEZVOUS variables)") from None
+                        "KERAS_RING_RENDEZVOUS variables)")
+    if user_owns_mpi:  # initialised by the program: every rank got that far
+        from mpi4py import MPI
+        return _exchange(MPI.COMM_WORLD, config)
+    with _watchdog(config.timeout_seconds):
+        return _exchange_and_finalize(config)
+
+
+def _exchange_and_finalize(config: Config) -> PeerTable:
+    from mpi4py import MPI  # MPI_Init, as mpi4py imports it
 
     try:
         return _exchange(MPI.COMM_WORLD, config)
     finally:
-        if not user_owns_mpi and MPI.Is_initialized() and not MPI.Is_finalized():
+        if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.Finalize()
+
+
+# Under MPICH, MPI_Init waits for every rank to start MPI, holding Python's lock: a rank that
+# failed before init() (a bad variable, a missing file) leaves the others there for ever
+# under plain mpirun, where nothing in this process can run. A small process outside ends
+# this one, saying why, if the exchange has not returned within the timeout.
+_WATCHDOG = """
+sleep "$1" || exit 0  # an unusual timeout sleep refuses: unbounded, as MPI is
+echo "keras_ring: InitError on rank $3: not every rank reached keras_ring.init() within $4 s \
+(KERAS_RING_TIMEOUT_SECONDS): a rank failed or is still busy before init(); its own output \
+says why. Ending this rank." >&2
+kill -TERM "$2"; sleep 5; kill -KILL "$2"
+"""
+
+
+@contextlib.contextmanager
+def _watchdog(timeout_seconds: float):
+    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "?"
+    try:
+        # A session of its own, killed whole: its sleep must not outlive it holding our
+        # stderr, which mpirun reads to the end before it exits.
+        guard = subprocess.Popen(["sh", "-c", _WATCHDOG, "keras_ring-watchdog",
+                                  f"{timeout_seconds:.3f}", str(os.getpid()), rank,
+                                  f"{timeout_seconds:g}"],
+                                 stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+    except OSError:  # no shell: unbounded, as MPI itself is
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            os.killpg(guard.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        guard.wait()
 
 
 def _exchange(comm, config: Config) -> PeerTable:

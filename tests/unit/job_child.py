@@ -2,7 +2,8 @@
 
 Environment: ``FAULT`` = ``none``, ``stall`` (sleep 600 s in user code: a hung data loader), ``crash``
 (``os._exit(3)``: gone without a word), ``raise`` (an exception in user code, uncaught) or
-``stop`` (this rank's callback stops training: its ``fit`` returns and the program ends);
+``stop`` (this rank's callback stops training: its ``fit`` returns and the program ends) or
+``before_init`` (an uncaught error before ``keras_ring.init()``, under mpirun);
 ``FAULT_RANK`` (default 1) and ``FAULT_STEP`` (default 5) say where. ``JOB_DIR`` gets
 ``fault`` (the CLOCK_MONOTONIC time of the fault) and ``error.R`` (rank R's error, as JSON:
 class, keras_ring attributes, message) when a rank's ``fit`` fails. The exception is
@@ -45,6 +46,10 @@ class Fault(keras.callbacks.Callback):
 
 
 def main() -> None:
+    if (os.environ.get("FAULT") == "before_init"
+            and os.environ.get("PMI_RANK") == os.environ.get("FAULT_RANK", "1")):
+        Path(os.environ["JOB_DIR"], "fault").write_text(repr(time.monotonic()))
+        raise FileNotFoundError("this rank's data shard is missing")  # before init()
     keras_ring.init()
     rng = np.random.default_rng(keras_ring.rank())
     x = rng.normal(size=(2048, 8)).astype("float32")

@@ -102,6 +102,16 @@ def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
         assert "ending this process (exit code 70)" in output, output[-5000:]
 
 
+def test_a_rank_that_fails_before_init_ends_the_job_under_plain_mpirun(job_env, tmp_path):
+    # Its peer waits inside MPI's start for a rank that never comes, where no Python runs,
+    # and plain mpirun waits for that peer: keras_ring's bound must end it, saying why.
+    took, output = run_job("mpirun", "before_init", job_env, tmp_path)
+    assert took < TIMEOUT + MARGIN, f"the job ended {took:.1f} s after the fault:\n{output[-5000:]}"
+    assert "this rank's data shard is missing" in output, output[-5000:]
+    assert ("keras_ring: InitError on rank 0: not every rank reached keras_ring.init() within "
+            "10 s") in output, output[-5000:]
+
+
 def test_a_rank_that_stops_training_alone_fails_its_peer_at_once_saying_where(job_env, tmp_path):
     # EarlyStopping or TerminateOnNaN deciding on one rank's own metrics: that rank's fit
     # returns and its program ends cleanly, while its peer is already in the next step.
