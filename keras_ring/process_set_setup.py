@@ -48,7 +48,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def _check_same_set(offers: list, size: int, ranks: tuple[int, ...]) -> None:
     """Every rank sees all offers, so every rank raises the same error."""
-    differing = [r for r, (theirs, _) in enumerate(offers) if theirs != ranks]
+    differing = [r for r, (theirs, _) in enumerate(offers) if theirs != offers[0][0]]
     if differing:
         raise ValueError(f"keras_ring.add_process_set: ranks disagree about the set: rank 0 "
                          f"passed {list(offers[0][0])}, rank {differing[0]} passed "

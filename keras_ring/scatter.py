@@ -123,7 +123,16 @@ def _splits_tensor(splits: Any) -> tf.Tensor:
         if splits.shape.rank not in (None, 1):
             raise ValueError("keras_ring.alltoall: splits must be a vector (one entry per rank), "
                              f"got shape {splits.shape}")
-        return tf.cast(splits, tf.int32)
+        if splits.dtype == tf.int32:
+            return splits
+        if tf.executing_eagerly():  # wider integers: checked like a list, not wrapped
+            return _splits_tensor(splits.numpy())
+        low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+        inside = tf.reduce_all((splits >= low) & (splits <= high))
+        check = tf.debugging.Assert(inside, ["keras_ring.alltoall: splits must be int32 counts, "
+                                             "got", splits])
+        with tf.control_dependencies([check]):
+            return tf.cast(splits, tf.int32)
     array = np.asarray(splits)
     if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
         raise TypeError("keras_ring.alltoall: splits must be a vector of integers (one per rank), "

@@ -118,8 +118,9 @@ def test_outsiders_and_bad_sets_are_refused(world, sets):
         kr.broadcast(tf.ones([1]), other.ranks[0], process_set=_mine(sets, rank))
     with pytest.raises(ValueError, match="exists already"):
         kr.add_process_set([0, 1])
-    with pytest.raises(ValueError, match="ranks disagree about the set"):
+    with pytest.raises(ValueError, match="ranks disagree about the set") as info:
         kr.add_process_set([rank])
+    assert "rank 0 passed [0], rank 1 passed [1]" in str(info.value)  # the same on every rank
     with pytest.raises(ValueError, match="not a non-empty subset"):
         kr.add_process_set([0, size])
     with pytest.raises(ValueError, match="distinct"):

@@ -181,6 +181,11 @@ def test_scalars_and_bad_splits_are_refused_before_anything_is_sent(world):
         kr.alltoall(tf.zeros([2]), splits=[3, -1])
     with pytest.raises(TypeError, match="splits must be integers"):
         kr.alltoall(tf.zeros([2]), splits=tf.constant([1.0, 1.0]))
+    wide = tf.constant([2**32 + 1, 1], tf.int64)  # cast to int32 it would read [1, 1]
+    with pytest.raises(ValueError, match="non-negative int32 counts"):
+        kr.alltoall(tf.zeros([2]), splits=wide)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="splits must be int32 counts"):
+        tf.function(lambda: kr.alltoall(tf.zeros([2]), splits=wide))()
     with pytest.raises(TypeError, match="does not support dtype"):
         kr.reducescatter(tf.constant([True, False]))
 
