@@ -14,17 +14,18 @@ from keras_ring.collectives import Average, allreduce
 from keras_ring.process_sets import ProcessSet, global_process_set
 
 
-def _scalar(value: Any) -> float | None:
+def _numeric(value: Any) -> np.ndarray | None:
+    """``value`` as a float64 array (shape () for a number), or None if it is no metric."""
     if isinstance(value, bool):
         return None
     if isinstance(value, numbers.Real):
-        return float(value)
+        return np.asarray(float(value))
     try:
         array = np.asarray(value)
     except Exception:  # noqa: BLE001 - anything that is not array-like is not a metric
         return None
-    if array.shape == () and np.issubdtype(array.dtype, np.number):
-        return float(array)
+    if np.issubdtype(array.dtype, np.number) and not np.issubdtype(array.dtype, np.complexfloating):
+        return array.astype(np.float64)
     return None
 
 
@@ -41,8 +42,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
     """At each epoch's end, replaces every metric in ``logs`` by its average over the ranks.
 
     Each rank computes its metrics on its own shard of the data. This callback averages
-    every numeric entry of the epoch logs (training metrics and ``val_`` metrics alike) in
-    one collective, in sorted key order, and writes the averages back into ``logs``.
+    every numeric entry of the epoch logs (training metrics and ``val_`` metrics alike, numbers
+    and arrays such as per-class scores) in one collective, in sorted key order, and writes
+    the averages back into ``logs``.
 
     Ordering: Keras calls callbacks in list order with the same ``logs`` dict, and appends
     its own ``History`` and progress bar after yours. Put this callback **before** any
@@ -75,14 +77,23 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 def average_logs(logs: dict, process_set: ProcessSet = global_process_set) -> dict:
-    """Averages the numeric scalar entries of ``logs`` over the ranks, in place; returns it."""
-    values = {k: _scalar(v) for k, v in logs.items()}
+    """Averages the numeric entries of ``logs`` over the ranks, in place; returns it. Numbers
+    stay floats; arrays (``F1Score(average=None)``'s per-class values) are averaged element
+    by element and keep their shape."""
+    values = {k: _numeric(v) for k, v in logs.items()}
     keys = sorted(k for k, v in values.items() if v is not None)
     if not keys:
         return logs
-    local = tf.constant([values[k] for k in keys], dtype=tf.float64)
-    averaged = allreduce(local, op=Average, name=_collective_name(keys),
+    # Shapes go into the name with the keys: ranks whose arrays differ fail on every rank.
+    labels = [k if values[k].shape == () else f"{k}{list(values[k].shape)}" for k in keys]
+    local = tf.constant(np.concatenate([values[k].ravel() for k in keys]), dtype=tf.float64)
+    averaged = allreduce(local, op=Average, name=_collective_name(labels),
                          process_set=process_set).numpy()
-    for key, value in zip(keys, averaged):
-        logs[key] = float(value)
+    start = 0
+    for key in keys:
+        shape = values[key].shape
+        size = int(np.prod(shape))
+        piece = averaged[start:start + size]
+        start += size
+        logs[key] = float(piece[0]) if shape == () else piece.reshape(shape)
     return logs

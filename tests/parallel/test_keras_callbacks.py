@@ -112,6 +112,19 @@ def test_metric_average_gives_every_rank_the_average(world):
     ks.assert_same_on_all_ranks([np.array([history.history[k] for k in keys])])
 
 
+def test_metric_average_averages_per_class_arrays_too(world):
+    # F1Score(average=None) logs one value per class: an array, averaged element by element.
+    rank, size = world
+    logs = {"loss": float(rank), "f1": np.array([rank, 2.0 * rank, 1.0], np.float32),
+            "note": "text"}
+    MetricAverageCallback().on_epoch_end(0, logs)
+    mean = (size - 1) / 2
+    assert logs["loss"] == mean and logs["note"] == "text"
+    np.testing.assert_array_equal(logs["f1"], [mean, 2 * mean, 1.0])
+    with pytest.raises(keras_ring.CollectiveMismatchError, match=r"f1\[2\]"):
+        MetricAverageCallback().on_epoch_end(0, {"f1": np.zeros(2 + (rank == size - 1))})
+
+
 def _warmup_rate(initial, size, warmup_epochs, epoch, batch):
     e = epoch + (batch + 1) / STEPS
     if e >= warmup_epochs:
