@@ -174,3 +174,36 @@ class Config:
                                                 minimum=0),
             check_weights=_bool("KERAS_RING_CHECK_WEIGHTS", True),
         )
+
+
+# Settings that change what a rank sends or which collectives it runs: ranks that differ in
+# them cannot talk (a lost connection, or mismatches that name nothing of the cause), so the
+# bootstrap compares them first.
+_MUST_AGREE = (("KERAS_RING_SHM", "use_shm"), ("KERAS_RING_FAST_AGREE", "fast_agree"),
+               ("KERAS_RING_SHM_CHANNEL_BYTES", "shm_channel_bytes"),
+               ("KERAS_RING_SEGMENT_BYTES", "segment_bytes"),
+               ("KERAS_RING_DOUBLING_MAX_BYTES", "doubling_max_bytes"),
+               ("KERAS_RING_BUCKET_BYTES", "bucket_bytes"),
+               ("KERAS_RING_CHECK_WEIGHTS", "check_weights"))
+
+
+def must_agree(config: Config) -> tuple:
+    """This rank's values of the settings every rank must share."""
+    return tuple(getattr(config, field) for _, field in _MUST_AGREE)
+
+
+def disagreement(per_rank: list[tuple]) -> str | None:
+    """What differs among the ranks' ``must_agree`` values (in rank order), or None. Ranks
+    that told none (an empty list: an exchange's tests, a hand-made offer) are not compared."""
+    per_rank = [list(mine) for mine in per_rank]
+    if any(len(mine) != len(_MUST_AGREE) for mine in per_rank):
+        return None
+    for i, (variable, _) in enumerate(_MUST_AGREE):
+        values = [mine[i] for mine in per_rank]
+        odd = [r for r, v in enumerate(values) if v != values[0]]
+        if odd:
+            return (f"{variable} differs between ranks: rank 0 runs with {values[0]!r}, rank "
+                    f"{odd[0]} with {values[odd[0]]!r}; set it alike for every rank (or not at "
+                    "all)")
+    return None
+

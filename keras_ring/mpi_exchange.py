@@ -18,7 +18,7 @@ import sys
 
 from keras_ring import interfaces
 from keras_ring._errors_base import InitError
-from keras_ring.config import Config
+from keras_ring.config import Config, disagreement, must_agree
 from keras_ring.peer_table import (PeerTable, Topology, check_hosts, listen, offered_addresses,
                                    reachable_addresses)
 
@@ -92,9 +92,10 @@ def _watchdog(timeout_seconds: float):
 def _exchange(comm, config: Config) -> PeerTable:
     rank, size = comm.Get_rank(), comm.Get_size()
     host_id = config.host_id or socket.gethostname()
-    claims = comm.allgather((host_id, interfaces.network_stack_id()))
-    host_ids = [h for h, _ in claims]
-    problem = check_hosts(host_ids, [s for _, s in claims])
+    claims = comm.allgather((host_id, interfaces.network_stack_id(), must_agree(config)))
+    host_ids = [h for h, _, _ in claims]
+    problem = (disagreement([c for _, _, c in claims])
+               or check_hosts(host_ids, [s for _, s, _ in claims]))
     if problem:  # every rank sees the same claims, so every rank raises this
         raise InitError(problem)
     topology = Topology.from_host_ids(rank, host_ids)
@@ -108,7 +109,7 @@ def _exchange(comm, config: Config) -> PeerTable:
         for r, (_, error, _) in enumerate(entries):
             if error:
                 raise InitError(f"rank {r} (host '{host_ids[r]}'): {error}")
-        addresses = reachable_addresses(rank, host_ids, [s for _, s in claims],
+        addresses = reachable_addresses(rank, host_ids, [s for _, s, _ in claims],
                                         [a for a, _, _ in entries], [p for _, _, p in entries])
         token = comm.bcast(secrets.randbits(63) if rank == 0 else None, root=0)
     except BaseException:

@@ -32,11 +32,12 @@ import secrets
 import socket
 import struct
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from keras_ring._errors_base import InitError
 from keras_ring.config import (RANK_VARIABLE, RENDEZVOUS_VARIABLE, SIZE_VARIABLE,
-                               START_TIMEOUT_VARIABLE, Config, int_from_env, seconds_from_env)
+                               START_TIMEOUT_VARIABLE, Config, disagreement, int_from_env,
+                               must_agree, seconds_from_env)
 from keras_ring.interfaces import is_loopback, network_stack_id
 from keras_ring.peer_table import (PeerTable, Topology, check_hosts, listen, offered_addresses,
                                    reachable_addresses)
@@ -72,6 +73,7 @@ class Offer:
     explicit: bool = False  # set by hand (KERAS_RING_ADVERTISE_ADDRESS): used exactly
     stack: str = ""  # interfaces.network_stack_id()
     loopback_only: bool = False  # its listener accepts connections from this machine only
+    agree: list = field(default_factory=list)  # config.must_agree(), compared across ranks
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ def make_offer(config: Config, host_id: str, loopback_only: bool,
     addresses, _ = offered_addresses(config)
     offer = Offer(host_id, listener.getsockname()[1], addresses,
                   explicit=config.advertise_address is not None, stack=network_stack_id(),
-                  loopback_only=loopback_only)
+                  loopback_only=loopback_only, agree=list(must_agree(config)))
     return listener, offer
 
 
@@ -314,12 +316,13 @@ def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
 
 def offer_of(hello: dict) -> Offer:
     return Offer(hello["host_id"], hello["port"], hello["addresses"], hello["explicit"],
-                 hello["stack"], hello["loopback_only"])
+                 hello["stack"], hello["loopback_only"], hello["agree"])
 
 
 def check_world(offers: list[Offer], seen: list[str]) -> str | None:
     """What is wrong with the claims of all ranks together; None if nothing."""
-    problem = check_hosts([o.host_id for o in offers], [o.stack for o in offers])
+    problem = (disagreement([o.agree for o in offers])
+               or check_hosts([o.host_id for o in offers], [o.stack for o in offers]))
     if problem:
         return problem
     for r, o in enumerate(offers):
@@ -359,7 +362,7 @@ def _accept_hello(server: socket.socket, deadline: float) -> tuple[socket.socket
 
 def well_formed(hello: dict) -> bool:
     types = {"rank": int, "size": int, "host_id": str, "port": int, "addresses": str,
-             "explicit": bool, "stack": str, "loopback_only": bool}
+             "explicit": bool, "stack": str, "loopback_only": bool, "agree": list}
     return all(isinstance(hello.get(k), t) for k, t in types.items())
 
 

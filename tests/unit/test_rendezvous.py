@@ -374,3 +374,37 @@ def test_reachable_addresses():
                    ("127.0.0.1", 4)]
     with pytest.raises(kr.InitError, match=r"rank 1 \(host 'b'\) offered no address"):
         reachable_addresses(0, hosts, stacks, ["", "127.0.0.1", "", ""], [1, 2, 3, 4])
+
+
+_DIFFERENT_SETTING = """
+import os, sys
+rank = os.environ.get("PMI_RANK") or os.environ["KERAS_RING_RANK"]
+os.environ["KERAS_RING_FAST_AGREE"] = "0" if rank == "0" else "1"
+from keras_ring.bootstrap import bootstrap
+from keras_ring.config import Config
+try:
+    bootstrap(Config.from_env())
+except Exception as e:
+    print("ERROR", rank, type(e).__name__, e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("exchange", ["mpirun", "rendezvous"])
+def test_ranks_started_with_different_transport_settings_fail_at_init_naming_it(
+        exchange, mpirun, clean_env):
+    # Such ranks could not talk (a lost connection, or mismatches naming nothing of the cause).
+    if exchange == "mpirun":
+        procs = [subprocess.Popen([mpirun, "-np", "2", sys.executable, "-c", _DIFFERENT_SETTING],
+                                  env=clean_env, stdout=subprocess.PIPE, text=True)]
+    else:
+        address = f"127.0.0.1:{free_port()}"
+        procs = [subprocess.Popen([sys.executable, "-c", _DIFFERENT_SETTING], env=dict(
+            clean_env, KERAS_RING_RANK=str(r), KERAS_RING_SIZE="2",
+            KERAS_RING_RENDEZVOUS=address), stdout=subprocess.PIPE, text=True) for r in range(2)]
+    out = "".join(p.communicate(timeout=GUARD)[0] for p in procs)
+    errors = {line.split()[1]: line for line in out.splitlines() if line.startswith("ERROR ")}
+    assert sorted(errors) == ["0", "1"], out
+    for line in errors.values():
+        assert line.split()[2] == "InitError", out
+        assert ("KERAS_RING_FAST_AGREE differs between ranks: rank 0 runs with False, rank 1 "
+                "with True") in line, out
