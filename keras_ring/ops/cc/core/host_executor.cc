@@ -457,10 +457,12 @@ Status HostExecutor::ExecuteJoin(Request& request, uint64_t seq, ExecutionStats*
   round.joined_at = seq;
   round.may_yield = request.may_yield;
   for (uint64_t s = seq;; ++s) {
+    // Counted before the round: one that fails (a collective refused while ranks have
+    // joined) was taken by every rank, and the next collective must follow it on all.
+    stats->extra_seqs = s - seq;
     std::vector<Signature> sigs;
     bool all_inlined = false;
     KR_RETURN_IF_ERROR(Agree(round, s, &sigs, &all_inlined));  // joins miss the fast path
-    stats->extra_seqs = s - seq;
     const auto active = std::find_if(sigs.begin(), sigs.end(), [](const Signature& sig) {
       return static_cast<Kind>(sig.kind) != Kind::kJoin;
     });
