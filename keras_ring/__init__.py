@@ -42,7 +42,8 @@ _EXPORTS = {
     **dict.fromkeys(
         ["KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
          "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",
-         "CollectiveAbortedError", "WeightMismatchError", "LearningRateMismatchError"],
+         "CollectiveAbortedError", "WeightMismatchError", "LearningRateMismatchError",
+         "EpochMismatchError"],
         "keras_ring.errors"),
     # Keras integration: wrap(optimizer), DistributedGradientTape, compression and callbacks.
     "wrap": "keras_ring.optimizer",
@@ -110,8 +111,9 @@ if TYPE_CHECKING:
     from keras_ring.compression import Compression
     from keras_ring.config import Config
     from keras_ring.errors import (CollectiveAbortedError, CollectiveArgumentError,
-                                   CollectiveMismatchError, CollectiveTimeoutError, InitError,
-                                   KerasRingError, LearningRateMismatchError,
+                                   CollectiveMismatchError, CollectiveTimeoutError,
+                                   EpochMismatchError, InitError, KerasRingError,
+                                   LearningRateMismatchError,
                                    NotInitializedError, PeerFailureError, WeightMismatchError)
     from keras_ring.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
     from keras_ring.ops.loader import Library

@@ -1,5 +1,5 @@
-"""``fit`` checks that the ranks' learning rates agree as each of its epochs after the first
-begins.
+"""``fit`` checks that the ranks begin each epoch together, and with the same learning rates
+after the first.
 
 A callback that sets the rate from this rank's own epoch metrics decides on each rank alone
 (``ReduceLROnPlateau`` without ``MetricAverageCallback`` before it). Ranks that then apply the
@@ -8,6 +8,8 @@ them once, at the start. The rates are compared after every callback's ``on_epoc
 (``LearningRateScheduler`` sets the rate there) and before the epoch's first step: one
 allgather of a float64 per optimizer per epoch. A rank that stopped instead (``EarlyStopping``)
 has left ``fit``: its peers' check fails on its shutdown notice, as their next step would.
+The same allgather carries the epoch: ranks that resume at different epochs (a backup
+restored on rank 0 alone) would run different numbers of steps.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ring.collectives import allgather
-from keras_ring.errors import LearningRateMismatchError
+from keras_ring.errors import EpochMismatchError, LearningRateMismatchError
 from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME
 
@@ -37,8 +39,8 @@ def current_rate(optimizer: Any) -> float:
 
 
 class RateCheck(keras.callbacks.Callback):
-    """Compares the optimizers' learning rates over ``process_set`` as each epoch of a
-    ``fit`` after its first begins (the first: the broadcast callback may still set them)."""
+    """Compares the epoch and (after the first: the broadcast callback may still set them)
+    the optimizers' learning rates over ``process_set`` as each epoch of a ``fit`` begins."""
 
     def __init__(self, optimizers: list[Any], process_set: ProcessSet) -> None:
         super().__init__()
@@ -51,17 +53,22 @@ class RateCheck(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))
-        if self._first or len(ranks) < 2 or not RUNTIME.config.check_weights:
-            self._first = False
+        first, self._first = self._first, False
+        if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
-        mine = np.array([current_rate(o) for o in self.optimizers], np.float64)
+        mine = np.array([epoch] + [current_rate(o) for o in self.optimizers], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
                              process_set=self.process_set).numpy()
-        bits = everyone.view(np.int64)
+        if (everyone[:, 0] != epoch).any():
+            raise _epoch_mismatch(ranks, everyone[:, 0])
+        if first:  # the rates: the broadcast callback may still set them
+            return
+        rates = everyone[:, 1:]
+        bits = np.ascontiguousarray(rates).view(np.int64)
         if (bits == bits[0]).all():
             return
         odd = [i for i in range(1, len(ranks)) if (bits[i] != bits[0]).any()]
-        shown = ", ".join(f"rank {ranks[i]} {_rates(everyone[i])}" for i in [0] + odd)
+        shown = ", ".join(f"rank {ranks[i]} {_rates(rates[i])}" for i in [0] + odd)
         error = LearningRateMismatchError(
             f"keras_ring: the ranks train with different learning rates as epoch {epoch} "
             f"begins ({shown}): they would apply the same averaged gradients differently and "
@@ -72,6 +79,19 @@ class RateCheck(keras.callbacks.Callback):
             "KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
         error.rank, error.reason = ranks[odd[0]], str(error).removeprefix("keras_ring: ")
         raise error
+
+
+def _epoch_mismatch(ranks: list[int], epochs: np.ndarray) -> EpochMismatchError:
+    odd = [i for i in range(1, len(ranks)) if epochs[i] != epochs[0]]
+    shown = ", ".join(f"rank {ranks[i]} at epoch {int(epochs[i])}" for i in [0] + odd)
+    error = EpochMismatchError(
+        f"keras_ring: the ranks begin an epoch of fit at different epochs ({shown}): they "
+        "would run different numbers of steps. A checkpoint was restored on some ranks only "
+        "(keras.callbacks.BackupAndRestore under on_rank_zero: give each rank its own "
+        "backup_dir, e.g. f'backup/{keras_ring.rank()}', so every rank resumes), or "
+        "initial_epoch differs between ranks.")
+    error.rank, error.reason = ranks[odd[0]], str(error).removeprefix("keras_ring: ")
+    return error
 
 
 def _rates(values: np.ndarray) -> str:

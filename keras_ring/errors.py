@@ -57,6 +57,11 @@ class LearningRateMismatchError(KerasRingError, ValueError):
     rank's own metrics (``ReduceLROnPlateau`` without ``MetricAverageCallback``)."""
 
 
+class EpochMismatchError(KerasRingError, ValueError):
+    """The ranks begin ``fit`` at different epochs: a checkpoint restored on some ranks only
+    (``BackupAndRestore`` on rank 0 alone), or ``initial_epoch`` passed differently."""
+
+
 # In every weight check's message (keras_ring._weight_check.TEMPLATE), and the first rank
 # whose weights differ from the first rank's.
 WEIGHTS_DIFFER = "the ranks are training different models"

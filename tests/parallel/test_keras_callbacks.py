@@ -245,6 +245,34 @@ def test_averaged_metrics_keep_the_rates_equal_and_the_epochs_run(world):
     ks.assert_same_on_all_ranks(ks.weights(model) + [model.optimizer.learning_rate.numpy()])
 
 
+def test_ranks_that_resume_at_different_epochs_fail_before_training(world, tmp_path):
+    # BackupAndRestore under on_rank_zero: rank 0 resumes at epoch 2, the others start at 0
+    # and would run two more epochs' steps than it. keras_ring's error, not a lost peer.
+    rank, size = world
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    backup = keras_ring.callbacks.on_rank_zero(keras.callbacks.BackupAndRestore(str(tmp_path)))
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt  # as a job killed mid-training: the backup stays
+
+    def fit(*more):
+        model = ks.mlp(ks.rank_seed(rank))
+        model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss=ks.loss())
+        model.fit(x, y, batch_size=BATCH, epochs=4, verbose=0,
+                  callbacks=[BroadcastGlobalVariablesCallback(0), backup, *more])
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(Interrupt())  # rank 0 backed up epochs 0 and 1
+    with pytest.raises(keras_ring.EpochMismatchError) as info:
+        fit()
+    message = str(info.value)
+    others = ", ".join(f"rank {r} at epoch 0" for r in range(1, size))
+    assert f"different epochs (rank 0 at epoch 2, {others})" in message, message
+    assert "its own backup_dir" in message and info.value.rank == 1
+
+
 def test_rates_that_differ_before_the_broadcast_are_not_an_error(world):
     rank, _ = world
     model = ks.mlp(ks.rank_seed(rank))
