@@ -133,6 +133,7 @@ def _overflow_everywhere(grads: list[Any], is_local: list[bool], options: Reduce
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g))) for g in mine])
     everywhere = allreduce(tf.cast(finite, tf.int32), op=Min, name=f"{name}.local_finite",
                            process_set=options.process_set)
+
     def poisoned(v):
         return tf.where(everywhere > 0, v, tf.fill(tf.shape(v), tf.constant(float("nan"), v.dtype)))
 
