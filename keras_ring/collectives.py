@@ -402,7 +402,7 @@ def _own_to_each_rank(variable: Any) -> bool:
         variable)
 
 
-def _without_seed_states(variables: Sequence[Any]) -> list[Any]:
+def _shared_variables(variables: Sequence[Any]) -> list[Any]:
     """``variables`` less those each rank keeps (``_own_to_each_rank``)."""
     return [v for v in variables if not _own_to_each_rank(v)]
 
@@ -424,7 +424,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     ```
     """
     resolve(process_set, "broadcast_variables")
-    for i, var in enumerate(_without_seed_states(variables)):
+    for i, var in enumerate(_shared_variables(variables)):
         var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=f"broadcast_variables.{i}",
                              process_set=process_set))
 
