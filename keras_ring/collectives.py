@@ -33,16 +33,18 @@ Product = ReduceOp.Product
 
 
 class _DtypeSet(tuple):
-    """Dtypes in the order errors name them, tested for membership as a set (a tuple's test
-    calls the Python ``DType.__eq__`` element by element, on every eager call)."""
+    """Dtypes in the order errors name them, tested for membership by identity first:
+    TensorFlow interns its DTypes, and a set of them calls the Python ``DType.__hash__`` (a
+    tuple the Python ``__eq__`` element by element) on every eager call."""
 
     def __new__(cls, dtypes):
         self = super().__new__(cls, dtypes)
         self._members = frozenset(dtypes)
+        self._ids = frozenset(id(d) for d in self._members)  # kept alive by _members
         return self
 
     def __contains__(self, dtype) -> bool:
-        return dtype in self._members
+        return id(dtype) in self._ids or dtype in self._members
 
 
 REDUCE_DTYPES = _DtypeSet((
@@ -95,6 +97,13 @@ def _to_tensor(value: Any, what: str) -> tf.Tensor:
         return tf.convert_to_tensor(value)
     except (TypeError, ValueError) as e:
         raise TypeError(f"keras_ring.{what} needs a tensor, got {type(value).__name__}: {e}") from None
+
+
+def _tensor(value: Any, allowed: tuple, what: str) -> tf.Tensor:
+    """``value`` as a tensor of a dtype in ``allowed``."""
+    tensor = _to_tensor(value, what)
+    _check_dtype(tensor, allowed, what)
+    return tensor
 
 
 def _tensors(values: Iterable[Any], allowed: tuple, what: str) -> list[tf.Tensor]:
@@ -203,9 +212,9 @@ def allreduce(
     op, tensor_name, pre, post, set_id = _reduce_args(
         "allreduce", resolve_op(op, average, "allreduce"), name, prescale_factor,
         postscale_factor, process_set)
-    if isinstance(tensor, tf.IndexedSlices):
+    if not isinstance(tensor, tf.Tensor) and isinstance(tensor, tf.IndexedSlices):
         return _allreduce_indexed_slices(tensor, op, tensor_name, pre, post, process_set)
-    (tensor,) = _tensors([tensor], REDUCE_DTYPES, "allreduce")
+    tensor = _tensor(tensor, REDUCE_DTYPES, "allreduce")
     wire, ctx = compress(compression, tensor)
     out = _run(wrappers.allreduce, wire, int(op), pre, post, tensor_name, set_id)
     return decompress(compression, out, ctx)
@@ -364,7 +373,7 @@ def allgather(tensor: Any, name: str | None = None,
     ```
     """
     set_id = resolve(process_set, "allgather")
-    (tensor,) = _tensors([tensor], GATHER_DTYPES, "allgather")
+    tensor = _tensor(tensor, GATHER_DTYPES, "allgather")
     return _run(wrappers.allgather, tensor, _check_name(name), set_id)
 
 
@@ -381,7 +390,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     ```
     """
     set_id = resolve(process_set, "broadcast")
-    (tensor,) = _tensors([tensor], GATHER_DTYPES, "broadcast")
+    tensor = _tensor(tensor, GATHER_DTYPES, "broadcast")
     root = root_in_set(_check_root(root_rank), set_id, "broadcast")
     return _run(wrappers.broadcast, tensor, root, _check_name(name), set_id)
 

@@ -79,7 +79,7 @@ def reducescatter(
     del device_dense, ignore_name_scope
     op, tensor_name, pre, post, set_id = _c._reduce_args(
         "reducescatter", op, name, prescale_factor, postscale_factor, process_set)
-    (tensor,) = _c._tensors([tensor], _c.REDUCE_DTYPES, "reducescatter")
+    tensor = _c._tensor(tensor, _c.REDUCE_DTYPES, "reducescatter")
     _check_rows(tensor, "reducescatter")
     compressed, ctx = _c.compress(compression, tensor)
     out = _c._run(wrappers.reducescatter, compressed, int(op), pre, post, tensor_name, set_id)
@@ -176,7 +176,7 @@ def alltoall(
     """
     del ignore_name_scope
     set_id = resolve(process_set, "alltoall")
-    (tensor,) = _c._tensors([tensor], _c.GATHER_DTYPES, "alltoall")
+    tensor = _c._tensor(tensor, _c.GATHER_DTYPES, "alltoall")
     _check_rows(tensor, "alltoall")
     split_tensor = tf.constant([], tf.int32) if splits is None else _splits_tensor(splits)
     out, received = _c._run(wrappers.alltoall, tensor, split_tensor, _c._check_name(name),

@@ -19,14 +19,13 @@ from keras_ring.ops.reduce_op import ReduceOp
 _NODE_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
 
 
-@functools.lru_cache(maxsize=4096)  # eager calls repeat the same few names
 def _node_name(kind: str, tensor_name: str) -> str:
     return _NODE_NAME.sub("_", f"KerasRing{kind}_{tensor_name}" if tensor_name else f"KerasRing{kind}")
 
 
 def _factor_attr(factor: float) -> str:
     # Scale factors travel as exact decimal strings: TensorFlow's float attrs are 32-bit.
-    return repr(float(factor))
+    return "1.0" if factor == 1.0 else repr(float(factor))
 
 
 def _factor(op, attr: str) -> float:
@@ -37,8 +36,13 @@ def _factor(op, attr: str) -> float:
 def _common(kind: str, tensor_name: str, process_set_id: int) -> dict:
     # `eager`: called eagerly, the waiting thread is the user's, so waits may yield the core
     # to the peers (the kernel's Request::may_yield); graphs' pool threads sleep at once.
-    return dict(eager=tf.executing_eagerly(), tensor_name=tensor_name,
-                process_set_id=process_set_id, name=_node_name(kind, tensor_name))
+    return _attrs(kind, tensor_name, process_set_id, tf.executing_eagerly())
+
+
+@functools.lru_cache(maxsize=4096)  # the attrs of the same few calls; read, never changed
+def _attrs(kind: str, tensor_name: str, process_set_id: int, eager: bool) -> dict:
+    return dict(eager=eager, tensor_name=tensor_name, process_set_id=process_set_id,
+                name=_node_name(kind, tensor_name))
 
 
 def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str,

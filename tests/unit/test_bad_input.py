@@ -149,6 +149,17 @@ def test_unusual_valid_input(case):
     assert out == expected
 
 
+def test_dtype_check_does_not_depend_on_interned_dtypes():
+    # The check tests identity first (fast); a DType built by hand is equal but not the
+    # interned object, and must be judged by value all the same.
+    from keras_ring import collectives
+    float32, string = (tf.dtypes.DType(d.as_datatype_enum) for d in (tf.float32, tf.string))
+    assert float32 is not tf.float32
+    assert float32 in collectives.REDUCE_DTYPES
+    assert string not in collectives.GATHER_DTYPES
+    assert tf.bool in collectives.GATHER_DTYPES and tf.bool not in collectives.REDUCE_DTYPES
+
+
 def test_traced_function_after_shutdown_and_init_again():
     """A tf.function traced while initialised fails clearly after shutdown(), works after init()."""
     step = tf.function(lambda x: kr.allreduce(x, op=kr.Sum, name="traced"))
