@@ -385,7 +385,8 @@ from keras_ring.config import Config
 try:
     bootstrap(Config.from_env())
 except Exception as e:
-    print("ERROR", rank, type(e).__name__, e, flush=True)
+    # One string, one write: unbuffered ranks sharing mpirun's stdout would interleave pieces.
+    print(f"ERROR {rank} {type(e).__name__} {e}", flush=True)
 """
 
 
