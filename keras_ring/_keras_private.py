@@ -119,14 +119,30 @@ def forget_traced_functions(model: Any) -> None:
 
 
 def first_batch(epoch_iterator: Any) -> Any:
-    """The first batch of a Keras TensorFlow epoch iterator, as Keras's own symbolic build
-    takes it: 3.5-3.x hand out ``(step, iterator)`` from ``enumerate_epoch()``, newer ones
-    ``(begin, end, iterator)`` when iterated."""
+    """What a symbolic build needs of a Keras TensorFlow epoch iterator's first batch.
+
+    Where the iterator's dataset has an element spec of known ranks (what the train step is
+    traced from anyway), that spec: nothing is read, so nothing is lost. Taking a real batch
+    lost it where the adapter prefetches across ``reset()`` (a ``PyDataset`` with workers):
+    every epoch then trained one batch behind. Otherwise the first batch, as Keras's own
+    symbolic build takes it: 3.5-3.x hand out ``(step, iterator)`` from
+    ``enumerate_epoch()``, newer ones ``(begin, end, iterator)`` when iterated."""
+    spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
+    if spec is not None and _known_ranks(spec):
+        return spec
     entries = (epoch_iterator.enumerate_epoch() if hasattr(epoch_iterator, "enumerate_epoch")
                else epoch_iterator)
     for entry in entries:
         return next(entry[-1])
     return None
+
+
+def _known_ranks(spec: Any) -> bool:
+    import tensorflow as tf
+
+    shapes = [getattr(leaf, "shape", None) for leaf in tf.nest.flatten(spec)]
+    return bool(shapes) and all(
+        isinstance(shape, tf.TensorShape) and shape.rank is not None for shape in shapes)
 
 
 def variable_classes() -> tuple[type, ...]:

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import keras
+import tensorflow as tf
+
 import keras_ring
 from keras_ring.callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
 
@@ -72,6 +74,48 @@ def test_every_way_of_building_trains_like_one_process(world, kind):
     assert len(history.history["accuracy"]) == EPOCHS
     ks.assert_weights_close(ks.weights(model), _reference(kind, root, size, x, y), atol=2e-6)
     ks.assert_same_on_all_ranks(ks.weights(model))
+
+
+class _Batches(keras.utils.PyDataset):
+    """The rank's batches, read ahead by worker threads (which keep fetching across epochs)."""
+
+    def __init__(self, x, y, workers: int):
+        super().__init__(workers=workers, use_multiprocessing=False)
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x) // BATCH
+
+    def __getitem__(self, i):
+        return self.x[i * BATCH:(i + 1) * BATCH], self.y[i * BATCH:(i + 1) * BATCH]
+
+
+def _source(source: str, x, y):
+    """The rank's data as ``fit`` takes it, and the keyword arguments that go with it."""
+    if source == "tf_data":
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), {}
+    if source == "generator":
+        def batches():
+            while True:
+                yield from (_Batches(x, y, 1)[i] for i in range(STEPS))
+        return batches(), {"steps_per_epoch": STEPS}
+    return _Batches(x, y, workers=2 if source == "py_dataset_workers" else 1), {}
+
+
+@pytest.mark.parametrize("source", ["tf_data", "generator", "py_dataset", "py_dataset_workers"])
+def test_a_lazily_built_model_trains_on_every_batch_of_every_input(world, source):
+    # Building the model before its first step must not take a batch away from training: a
+    # PyDataset with workers keeps its read-ahead across the epoch's reset, so a batch taken
+    # for the build left every epoch one batch behind (silently different weights).
+    rank, size = world
+    x, y = ks.classification_data(size * BATCH * STEPS, seed=7)
+    data, kwargs = _source(source, ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH))
+    model = build("sequential_without_input", ks.rank_seed(rank))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.Adam(0.01)), loss=ks.loss())
+    model.fit(data, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs,
+              callbacks=[BroadcastGlobalVariablesCallback(0)])
+    ks.assert_weights_close(ks.weights(model), _reference("sequential_without_input", 0, size,
+                                                           x, y), atol=2e-6)
 
 
 def test_a_model_that_cannot_be_built_yet_gets_an_error_that_says_what_to_do(world):
