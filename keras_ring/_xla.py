@@ -5,7 +5,8 @@ machines with the default ``jit_compile="auto"``. XLA would then reject keras_ri
 an "unsupported op" error at the first step. Two guards prevent that:
 
 - ``Model.compile`` with a ``keras_ring.wrap()`` optimizer turns ``jit_compile`` off, with one
-  warning per process (see ``keras_ring.optimizer``);
+  warning per process (see ``keras_ring.optimizer``), and so does ``fit`` as it first traces
+  the step of a model that holds wrapped optimizers compile did not see (keras-io's GAN);
 - a gradient reduction traced inside an XLA-compiled function (a custom loop under
   ``tf.function(jit_compile=True)``) raises :class:`JitCompileError` saying what to change.
 """
@@ -13,13 +14,15 @@ an "unsupported op" error at the first step. Two guards prevent that:
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
 from keras_ring.errors import KerasRingError
 
 _warned = False
+_REQUESTED = "_keras_ring_requested_jit"  # what the model's latest compile asked for
+_GUARDED = "_keras_ring_jit_guard"
 
 
 class JitCompileError(KerasRingError, ValueError):
@@ -70,3 +73,22 @@ def turn_off_model_jit(model: Any, requested: Any) -> bool:
             stacklevel=4,
         )
     return True
+
+
+def turn_off_before_tracing(model: Any, requested: Any, communicates: Callable[[], bool]) -> None:
+    """Turns XLA off (as :func:`turn_off_model_jit`) when ``model``'s training function is
+    made and ``communicates()`` is then true: wrapped optimizers may reach the model only
+    after ``compile`` (keras-io's GAN calls ``super().compile()`` with none and sets its own
+    as attributes), and ``jit_compile="auto"`` picks XLA on GPU machines."""
+    setattr(model, _REQUESTED, requested)
+    if getattr(model, _GUARDED, False) or not hasattr(model, "make_train_function"):
+        return
+    original = model.make_train_function
+
+    def make_train_function(force: bool = False):
+        if communicates():
+            turn_off_model_jit(model, getattr(model, _REQUESTED, "auto"))
+        return original(force=force)
+
+    model.make_train_function = make_train_function
+    setattr(model, _GUARDED, True)

@@ -444,6 +444,8 @@ def after_compile(model: Any, requested_jit: Any) -> None:
         _build_before_first_step(model)
     # Every model: one whose train_step applies wrapped optimizers of its own (keras-io's
     # GAN compiles with none and keeps two as attributes) trains distributed too.
+    _xla.turn_off_before_tracing(model, requested_jit,
+                                 lambda: distributed_optimizers(model) is not None)
     _weight_check.install(model, functools.partial(_weight_check_settings, model))
 
 

@@ -138,6 +138,33 @@ def test_optimizers_kept_as_attributes_reduce_and_are_checked(world, monkeypatch
         _fit(unsynchronised, my_x, my_y, broadcast=False)
 
 
+class TwoOptimizersOnXla(TwoOptimizers):
+    """The same, where the base compile picks XLA: what ``jit_compile="auto"`` resolves to on
+    a machine with a GPU."""
+
+    def compile(self, first_optimizer, second_optimizer):
+        keras.Model.compile(self, jit_compile=True)
+        self.first_optimizer, self.second_optimizer = first_optimizer, second_optimizer
+
+
+def test_optimizers_kept_as_attributes_turn_xla_off_when_the_step_is_traced(world, monkeypatch):
+    # compile saw no wrapped optimizer; the step's collectives have no XLA kernel.
+    rank, size = world
+    _, _, my_x, my_y = _shards(rank, size)
+    monkeypatch.setattr(kr._xla, "_warned", False)  # once per process: reset it
+    model = TwoOptimizersOnXla(ks.mlp(ks.rank_seed(rank)), ks.mlp(ks.rank_seed(rank) + 50))
+    model.compile(kr.wrap(keras.optimizers.SGD(0.1)), kr.wrap(keras.optimizers.Adam(0.01)))
+    with pytest.warns(UserWarning, match="turning XLA off"):
+        _fit(model, my_x, my_y)
+    assert model.jit_compile is False
+    ks.assert_same_on_all_ranks(ks.weights(model.first) + ks.weights(model.second))
+
+    alone = TwoOptimizersOnXla(ks.mlp(1), ks.mlp(2))  # plain optimizers: XLA stays
+    alone.compile(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1))
+    _fit(alone, my_x, my_y, broadcast=False)
+    assert alone.jit_compile is True
+
+
 # --- random seeds ---------------------------------------------------------------------------
 
 def _dropout_model(rank: int) -> keras.Model:
