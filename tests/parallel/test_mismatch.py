@@ -80,6 +80,12 @@ def test_name_mismatch(world):
                           kr.CollectiveMismatchError, "name mismatch", "'t0'", "'t1'")
 
 
+def test_a_name_on_one_rank_only_is_a_mismatch(world):
+    rank, _ = world
+    _expect_on_every_rank(lambda: kr.allreduce(tf.ones([2]), name="grad_w" if rank == 0 else None),
+                          kr.CollectiveMismatchError, "name mismatch", "'grad_w'", "no name")
+
+
 def test_different_collectives(world):
     rank, size = world
 

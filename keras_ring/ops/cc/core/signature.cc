@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iomanip>
 #include <sstream>
 
 #include "algorithms.h"
@@ -122,6 +123,14 @@ struct Field {
   std::function<std::string(const Signature&)> show;
 };
 
+// As many digits as tell two doubles apart: factors that differ past the sixth digit
+// must not read as equal in the message.
+std::string ExactString(double value) {
+  std::ostringstream out;
+  out << std::setprecision(17) << value;
+  return out.str();
+}
+
 bool SameShape(const Signature& a, const Signature& b) {
   if (a.count != b.count || a.ndims != b.ndims || a.layout_hash != b.layout_hash) return false;
   for (int i = 0; i < kMaxSignatureDims; ++i) {
@@ -144,11 +153,12 @@ std::vector<Field> FieldsFor(Kind kind) {
   std::vector<Field> f;
   f.push_back({"operation", [](auto& a, auto& b) { return a.kind == b.kind; },
                [](auto& s) { return std::string(KindName(static_cast<Kind>(s.kind))); }});
-  f.push_back({"name",
-               [](auto& a, auto& b) {
-                 return a.name[0] == '\0' || b.name[0] == '\0' || std::strcmp(a.name, b.name) == 0;
-               },
-               [](auto& s) { return "'" + std::string(s.name) + "'"; }});
+  // A name given on one rank and not on another is a difference too: the ranks disagree
+  // about which collective this is.
+  f.push_back({"name", [](auto& a, auto& b) { return std::strcmp(a.name, b.name) == 0; },
+               [](auto& s) {
+                 return s.name[0] != '\0' ? "'" + std::string(s.name) + "'" : std::string("no name");
+               }});
   // After the name: two ranks that ran different numbers of collectives may still line up
   // a collective of the same kind, name and shape, from different steps.
   f.push_back({"sequence number", [](auto& a, auto& b) { return a.seq == b.seq; },
@@ -173,9 +183,9 @@ std::vector<Field> FieldsFor(Kind kind) {
     f.push_back({"reduce op", [](auto& a, auto& b) { return a.reduce_op == b.reduce_op; },
                  [](auto& s) { return std::string(ReduceOpName(static_cast<ReduceOp>(s.reduce_op))); }});
     f.push_back({"prescale factor", [](auto& a, auto& b) { return a.prescale == b.prescale; },
-                 [](auto& s) { return std::to_string(s.prescale); }});
+                 [](auto& s) { return ExactString(s.prescale); }});
     f.push_back({"postscale factor", [](auto& a, auto& b) { return a.postscale == b.postscale; },
-                 [](auto& s) { return std::to_string(s.postscale); }});
+                 [](auto& s) { return ExactString(s.postscale); }});
   }
   if (kind == Kind::kBroadcast) {
     f.push_back({"root rank", [](auto& a, auto& b) { return a.root == b.root; },

@@ -178,6 +178,31 @@ TEST(Signatures_LongNamesThatDifferLateAreAMismatch) {
   CHECK_EQ(std::string(same_a.name).substr(0, 20), base.substr(0, 20));
 }
 
+// A name on one rank only: the ranks disagree about which collective this is.
+TEST(Signatures_NameOnOneRankOnlyIsAMismatch) {
+  const auto v = ExchangeAndCheck(2, [](int r) {
+    Signature s = AllreduceSig(10);
+    s.SetName(r == 0 ? "grad_w" : "");
+    return s;
+  });
+  CheckSameVerdict(v);
+  for (const Status& s : v) {
+    CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+    CHECK_CONTAINS(s.message(), "name mismatch: rank 0 has 'grad_w', rank 1 has no name");
+  }
+}
+
+// Scale factors that differ past the sixth digit are shown so that the difference reads.
+TEST(Signatures_ScaleFactorMismatchShowsEveryDigit) {
+  const auto v = ExchangeAndCheck(2, [](int r) {
+    Signature s = AllreduceSig(10);
+    s.postscale = r == 0 ? 1.0 : 1.000000001;
+    return s;
+  });
+  CheckSameVerdict(v);
+  CHECK_CONTAINS(v[0].message(), "postscale factor mismatch: rank 0 has 1, rank 1 has 1.000000001");
+}
+
 TEST(Signatures_OperationMismatch) {
   const auto v = ExchangeAndCheck(2, [](int r) {
     Signature s = AllreduceSig(10);
