@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import tensorflow as tf
+# The variable class itself: constructing it skips the variable creators that a tf.function
+# installs (see state_variable).
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,7 @@ class Accumulator(SourcesState):
         self.steps = steps
         with tf.init_scope():
             self.sums = [None if g is None else _zeros_variable(g, i) for i, g in enumerate(grads)]
-            self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name="keras_ring_backward_passes")
+            self.count = state_variable(tf.constant(0, tf.int64), "keras_ring_backward_passes")
 
     def add(self, grads: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
         """Adds this pass's gradients; returns the sums so far and whether this pass updates."""
@@ -120,14 +122,26 @@ class Accumulator(SourcesState):
         return [total.assign(tf.zeros_like(total)) for total in self.sums if total is not None]
 
 
+def state_variable(initial_value: Any, name: str) -> tf.Variable:
+    """A non-trainable variable of keras_ring's own, made outside any traced function.
+
+    ``tf.Variable`` refuses, even under ``tf.init_scope``, while a ``tf.function`` is traced
+    again after its first call: Horovod's elastic examples trace their step once without
+    reducing (to build the optimizer), so the reduction's state is first needed then. The
+    variable class made directly is not subject to that guard; later traces capture this one
+    variable, which is what the guard is for.
+    """
+    with tf.init_scope():
+        return ResourceVariable(initial_value, trainable=False, name=name)
+
+
 def _zeros_variable(grad: Any, position: int) -> tf.Variable:
     shape = grad.dense_shape if isinstance(grad, tf.IndexedSlices) else grad.shape
     shape = tf.TensorShape(tf.get_static_value(shape) if isinstance(shape, tf.Tensor) else shape)
     if not shape.is_fully_defined():
         raise ValueError(f"keras_ring: backward_passes_per_step needs gradients of known shape, "
                          f"but source {position}'s gradient has shape {shape}")
-    return tf.Variable(tf.zeros(shape, grad.dtype), trainable=False,
-                       name="keras_ring_accumulated_gradient")
+    return state_variable(tf.zeros(shape, grad.dtype), "keras_ring_accumulated_gradient")
 
 
 # (steps, ids of the sources) -> Accumulator. A tape is usually made anew in every step, so

@@ -23,7 +23,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_ring import _weight_check
-from keras_ring._accumulation import SourcesState, state_for
+from keras_ring._accumulation import SourcesState, state_for, state_variable
 from keras_ring._local import is_variable, variable_keys
 from keras_ring.collectives import allgather
 from keras_ring.process_sets import ProcessSet
@@ -45,8 +45,7 @@ class _Check(SourcesState):
         # world): a settled eager step then reads no variable (~10-20 us a call).
         self.settled = False
         with tf.init_scope(), tf.device("/CPU:0"):
-            self.state = tf.Variable(0, dtype=tf.int32, trainable=False,
-                                     name="keras_ring_weight_check")
+            self.state = state_variable(tf.constant(0, tf.int32), "keras_ring_weight_check")
 
 
 # (tolerance, process set, ids of the variables) -> _Check

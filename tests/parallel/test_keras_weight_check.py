@@ -281,6 +281,47 @@ def test_horovods_broadcast_inside_the_first_step_passes_and_is_not_compared_aga
         step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH], False)
 
 
+def _first_traced_without_reducing(model, path):
+    """Horovod's elastic TF2 examples' step: called once with ``allreduce=False`` to build the
+    optimizer, so keras_ring's state is first made in a later trace of the function."""
+    plain = keras.optimizers.SGD(0.1)
+    reducing = kr.wrap(keras.optimizers.SGD(0.1)) if path == "optimizer" else plain
+    options = {"backward_passes_per_step": 2} if path == "accumulating_tape" else {}
+    loss_fn = ks.loss()
+
+    @tf.function
+    def step(x, y, allreduce):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        if allreduce and path != "optimizer":
+            tape = kr.DistributedGradientTape(tape, **options)
+        grads = tape.gradient(loss, model.trainable_variables)
+        (reducing if allreduce else plain).apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("path", ["tape", "optimizer", "accumulating_tape"])
+def test_a_step_first_traced_without_reducing_reduces_and_checks_when_traced_again(world, path):
+    rank, size = world
+    x, y = _data(rank)
+    model = ks.mlp(ks.rank_seed(rank))
+    step = _first_traced_without_reducing(model, path)
+    step(x[:BATCH], y[:BATCH], False)
+    kr.broadcast_variables(model.variables, root_rank=0)
+    for b in range(1, 5):
+        step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH], True)
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+    apart = ks.mlp(ks.rank_seed(rank))  # never broadcast: the check made in that trace fires
+    step = _first_traced_without_reducing(apart, path)
+    step(x[:BATCH], y[:BATCH], False)
+    with pytest.raises(WeightMismatchError, match=re.escape(_expected_message(size))):
+        for b in range(1, 5):
+            step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH], True)
+
+
 def test_accumulated_passes_may_differ_until_their_first_update(world):
     rank, size = world
     model = ks.mlp(ks.rank_seed(rank))
