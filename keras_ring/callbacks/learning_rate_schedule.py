@@ -41,11 +41,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     ```python
     callbacks = [
         keras_ring.callbacks.LearningRateWarmupCallback(warmup_epochs=5),
-        # Divide by 10 at epochs 30, 60 and 80, as in the ResNet-50 recipe.
+        # Divide by 10 at epochs 30, 60 and 80, as in the ResNet-50 recipe. The factors are
+        # functions: a float would be a decay per epoch (0.1 ** (epoch - start_epoch)).
         keras_ring.callbacks.LearningRateScheduleCallback(lr, 1.0, start_epoch=5, end_epoch=30),
-        keras_ring.callbacks.LearningRateScheduleCallback(lr, 1e-1, start_epoch=30, end_epoch=60),
-        keras_ring.callbacks.LearningRateScheduleCallback(lr, 1e-2, start_epoch=60, end_epoch=80),
-        keras_ring.callbacks.LearningRateScheduleCallback(lr, 1e-3, start_epoch=80),
+        keras_ring.callbacks.LearningRateScheduleCallback(
+            lr, lambda epoch: 1e-1, start_epoch=30, end_epoch=60),
+        keras_ring.callbacks.LearningRateScheduleCallback(
+            lr, lambda epoch: 1e-2, start_epoch=60, end_epoch=80),
+        keras_ring.callbacks.LearningRateScheduleCallback(lr, lambda epoch: 1e-3, start_epoch=80),
     ]
     ```
     """
