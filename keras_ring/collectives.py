@@ -494,9 +494,20 @@ def _pickle(obj: Any) -> tf.Tensor:
     return tf.constant(np.frombuffer(buf.getvalue(), dtype=np.uint8))
 
 
+def _check_eager(what: str) -> None:
+    # Traced, the root would put broadcasts in its graph while the others fail on .numpy():
+    # the ranks' sequences of collectives would part. Every rank traces alike, so all refuse.
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            f"keras_ring.{what} returns Python objects and runs eagerly only, but was called "
+            "inside a tf.function (or a graph); call it outside, or broadcast/allgather "
+            "tensors there")
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Returns the root rank's ``obj`` (any picklable object) on every rank. Eager only."""
+    _check_eager("broadcast_object")
     resolve(process_set, "broadcast_object")
     mine = RUNTIME.topology().rank == root_rank
     base = _check_name(name) or "broadcast_object"
@@ -511,7 +522,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Returns a list with every rank's ``obj`` (any picklable object), in rank order."""
+    """Returns a list with every rank's ``obj`` (any picklable object), in rank order. Eager
+    only."""
+    _check_eager("allgather_object")
     resolve(process_set, "allgather_object")
     base = _check_name(name) or "allgather_object"
     payload = _pickle(obj)

@@ -184,3 +184,12 @@ def test_objects(world):
     assert kr.broadcast_object(obj, root_rank=size - 1) == {"rank": size - 1, "payload": list(range((size - 1) * 100))}
     assert kr.allgather_object(("r", rank)) == [("r", r) for r in range(size)]
     kr.barrier()
+
+
+@pytest.mark.parametrize("what", ["broadcast_object", "allgather_object"])
+def test_object_collectives_refuse_to_be_traced_on_every_rank(world, what):
+    # Traced, the root's graph would hold broadcasts that the other ranks never run.
+    call = getattr(kr, what)
+    with pytest.raises(RuntimeError, match=f"{what} returns Python objects and runs eagerly"):
+        tf.function(lambda: call({"epoch": 3}))()
+    assert call({"epoch": 3}) in ({"epoch": 3}, [{"epoch": 3}] * world[1])  # still in step
