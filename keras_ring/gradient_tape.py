@@ -135,8 +135,14 @@ class DistributedGradientTape:
 
     @tf.autograph.experimental.do_not_convert
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
-                 unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE) -> Any:
-        """This rank's ``tape.gradient(...)``, reduced over all ranks; same structure as ``sources``."""
+                 unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
+                 *, use_generic_names: bool = False) -> Any:
+        """This rank's ``tape.gradient(...)``, reduced over all ranks; same structure as ``sources``.
+
+        ``use_generic_names`` (Horovod's choice of names for the collectives) is accepted and
+        has no effect: keras_ring names the collectives itself, alike on every rank.
+        """
+        del use_generic_names
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)

@@ -46,6 +46,13 @@ def current_rate(optimizer: Any) -> float:
     return float(rate.numpy() if hasattr(rate, "numpy") else rate)
 
 
+def log_rate(model: Any, logs: dict | None) -> None:
+    """Puts the rate the epoch ended with into its logs (History, CSVLogger, TensorBoard),
+    under Keras 3's key, as Horovod's callbacks did under ``lr``."""
+    if logs is not None:
+        logs["learning_rate"] = current_rate(model.optimizer)
+
+
 def set_rate(optimizer: Any, rate: float, momentum_correction: bool) -> None:
     """Sets the rate; with momentum correction, rescales momentum buffers by new / old rate.
 

@@ -95,6 +95,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if self.staircase:
             self._set(self.learning_rate_at(epoch))
 
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        lr_util.log_rate(self.model, logs)
+
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if not self.staircase:
             self._set(self.learning_rate_at(self._epoch, batch))

@@ -105,6 +105,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             self._finished = True
             self._announce = True  # at the end of the epoch, as Keras's own callbacks do
 
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        lr_util.log_rate(self.model, logs)
+
     def on_train_end(self, logs: dict | None = None) -> None:
         self._say_finished()
 

@@ -37,6 +37,7 @@ _EXPORTS = {
     "ObjectState": "keras_ring.elastic.state",
     "TensorFlowState": "keras_ring.elastic.state",
     "KerasState": "keras_ring.elastic.state",
+    "TensorFlowKerasState": "keras_ring.elastic.state",
     "CommitStateCallback": "keras_ring.callbacks.commit_state",
     "UpdateBatchStateCallback": "keras_ring.callbacks.update_batch_state",
     "UpdateEpochStateCallback": "keras_ring.callbacks.update_epoch_state",

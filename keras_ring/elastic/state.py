@@ -216,3 +216,21 @@ class KerasState(TensorFlowState):
     def reset(self) -> None:
         # Traced steps may hold what the old world decided (its size, say): trace anew.
         _keras_private.forget_traced_functions(self.model)
+
+
+class TensorFlowKerasState(KerasState):
+    """Horovod's name for a Keras model's state in a TensorFlow custom loop (its TF2 elastic
+    examples): :class:`KerasState`. ``backend`` (Horovod's Keras backend module) is accepted
+    and not needed.
+
+    Example:
+
+    ```python
+    state = keras_ring.elastic.TensorFlowKerasState(model, optimizer, batch=0, epoch=0)
+    ```
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None,
+                 **kwargs: Any) -> None:
+        del backend
+        super().__init__(model, optimizer, **kwargs)

@@ -93,6 +93,19 @@ def test_the_epoch_counts_across_fit_calls_in_both_styles(style):
     assert state.epoch == 2  # each fit ran one epoch (then stopped), counted across calls
 
 
+def test_horovods_tensorflow_keras_state_is_the_keras_state():
+    model = make_model()
+    state = elastic.TensorFlowKerasState(model, model.optimizer, backend=None, epoch=3)
+    state.commit()
+    before = model.get_weights()
+    model.layers[0].kernel.assign(model.layers[0].kernel + 1.0)
+    state.epoch = 4
+    state.restore()
+    assert state.epoch == 3 and isinstance(state, elastic.KerasState)
+    for now, then in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(now, then)
+
+
 def test_object_and_tensorflow_states_commit_and_restore():
     v = tf.Variable([1.0, 2.0])
     state = elastic.TensorFlowState([v], step=0, history=[])

@@ -108,3 +108,15 @@ def test_warmup_announces_its_end_after_the_epochs_progress_bar(capsys):
     # After the epoch's last step was shown and its line ended, before the next epoch.
     assert out.index("8/8") < at < out.index("Epoch 2/2"), out
     assert out[at - 1] == "\n", out
+
+
+def test_the_rate_each_epoch_ended_with_is_in_the_logs():
+    # The recipe of LearningRateScheduleCallback's docstring: a step at epoch 2 (a function,
+    # not a float: a float decays every epoch). After a one-epoch warmup at size one.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.4)), loss="mse")
+    history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, epochs=4, verbose=0,
+                        callbacks=[LearningRateWarmupCallback(warmup_epochs=1),
+                                   LearningRateScheduleCallback(0.4, 1.0, 1, end_epoch=2),
+                                   LearningRateScheduleCallback(0.4, lambda e: 1e-1, 2)])
+    assert history.history["learning_rate"] == pytest.approx([0.4, 0.4, 0.04, 0.04])
