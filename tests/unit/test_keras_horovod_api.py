@@ -107,3 +107,12 @@ def test_load_model_of_a_mixed_precision_model_communicates_in_the_loss_scale_op
     assert isinstance(outer, keras.optimizers.LossScaleOptimizer)
     assert is_wrapped(outer) and is_wrapped(outer.inner_optimizer)
     assert int(outer.iterations.numpy()) == 1
+
+
+def test_tape_gradient_takes_horovods_use_generic_names():
+    variable = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(variable * variable)
+    grads = keras_ring.DistributedGradientTape(tape).gradient(loss, [variable],
+                                                              use_generic_names=True)
+    np.testing.assert_array_equal(grads[0].numpy(), [2.0, 4.0])
