@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import signal
 import sys
 import threading
 
@@ -203,7 +204,8 @@ class Runtime:
             info = errors.error_info(message)
             raise InitError(f"rank {topo.rank}: {message}",
                             info=info if info is not None and info.rank >= 0 else None)
-        lib.c.keras_ring_install_signal_handlers()
+        for sig in _interrupting_signals():
+            lib.c.keras_ring_install_signal_handler(int(sig))
 
     def shutdown(self, error: str | None = None) -> None:
         """Stops the native runtime.
@@ -238,6 +240,19 @@ class Runtime:
         """Records that the program is ending with an uncaught exception."""
         if self._topology is not None and self._topology.size > 1:
             self._leaving_with = f"{exc_type.__name__}: {_gist(exc)}"[:300]
+
+
+def _interrupting_signals() -> list[int]:
+    """SIGINT and SIGTERM, except where the program handles one itself.
+
+    A handler of the program's own (graceful preemption: set a flag, agree to stop, save)
+    decides what the signal means, so the signal must not fail keras_ring's collectives;
+    it did only where the handler came before ``init()``, since one installed after replaces
+    keras_ring's. Python's Ctrl-C handler and the default action keep the interrupt, which
+    ends a blocked collective at once. An ignored signal stays ignored.
+    """
+    return [sig for sig in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler, None)]
 
 
 def _gist(exc: BaseException) -> str:

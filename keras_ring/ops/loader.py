@@ -77,8 +77,8 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_join.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
                                   ctypes.c_size_t]
     c.keras_ring_join.restype = ctypes.c_int
-    c.keras_ring_install_signal_handlers.argtypes = []
-    c.keras_ring_install_signal_handlers.restype = None
+    c.keras_ring_install_signal_handler.argtypes = [ctypes.c_int]
+    c.keras_ring_install_signal_handler.restype = ctypes.c_int
     c.keras_ring_build_info.argtypes = []
     c.keras_ring_build_info.restype = ctypes.c_char_p
     # GPU backend (cc/core/nccl/device_c_api.h): where NCCL is, and whether it loads.

@@ -153,3 +153,30 @@ def test_ctrl_c_ends_a_training_job_at_once_with_a_plain_keyboard_interrupt(job_
     # Well before the launcher's 15 s grace ends in SIGKILL (about half a second here).
     assert took < 10, (took, output[-3000:])
     assert "MISMATCH" not in output and "[0] KeyboardInterrupt" in output, output[-3000:]
+
+
+_PREEMPTION_AWARE = """
+import os, signal, sys
+import tensorflow as tf
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # before init(), as such programs do
+import keras_ring as kr
+kr.init()
+for step in range(10000):
+    if kr.rank() == 0 and step == 20:
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's notice, to one rank
+    if kr.allreduce(tf.constant([float(bool(stop))]), op=kr.Max, name="stop")[0] > 0:
+        break
+final = kr.allreduce(tf.constant([1.0]), op=kr.Sum, name="final")
+sys.stdout.write(f"STOPPED {kr.rank()} {step} {final[0]:.0f}\\n")  # one write: ranks share stdout
+"""
+
+
+def test_a_program_that_handles_sigterm_itself_stops_together_in_good_order(job_env):
+    # Its handler decides what SIGTERM means: keras_ring must not fail its collectives.
+    proc = subprocess.run([str(VENV_BIN / "mpirun"), "-np", "2", sys.executable, "-c",
+                           _PREEMPTION_AWARE], env=dict(job_env, KERAS_RING_TIMEOUT_SECONDS="60"),
+                          capture_output=True, text=True, timeout=GUARD)
+    stopped = sorted(line for line in proc.stdout.splitlines() if line.startswith("STOPPED"))
+    assert proc.returncode == 0 and stopped == ["STOPPED 0 20 2", "STOPPED 1 20 2"], (
+        proc.stdout[-2000:] + proc.stderr[-3000:])

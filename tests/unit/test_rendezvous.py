@@ -385,8 +385,10 @@ from keras_ring.config import Config
 try:
     bootstrap(Config.from_env())
 except Exception as e:
-    # One string, one write: unbuffered ranks sharing mpirun's stdout would interleave pieces.
-    print(f"ERROR {rank} {type(e).__name__} {e}", flush=True)
+    # One write: unbuffered, print writes each piece and the newline apart, and ranks sharing
+    # mpirun's stdout interleaved them.
+    sys.stdout.write(f"ERROR {rank} {type(e).__name__} {e}\\n")
+    sys.stdout.flush()
 """
 
 

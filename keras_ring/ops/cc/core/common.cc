@@ -100,6 +100,8 @@ static_assert(std::atomic<int>::is_always_lock_free, "used from a signal handler
 
 void RequestInterrupt(int signal_number) { g_interrupt_signal.store(signal_number); }
 
+void ClearInterrupt() { g_interrupt_signal.store(0); }
+
 int InterruptSignal() { return g_interrupt_signal.load(); }
 
 Status InterruptStatus() {

@@ -150,6 +150,9 @@ Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string&
 // check it in every wait slice. Async-signal-safe: a lock-free atomic store.
 void RequestInterrupt(int signal_number);
 
+// Forgets an interrupt: a new runtime starts uninterrupted (the program went on after it).
+void ClearInterrupt();
+
 // The signal that interrupted the process, or 0.
 int InterruptSignal();
 // A kAborted status describing the interrupt, or OK when there was none.

@@ -29,7 +29,7 @@ using keras_ring::Status;
 namespace {
 
 struct sigaction g_previous[2];
-std::atomic<bool> g_handlers_installed{false};
+std::atomic<bool> g_handlers_installed[2] = {false, false};
 
 void OnSignal(int sig, siginfo_t* info, void* context) {
   keras_ring::RequestInterrupt(sig);
@@ -61,6 +61,7 @@ extern "C" {
 int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
   const int set = cfg->process_set_id;
   if (Runtime::Get(set) != nullptr) return 0;  // init() twice is harmless
+  if (set == 0) keras_ring::ClearInterrupt();  // a signal the program survived is history
   const int rank = cfg->rank;
   const int size = cfg->size;
   if (size < 1 || rank < 0 || rank >= size) {
@@ -193,16 +194,16 @@ int keras_ring_join(int process_set_id, int* last_joined, char* err, size_t err_
 
 const char* keras_ring_build_info(void) { return KERAS_RING_BUILD_INFO; }
 
-void keras_ring_install_signal_handlers(void) {
-  if (g_handlers_installed.exchange(true)) return;
-  const int signals[2] = {SIGINT, SIGTERM};
-  for (int i = 0; i < 2; ++i) {
-    struct sigaction action {};
-    action.sa_sigaction = OnSignal;
-    action.sa_flags = SA_SIGINFO | SA_RESTART;
-    sigemptyset(&action.sa_mask);
-    sigaction(signals[i], &action, &g_previous[i]);
-  }
+int keras_ring_install_signal_handler(int sig) {
+  if (sig != SIGINT && sig != SIGTERM) return -1;
+  const int i = sig == SIGINT ? 0 : 1;
+  if (g_handlers_installed[i].exchange(true)) return 0;
+  struct sigaction action {};
+  action.sa_sigaction = OnSignal;
+  action.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigemptyset(&action.sa_mask);
+  sigaction(sig, &action, &g_previous[i]);
+  return 0;
 }
 
 }  // extern "C"

@@ -40,10 +40,11 @@ int keras_ring_init(const keras_ring_config* config, char* err, size_t err_len);
 size_t keras_ring_timeline_read(char* buf, size_t cap);
 // Starts (on != 0) or stops recording the global runtime's timeline, marks included.
 void keras_ring_timeline_record(int on);
-// Chains handlers for SIGINT and SIGTERM in front of the existing ones: a signal makes
-// pending and later collectives fail at once (instead of after the timeout), then the
-// previous handler runs (Python's raises KeyboardInterrupt). Idempotent.
-void keras_ring_install_signal_handlers(void);
+// Chains a handler for `sig` (SIGINT or SIGTERM; else -1) in front of the existing one: the
+// signal makes pending and later collectives fail at once (instead of after the timeout),
+// until the next init, then the previous handler runs (Python's raises KeyboardInterrupt).
+// Idempotent.
+int keras_ring_install_signal_handler(int sig);
 // Stops every runtime of this process (process sets first).
 int keras_ring_shutdown(void);
 // Stops one process set's runtime; 1 if it ran.
