@@ -256,10 +256,33 @@ def _interrupting_signals() -> list[int]:
 
 
 def _gist(exc: BaseException) -> str:
-    """One line of an exception's message: keras_ring's own line where TensorFlow wrapped it."""
+    """One line of an exception's message: keras_ring's own line where TensorFlow wrapped it,
+    else the first line that says what went wrong."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     ours = [line for line in lines if line.startswith("keras_ring:")]
-    return (ours or lines or [""])[0]
+    if ours:
+        return ours[0]
+    if lines and lines[0] in ("Graph execution error:", "in user code:"):
+        # TensorFlow's wrappers (running a graph; tracing one), then where the op was defined
+        # and, for an error raised in a tf.data generator or py_function, the Python
+        # traceback: none of it is the cause.
+        lines = _without_tracebacks(lines[1:]) or lines
+    return (lines or [""])[0]
+
+
+def _without_tracebacks(lines: list[str]) -> list[str]:
+    kept, after_frame = [], False
+    for line in lines:
+        frame = line.startswith('File "')
+        if not (frame or after_frame or line.startswith(_TF_BOILERPLATE)
+                or set(line) <= set("^~ ")):
+            kept.append(line)
+        after_frame = frame  # the source line a frame shows
+    return kept
+
+
+_TF_BOILERPLATE = ("Detected at node", "<stack traces unavailable>",
+                   "Traceback (most recent call last):", "[[", "Stack trace for op")
 
 
 def _chain_excepthook(runtime: Runtime) -> None:

@@ -180,3 +180,38 @@ def test_a_program_that_handles_sigterm_itself_stops_together_in_good_order(job_
     stopped = sorted(line for line in proc.stdout.splitlines() if line.startswith("STOPPED"))
     assert proc.returncode == 0 and stopped == ["STOPPED 0 20 2", "STOPPED 1 20 2"], (
         proc.stdout[-2000:] + proc.stderr[-3000:])
+
+
+def test_peers_hear_the_cause_of_an_error_that_tensorflow_wrapped():
+    # What a rank's uncaught error tells its peers: the Python error raised in a tf.data
+    # generator, or the failing op's message, not TensorFlow's "Graph execution error:".
+    import keras
+    import tensorflow as tf
+
+    from keras_ring.runtime import _gist
+
+    def records():
+        yield tf.ones((2, 4)), tf.ones((2, 1))
+        raise ValueError("a bad record in the input")
+
+    spec = (tf.TensorSpec((2, 4)), tf.TensorSpec((2, 1)))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    causes = []
+    for data in (tf.data.Dataset.from_generator(records, output_signature=spec),
+                 tf.data.Dataset.from_tensor_slices((tf.ones((4, 5)), tf.ones((4, 1)))).batch(2)):
+        with pytest.raises(tf.errors.OpError) as raised:
+            model.fit(data, verbose=0)
+        assert str(raised.value).startswith("Graph execution error:")
+        causes.append(_gist(raised.value))
+    assert causes[0] == "ValueError: a bad record in the input", causes
+    assert causes[1].startswith("Matrix size-incompatible: In[0]: [2,5]"), causes
+
+    @tf.function
+    def add(a, b):
+        return a + b
+
+    with pytest.raises(ValueError) as raised:  # raised while tracing
+        add(tf.ones((2, 3)), tf.ones((4, 3)))
+    assert _gist(raised.value).startswith("ValueError: Dimensions must be equal"), str(raised.value)
+    assert _gist(RuntimeError("first line\nsecond")) == "first line"
