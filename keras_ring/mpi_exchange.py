@@ -57,11 +57,16 @@ def _exchange_and_finalize(config: Config) -> PeerTable:
 # failed before init() (a bad variable, a missing file) leaves the others there for ever
 # under plain mpirun, where nothing in this process can run. A small process outside ends
 # this one, saying why, if the exchange has not returned within the timeout.
+# MPICH removes its shared-memory segment only once every local rank has attached: the
+# watchdog removes the one this rank holds, or each failed start would leave 2 MiB in /dev/shm.
 _WATCHDOG = """
 sleep "$1" || exit 0  # an unusual timeout sleep refuses: unbounded, as MPI is
 echo "keras_ring: InitError on rank $3: not every rank reached keras_ring.init() within $4 s \
 (KERAS_RING_TIMEOUT_SECONDS): a rank failed or is still busy before init(); its own output \
 says why. Ending this rank." >&2
+for fd in /proc/"$2"/fd/*; do
+  case $(readlink "$fd") in /dev/shm/mpich_shm_*) rm -f "$(readlink "$fd")";; esac
+done
 kill -TERM "$2"; sleep 5; kill -KILL "$2"
 """
 

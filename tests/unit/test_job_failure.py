@@ -105,8 +105,11 @@ def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
 def test_a_rank_that_fails_before_init_ends_the_job_under_plain_mpirun(job_env, tmp_path):
     # Its peer waits inside MPI's start for a rank that never comes, where no Python runs,
     # and plain mpirun waits for that peer: keras_ring's bound must end it, saying why.
+    segments = set(Path("/dev/shm").glob("mpich_shm_*"))
     took, output = run_job("mpirun", "before_init", job_env, tmp_path)
     assert took < TIMEOUT + MARGIN, f"the job ended {took:.1f} s after the fault:\n{output[-5000:]}"
+    # MPICH's shared memory, which it removes only once every local rank has attached.
+    assert set(Path("/dev/shm").glob("mpich_shm_*")) <= segments, "the failed start left it"
     assert "this rank's data shard is missing" in output, output[-5000:]
     assert ("keras_ring: InitError on rank 0: not every rank reached keras_ring.init() within "
             "10 s") in output, output[-5000:]
