@@ -56,18 +56,24 @@ def _exchange_and_finalize(config: Config) -> PeerTable:
 # Under MPICH, MPI_Init waits for every rank to start MPI, holding Python's lock: a rank that
 # failed before init() (a bad variable, a missing file) leaves the others there for ever
 # under plain mpirun, where nothing in this process can run. A small process outside ends
-# this one, saying why, if the exchange has not returned within the timeout.
-# MPICH removes its shared-memory segment only once every local rank has attached: the
-# watchdog removes the one this rank holds, or each failed start would leave 2 MiB in /dev/shm.
+# this one, saying why, if the exchange has not returned within the timeout. Its input is a
+# pipe from this rank, so it learns at once when the rank is gone (killed by mpirun, say) and
+# leaves instead of holding mpirun's output open. MPICH removes its shared-memory segment
+# only once every local rank has attached: the watchdog removes the one this rank holds, or
+# each failed start would leave 2 MiB in /dev/shm.
 _WATCHDOG = """
-sleep "$1" || exit 0  # an unusual timeout sleep refuses: unbounded, as MPI is
+outlived() {  # true when the rank is still there after $1 s
+  if command -v timeout >/dev/null; then timeout "$1" cat >/dev/null; [ $? -eq 124 ]
+  else sleep "$1"; fi  # an unusual timeout sleep refuses: unbounded, as MPI is
+}
+outlived "$1" || exit 0
 echo "keras_ring: InitError on rank $3: not every rank reached keras_ring.init() within $4 s \
 (KERAS_RING_TIMEOUT_SECONDS): a rank failed or is still busy before init(); its own output \
 says why. Ending this rank." >&2
 for fd in /proc/"$2"/fd/*; do
   case $(readlink "$fd") in /dev/shm/mpich_shm_*) rm -f "$(readlink "$fd")";; esac
 done
-kill -TERM "$2"; sleep 5; kill -KILL "$2"
+kill -TERM "$2"; outlived 5 && kill -KILL "$2"
 """
 
 
@@ -80,7 +86,7 @@ def _watchdog(timeout_seconds: float):
         guard = subprocess.Popen(["sh", "-c", _WATCHDOG, "keras_ring-watchdog",
                                   f"{timeout_seconds:.3f}", str(os.getpid()), rank,
                                   f"{timeout_seconds:g}"],
-                                 stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+                                 stdin=subprocess.PIPE, close_fds=True, start_new_session=True)
     except OSError:  # no shell: unbounded, as MPI itself is
         yield
         return
@@ -92,6 +98,7 @@ def _watchdog(timeout_seconds: float):
         except ProcessLookupError:
             pass
         guard.wait()
+        guard.stdin.close()
 
 
 def _exchange(comm, config: Config) -> PeerTable:

@@ -50,6 +50,10 @@ def main() -> None:
             and os.environ.get("PMI_RANK") == os.environ.get("FAULT_RANK", "1")):
         Path(os.environ["JOB_DIR"], "fault").write_text(repr(time.monotonic()))
         raise FileNotFoundError("this rank's data shard is missing")  # before init()
+    if os.environ.get("FAULT") == "stall_before_init":  # rank 1 stalls, rank 0 waits in init()
+        if os.environ.get("PMI_RANK") == "1":
+            time.sleep(600)
+        Path(os.environ["JOB_DIR"], "waiting").write_text(str(os.getpid()))
     keras_ring.init()
     rng = np.random.default_rng(keras_ring.rank())
     x = rng.normal(size=(2048, 8)).astype("float32")

@@ -115,6 +115,42 @@ def test_a_rank_that_fails_before_init_ends_the_job_under_plain_mpirun(job_env, 
             "10 s") in output, output[-5000:]
 
 
+def test_a_rank_killed_while_waiting_in_init_ends_the_job_at_once_under_plain_mpirun(
+        job_env, tmp_path):
+    # Its start-up watchdog must leave with it: one left behind held mpirun's output open
+    # until the timeout (120 s here), then signalled a process id that may have been reused.
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "mpirun"), "-np", "2", sys.executable, str(CHILD)],
+        env=dict(job_env, FAULT="stall_before_init", JOB_DIR=str(tmp_path),
+                 KERAS_RING_TIMEOUT_SECONDS="120"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        waiting = tmp_path / "waiting"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _watchdog_of(waiting):
+            time.sleep(0.2)  # polls for rank 0 inside init(), watched
+        pid = _watchdog_of(waiting)
+        assert pid, "rank 0 never waited in init() with its watchdog"
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        output = proc.communicate(timeout=GUARD)[0]
+    finally:
+        proc.kill()
+    took = time.monotonic() - killed
+    assert took < MARGIN, f"the job ended {took:.1f} s after rank 0 was killed:\n{output[-3000:]}"
+    assert "not every rank reached" not in output, output[-3000:]
+
+
+def _watchdog_of(pid_file: Path) -> int | None:
+    """The process id in ``pid_file`` once a start-up watchdog watches that process."""
+    if not pid_file.exists() or not pid_file.read_text():
+        return None
+    pid = pid_file.read_text()
+    found = subprocess.run(["pgrep", "-f", f"keras_ring-watchdog [0-9.]+ {pid} "],
+                           capture_output=True, text=True)
+    return int(pid) if found.returncode == 0 else None
+
+
 def test_a_rank_that_stops_training_alone_fails_its_peer_at_once_saying_where(job_env, tmp_path):
     # EarlyStopping or TerminateOnNaN deciding on one rank's own metrics: that rank's fit
     # returns and its program ends cleanly, while its peer is already in the next step.
