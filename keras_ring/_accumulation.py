@@ -22,6 +22,8 @@ import tensorflow as tf
 # installs (see state_variable).
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
+from keras_ring._overwrite import combine_passes, overwrites
+
 
 @dataclass(frozen=True)
 class Passes:
@@ -96,6 +98,7 @@ class Accumulator(SourcesState):
     def __init__(self, sources: Sequence[Any], grads: Sequence[Any], steps: int) -> None:
         super().__init__(sources)
         self.steps = steps
+        self.new_values = [overwrites(s) for s in sources]
         with tf.init_scope():
             self.sums = [None if g is None else _zeros_variable(g, i) for i, g in enumerate(grads)]
             self.count = state_variable(tf.constant(0, tf.int64), "keras_ring_backward_passes")
@@ -113,7 +116,11 @@ class Accumulator(SourcesState):
                 totals.append(None)
                 continue
             if grad is not None:
-                total.assign_add(tf.cast(tf.convert_to_tensor(grad), total.dtype))
+                grad = tf.cast(tf.convert_to_tensor(grad), total.dtype)
+                if self.new_values[i]:  # Keras keeps the passes' largest (float8 scales)
+                    total.assign(combine_passes(True, grad, total))
+                else:
+                    total.assign_add(grad)
             totals.append(total)
         count = tf.convert_to_tensor(self.count.assign_add(1))
         return totals, tf.equal(tf.math.floormod(count, self.steps), 0)

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_ring import _keras_private
 from keras_ring._buckets import ReduceOptions, map_gradient, reduce_gradients
+from keras_ring._overwrite import overwrites, reduce_new_values
 from keras_ring.basics import size
 from keras_ring.collectives import Min, allreduce
 
@@ -100,24 +101,32 @@ def check_scale(scale_local_gradients: Any, who: str) -> bool:
 def reduce_partially(grads: Sequence[Any], sources: Sequence[Any] | None, options: ReduceOptions,
                      local: LocalSources | None, name: str = "gradients",
                      overflow_everywhere: bool = False) -> list[Any]:
-    """``reduce_gradients``, except for the gradients of ``local`` sources: those stay here.
+    """``reduce_gradients``, except for the gradients of ``local`` sources, which stay here,
+    and the new values of variables Keras overwrites with them (``_overwrite``), which take
+    the ranks' maximum.
 
-    ``sources`` are the variables (or tensors) in the order of ``grads``; with no local
-    sources they are not needed and may be None. ``overflow_everywhere`` (a loss-scale
+    ``sources`` are the variables (or tensors) in the order of ``grads``; None if unknown
+    yet (then every gradient is reduced). ``overflow_everywhere`` (a loss-scale
     optimizer's): a non-finite local gradient on any rank makes every rank's local gradients
     non-finite, so every rank skips the step and lowers its scale alike.
     """
-    keys = local.keys() if local is not None else set()
-    if not keys or sources is None:
+    if sources is None:
         return reduce_gradients(grads, options, name)
-    is_local = [bool(variable_keys(s) & keys) for s in sources]
-    # The local positions become None, which reduce_gradients skips: buckets and their
-    # names stay those of the shared gradients alone, the same on every rank.
-    shared = reduce_gradients([None if mine else g for g, mine in zip(grads, is_local)],
-                              options, name)
-    n = (options.process_set.size() or size()) if local.scale else 1
-    out = [(map_gradient(g, lambda v: v / n) if n != 1 else g) if mine else r
-           for g, mine, r in zip(grads, is_local, shared)]
+    keys = local.keys() if local is not None else set()
+    is_local = [bool(keys) and bool(variable_keys(s) & keys) for s in sources]
+    is_new = [overwrites(s) for s in sources]
+    if not any(is_local) and not any(is_new):
+        return reduce_gradients(grads, options, name)
+    # Those positions become None, which reduce_gradients skips: buckets and their names
+    # stay those of the shared gradients alone, the same on every rank.
+    shared = reduce_gradients([None if mine or new else g
+                               for g, mine, new in zip(grads, is_local, is_new)], options, name)
+    newest = reduce_new_values([g if new and not mine else None
+                                for g, mine, new in zip(grads, is_local, is_new)], options, name)
+    n = (options.process_set.size() or size()) if local is not None and local.scale else 1
+    out = [(g if new or n == 1 else map_gradient(g, lambda v: v / n)) if mine
+           else (m if new else r)
+           for g, mine, new, r, m in zip(grads, is_local, is_new, shared, newest)]
     if overflow_everywhere:
         out = _overflow_everywhere(out, is_local, options, name)
     return out

@@ -167,8 +167,9 @@ class DistributedGradientTape:
             values = [tf.convert_to_tensor(totals[i]) for i in live]
             reduced = reduce_partially(values, [sources[i] for i in live], self._options,
                                        self._local, name="gradients.accumulated")
-            if self._passes.average:
-                reduced = [r / steps for r in reduced]
+            if self._passes.average:  # the passes' gradients; a new value is no sum
+                reduced = [r if accumulator.new_values[i] else r / steps
+                           for i, r in zip(live, reduced)]
             with tf.control_dependencies(reduced):
                 resets = accumulator.reset()
             with tf.control_dependencies(resets):

@@ -26,6 +26,7 @@ from keras_ring._accumulation import Passes
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions, map_gradient
 from keras_ring._local import (LocalSources, check_local_layers, check_scale, check_variable,
                                reduce_partially)
+from keras_ring._overwrite import combine_passes, overwrites
 from keras_ring.collectives import Average, ReduceOp
 from keras_ring.compression import Compression, Compressor
 from keras_ring.process_sets import ProcessSet, global_process_set
@@ -285,8 +286,11 @@ def _apply(self, grads, trainable_variables=None):
         grads = _communicate(self, state, grads, trainable_variables)
     elif grads and state.passes.sum_factor != 1:
         # An outer wrapped LossScaleOptimizer reduced every pass; Keras will average the
-        # passes we accumulate, and backward_passes_per_step asks for their sum.
-        grads = [map_gradient(g, lambda v: v * state.passes.sum_factor) for g in grads]
+        # passes we accumulate, and backward_passes_per_step asks for their sum (of
+        # gradients: a new value is no sum).
+        variables = _variables(self, trainable_variables) or [None] * len(grads)
+        grads = [g if overwrites(v) else map_gradient(g, lambda x: x * state.passes.sum_factor)
+                 for g, v in zip(grads, variables)]
     # Tracing is synchronous, so this also holds while tf.function traces the inner apply.
     with _already_reduced():
         return state.base.apply(self, grads, trainable_variables)
@@ -365,20 +369,24 @@ def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: in
     dense = [tf.convert_to_tensor(grads[i]) for i in live]
     accumulators = _keras_private.accumulators(optimizer, [variables[i] for i in live])
 
-    def scaled_accumulators():
-        return [tf.cast(tf.convert_to_tensor(a), g.dtype) * scale for a, g in zip(accumulators, dense)]
+    # Keras keeps the largest of the passes' new values for variables it overwrites (float8
+    # scales), unscaled, and the sum of the others' gradients.
+    new = [overwrites(variables[i]) for i in live]
 
     def update():
-        acc = scaled_accumulators()
-        totals = reduce([g + a for g, a in zip(dense, acc)], [variables[i] for i in live],
-                        name="gradients.accumulated")
-        # Keras adds its accumulators back: emptied here (it resets them after the update
-        # anyway), it adds zeros, so every rank applies exactly the reduced sum. Returning
-        # t - acc instead left ulps of each rank's own acc in the weights.
+        totals = reduce([combine_passes(n, g, tf.cast(tf.convert_to_tensor(a), g.dtype)
+                                        * (1.0 if n else scale))
+                         for n, g, a in zip(new, dense, accumulators)],
+                        [variables[i] for i in live], name="gradients.accumulated")
+        # Keras adds its accumulators back (or takes the maximum with them): emptied here (it
+        # resets them after the update anyway), they change nothing, so every rank applies
+        # exactly the reduced totals. Returning t - acc instead left ulps of each rank's own
+        # acc in the weights.
         with tf.control_dependencies(totals):
             emptied = [a.assign(tf.zeros_like(a)) for a in accumulators]
         with tf.control_dependencies([e for e in emptied if e is not None]):
-            return [tf.identity(t * factor if factor != 1 else t) for t in totals]
+            return [tf.identity(t * factor if factor != 1 and not n else t)
+                    for n, t in zip(new, totals)]
 
     micro_batch = tf.convert_to_tensor(_keras_private.raw_iterations(optimizer))
     is_update = tf.equal(tf.math.floormod(micro_batch + 1, steps), 0)
