@@ -63,6 +63,7 @@ LAYERS = {
     "keras_ring.scatter": 7,  # reducescatter takes a compressor, as Horovod's
     "keras_ring._bucket_tuning": 7,
     "keras_ring._buckets": 7,
+    "keras_ring._overwrite": 7,
     "keras_ring._accumulation": 7,
     "keras_ring._local": 7,
     "keras_ring._weight_check": 7,
