@@ -10,7 +10,9 @@ It finds ``mpirun`` (the one next to this Python, i.e. the ``mpich`` wheel's, el
 ``PATH``, or ``--mpirun``), runs every rank under a small wrapper that prefixes each line
 the rank prints with ``[rank] `` and reports how the rank ended, stops every rank as soon as
 one fails and exits with that first failing rank's exit code, and on Ctrl-C stops every rank
-and exits with 130. Plain ``mpirun -np 4 python train.py`` keeps working without it.
+and exits with 130. Its stdin goes to rank 0 (the others read none); when the reader of its
+output goes away (``| head``) it ends the job and exits with 141. Plain
+``mpirun -np 4 python train.py`` keeps working without it.
 
 This module imports nothing but the standard library: the per-rank wrapper runs it as a
 script (``python -I launcher.py``), which must start fast and must not load TensorFlow.
@@ -38,9 +40,14 @@ _TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
 # bytes (sink 1 or 2: stdout or stderr), or b"\x1eKR <token> <rank> exit <code>\n".
 _FRAME = b"\x1eKR "
 _FRAME_PAYLOAD = 3072  # header + payload stay below PIPE_BUF: one atomic write per frame
-# A partial line (a progress bar after "\r") is forwarded once the rank has been quiet
-# this long, so pieces written together still travel together.
-_PARTIAL_SECONDS = 0.05
+# A partial line (a progress bar's state after "\r") is forwarded once the stream has been
+# quiet this long, so pieces written together still travel together, and at the latest this
+# long after it began, so a line that grows without pause still shows.
+_QUIET_SECONDS = 0.05
+_PARTIAL_MAX_SECONDS = 1.0
+# The exit status of a program that wrote to a pipe whose reader had gone (128 + SIGPIPE),
+# as a shell reports it.
+_BROKEN_PIPE_EXIT = 141
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "KERAS_RING_RANK", "SLURM_PROCID")
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # How long mpirun may take to wind the ranks down after a stop request before it is killed.
@@ -170,24 +177,36 @@ class _Job:
         self.reported = 0  # ranks whose wrapper told how they ended
         self.first_failure: tuple[int, int] | None = None  # (rank, exit code)
         self.interrupted = False
+        self.reader_gone = False  # a broken pipe: whoever read our output stopped reading
         self._stopping = threading.Lock()
         self._stop_requested = False
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        # stdin is inherited: mpirun forwards it to rank 0, as it does without the launcher.
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
+        # One screen where stdout and stderr are one file (a terminal, 2>&1): a rank's
+        # partial line on one is ended before a line on the other.
+        screen = _Screen() if _same_file(sys.stdout, sys.stderr) else None
         self._pumps = [
-            threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout), daemon=True),
-            threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr), daemon=True),
+            threading.Thread(target=self._pump, args=(source, sink, screen), daemon=True)
+            for source, sink in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr))
         ]
         for t in self._pumps:
             t.start()
 
-    def _pump(self, source, sink) -> None:
-        out = getattr(sink, "buffer", sink)
-        reader = _FrameReader(self.token, Renderer(out), self._on_exit)
+    def _pump(self, source, sink, screen: _Screen | None) -> None:
+        out = _Sink(sink, self._on_reader_gone)
+        reader = _FrameReader(self.token, Renderer(out, screen), self._on_exit)
         fd = source.fileno()
+        # Read to the end even after a broken pipe: mpirun must never block writing to us.
         while chunk := os.read(fd, 65536):
             reader.feed(chunk)
         reader.close()
+
+    def _on_reader_gone(self) -> None:
+        """Our stdout or stderr reader stopped reading (``| head``): end the job, as
+        SIGPIPE ends a plain mpirun."""
+        self.reader_gone = True
+        self.stop(signal.SIGTERM)
 
     def _on_exit(self, rank: int, code: int) -> None:
         self.reported += 1
@@ -222,6 +241,8 @@ class _Job:
             t.join()
         if self.interrupted:
             return 130
+        if self.reader_gone:
+            return _BROKEN_PIPE_EXIT
         if self.first_failure is not None:
             return self.first_failure[1]
         code = code if code >= 0 else 128 - code
@@ -286,45 +307,69 @@ def _die_with_parent(sig: int) -> None:
 
 
 def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
-    """Sends the child's stdout and stderr to ours in frames, live: whole lines at once, a
-    partial line (a progress bar) once the child has been quiet for a moment."""
+    """Sends the child's stdout and stderr to ours in frames, live: whole lines and
+    carriage-return updates at once, the partial line after them once its stream has been
+    quiet for a moment (or has grown for a second)."""
     selector = selectors.DefaultSelector()
     pending: dict[int, bytes] = {}
-    since: dict[int, float] = {}  # when the oldest pending partial line arrived
+    began: dict[int, float] = {}  # when each pending partial line began to arrive
+    last: dict[int, float] = {}  # when its latest piece arrived
     for source, sink in ((child.stdout, 1), (child.stderr, 2)):
         selector.register(source, selectors.EVENT_READ, sink)
         pending[sink] = b""
+
+    def due(sink: int) -> float:
+        return min(last[sink] + _QUIET_SECONDS, began[sink] + _PARTIAL_MAX_SECONDS)
+
     while selector.get_map():
-        timeout = (min(since.values()) + _PARTIAL_SECONDS - time.monotonic()) if since else None
-        events = selector.select(None if timeout is None else max(0.0, timeout))
+        timeout = min(map(due, last), default=None)
+        events = selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
+        now = time.monotonic()
         for key, _ in events:
             chunk = os.read(key.fd, 65536)
             sink = key.data
             if not chunk:
                 selector.unregister(key.fileobj)
                 _send_frames(sink, rank, token, pending.pop(sink))
-                since.pop(sink, None)
+                began.pop(sink, None)
+                last.pop(sink, None)
                 continue
             data = pending[sink] + chunk
-            cut = data.rfind(b"\n") + 1
-            _send_frames(sink, rank, token, data[:cut])
+            cut = _whole_part(data)
+            if cut:
+                _send_frames(sink, rank, token, data[:cut])
+                began.pop(sink, None)  # what is left is a new partial line
             pending[sink] = data[cut:]
             if pending[sink]:
-                since.setdefault(sink, time.monotonic())
+                began.setdefault(sink, now)
+                last[sink] = now
             else:
-                since.pop(sink, None)
-        now = time.monotonic()
-        for sink in [s for s, t in since.items() if now - t >= _PARTIAL_SECONDS]:
+                began.pop(sink, None)
+                last.pop(sink, None)
+        for sink in [s for s in last if due(s) <= now]:
             _send_frames(sink, rank, token, pending[sink])
             pending[sink] = b""
-            del since[sink]
+            del began[sink], last[sink]
+
+
+def _whole_part(data: bytes) -> int:
+    """How much of ``data`` is whole: up to its last newline, or up to its last carriage
+    return that something follows (the progress bar's state before the latest one)."""
+    return max(data.rfind(b"\n"), data.rfind(b"\r", 0, len(data) - 1)) + 1
 
 
 def _send_frames(sink: int, rank: str, token: bytes, data: bytes) -> None:
-    for start in range(0, len(data), _FRAME_PAYLOAD):
-        payload = data[start:start + _FRAME_PAYLOAD]
+    """Frames end at a line's end where one fits, so frames of other ranks that arrive in
+    between fall between whole lines (only a line longer than a frame is ever cut)."""
+    start = 0
+    while start < len(data):
+        end = min(start + _FRAME_PAYLOAD, len(data))
+        if end < len(data):
+            end = data.rfind(b"\n", start, end) + 1 or end
+        payload = data[start:end]
         _write_all(sink, b"%s%s %s %d %d\n%s" % (_FRAME, token, rank.encode(), sink,
                                                 len(payload), payload))
+        start = end
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -338,7 +383,10 @@ def _wrapper_main(argv: list[str]) -> int:
     _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
     # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
     try:
+        # mpirun forwards the launcher's stdin to rank 0; the other ranks read nothing (under
+        # plain mpirun, a read there waits forever).
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=None if rank == "0" else subprocess.DEVNULL,
                                  close_fds=False,
                                  preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
     except OSError as e:
@@ -361,47 +409,100 @@ def _report(rank: str, code: int) -> int:
 
 # --- the launcher's side of the frames ----------------------------------------------------------
 
+class _Screen:
+    """Where rendered lines meet: the partial line now open on it, and whose it is. Two
+    renderers share one where stdout and stderr are the same file (a terminal)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # one pump thread per stream writes to it
+        self.open: tuple[Renderer, str] | None = None  # (stream's renderer, rank)
+
+    def end_line(self) -> None:
+        if self.open is not None:
+            renderer, _ = self.open
+            self.open = None
+            renderer._write(b"\n")
+
+
 class Renderer:
     """Writes the ranks' output to one stream with ``[rank] `` at the start of every line and
     after every carriage return, so a rank's progress bar updates in place; a rank's partial
-    line is ended before another rank's output, so two ranks never share a line."""
+    line is ended before another rank's output (or its own on the other stream, where both
+    streams share ``screen``), so two ranks never share a line."""
 
-    def __init__(self, out) -> None:
+    def __init__(self, out, screen: _Screen | None = None) -> None:
         self.out = out
-        self.open_rank: str | None = None  # whose partial line is on the screen, if any
+        self.screen = screen or _Screen()
+        self.after_return = False  # the open line was last taken back to its start by "\r"
 
     def rank_output(self, rank: str, data: bytes) -> None:
         if not data:
             return
-        parts = []
-        if self.open_rank is not None and self.open_rank != rank:
-            parts.append(b"\n")
-            self.open_rank = None
         prefix = b"[%s] " % rank.encode()
-        at_start = self.open_rank is None
-        for piece in re.split(rb"(?<=[\r\n])", data):
-            if piece:
-                parts.append(prefix + piece if at_start else piece)
-                at_start = piece.endswith((b"\n", b"\r"))
-        self.open_rank = None if data.endswith(b"\n") else rank
-        self._write(b"".join(parts))
+        with self.screen.lock:
+            at_start = self.screen.open != (self, rank)
+            if at_start:
+                self.screen.end_line()
+            at_start = at_start or self.after_return
+            parts = []
+            for piece in re.split(rb"(?<=[\r\n])", data):
+                if piece:
+                    parts.append(prefix + piece if at_start else piece)
+                    at_start = piece.endswith((b"\n", b"\r"))
+            self.screen.open = None if data.endswith(b"\n") else (self, rank)
+            self.after_return = data.endswith(b"\r")
+            self._write(b"".join(parts))
 
     def raw(self, data: bytes) -> None:
         """Bytes that are nobody's frames (mpirun's own messages), passed through."""
         if data:
-            if self.open_rank is not None:
-                data = b"\n" + data
-                self.open_rank = None
-            self._write(data)
+            with self.screen.lock:
+                self.screen.end_line()
+                self._write(data)
 
     def close(self) -> None:
-        if self.open_rank is not None:
-            self._write(b"\n")
-            self.open_rank = None
+        with self.screen.lock:
+            if self.screen.open is not None and self.screen.open[0] is self:
+                self.screen.end_line()
 
     def _write(self, data: bytes) -> None:
         self.out.write(data)
         self.out.flush()
+
+
+class _Sink:
+    """The launcher's stdout or stderr as bytes. When its reader has gone (a broken pipe),
+    it says so once and then drops what it is given."""
+
+    def __init__(self, stream, on_reader_gone) -> None:
+        self.out = getattr(stream, "buffer", stream)
+        self.on_reader_gone = on_reader_gone
+        self.gone = False
+
+    def write(self, data: bytes) -> None:
+        if self.gone:
+            return
+        try:
+            self.out.write(data)
+            self.out.flush()
+        except BrokenPipeError:
+            self.gone = True
+            # Python would try the unwritten bytes again at exit and complain.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.out.fileno())
+            os.close(devnull)
+            self.on_reader_gone()
+
+    def flush(self) -> None:
+        pass  # write() flushed
+
+
+def _same_file(a, b) -> bool:
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError):  # closed, or not a real file
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 class _FrameReader:

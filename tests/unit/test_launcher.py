@@ -6,6 +6,7 @@ test goes through the installed console script with a real keras_ring job.
 """
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -244,3 +245,84 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
             b"[0] \r[0]  1/3\nmpirun says hi\n[0] \r[0]  2/3\n[1] warning\n[0] \r[0]  3/3\n"
             b"[1] \xff\x00 binary\n\x1eKR other 9 1 3\nabc[0] tail\n"), chunk_size
         assert exits == [(1, 3)]
+
+
+def test_a_reader_that_stops_reading_ends_the_job_as_sigpipe_ends_mpirun(mpirun, clean_env,
+                                                                        tmp_path):
+    # `keras-ring-run ... | head -2`: the ranks print forever; once the reader has gone the
+    # job must end (exit 141, as a shell reports SIGPIPE) and no rank may block writing.
+    script = _script(tmp_path, f"""
+        import itertools
+        open({str(tmp_path)!r} + f"/pid{{RANK}}", "w").write(str(os.getpid()))
+        for i in itertools.count():
+            print("tick", i, flush=True)
+    """)
+    proc = _launch(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    seen = set()
+    while len(seen) < 2:  # both ranks have written their pid and print by now
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        seen.add(line[:3])
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    proc.stdout.close()
+    err = proc.stderr.read()  # ends when the launcher does
+    proc.wait(timeout=GUARD)
+    assert proc.returncode == 141, err
+    assert b"without an exit status" not in err and b"Exception" not in err, err
+    for pid in pids:
+        _wait_until_gone(pid)
+
+
+def test_stdin_reaches_rank_0_and_the_other_ranks_read_nothing(mpirun, clean_env, tmp_path):
+    script = _script(tmp_path, "print(repr(sys.stdin.read()))\n")
+    proc = _launch(mpirun, ["-np", "2", sys.executable, script], clean_env,
+                   stdin=subprocess.PIPE)
+    out, err = proc.communicate(b"first\nsecond\n", timeout=GUARD)
+    assert proc.returncode == 0, err
+    assert sorted(out.decode().splitlines()) == ["[0] 'first\\nsecond\\n'", "[1] ''"]
+
+
+def test_stdout_and_stderr_on_one_terminal_never_share_a_line():
+    written = []
+
+    class Sink:
+        def __init__(self, name):
+            self.name = name
+
+        def write(self, data):
+            written.append((self.name, data))
+
+        def flush(self):
+            pass
+
+    screen = launcher._Screen()
+    out = launcher.Renderer(Sink("out"), screen)
+    err = launcher.Renderer(Sink("err"), screen)
+    out.rank_output("0", b"\r 1/3")
+    err.rank_output("1", b"warning\n")  # another rank's line on the other stream
+    out.rank_output("0", b"\r 2/3")
+    err.rank_output("0", b"its own warning\n")  # the same rank, the other stream
+    out.rank_output("0", b"\r 3/3")
+    out.close()
+    err.close()
+    assert written == [
+        ("out", b"[0] \r[0]  1/3"), ("out", b"\n"), ("err", b"[1] warning\n"),
+        ("out", b"[0] \r[0]  2/3"), ("out", b"\n"), ("err", b"[0] its own warning\n"),
+        ("out", b"[0] \r[0]  3/3"), ("out", b"\n")]
+
+
+def test_lines_stay_whole_under_heavy_output_from_every_rank(mpirun, clean_env, tmp_path):
+    # Every write ends inside a line, without pause: a partial line must travel only once
+    # its stream is quiet, else another rank's line lands inside it.
+    script = _script(tmp_path, """
+        blob = b"".join(b"%d %06d %s\\n" % (RANK, i, b"x" * 90) for i in range(30000))
+        for start in range(0, len(blob), 4093):
+            os.write(1, blob[start:start + 4093])
+    """)
+    code, out, err = _run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 60000
+    broken = [line for line in lines
+              if not re.fullmatch(r"\[([01])\] \1 \d{6} x{90}", line)]
+    assert not broken, broken[:5]
