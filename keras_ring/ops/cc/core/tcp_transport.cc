@@ -1,5 +1,7 @@
 #include "tcp_transport.h"
 
+#include "tcp_connect.h"
+
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -130,38 +132,6 @@ TcpTransport::~TcpTransport() {
 
 namespace {
 
-// One non-blocking connect, bounded by `ms`. Returns the connected (blocking) socket, or -1
-// with *err set (ETIMEDOUT when the bound passed).
-int ConnectWithin(const addrinfo* ai, int ms, int* err) {
-  int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
-  if (fd < 0) {
-    *err = errno;
-    return -1;
-  }
-  if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
-    if (errno != EINPROGRESS) {
-      *err = errno;
-      close(fd);
-      return -1;
-    }
-    pollfd p{fd, POLLOUT, 0};
-    int rc;
-    do {
-      rc = poll(&p, 1, ms);
-    } while (rc < 0 && errno == EINTR);
-    socklen_t len = sizeof *err;
-    *err = rc == 0 ? ETIMEDOUT : 0;
-    if (rc > 0) getsockopt(fd, SOL_SOCKET, SO_ERROR, err, &len);
-    if (rc < 0) *err = errno;
-    if (*err != 0) {
-      close(fd);
-      return -1;
-    }
-  }
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) & ~O_NONBLOCK);
-  return fd;
-}
-
 std::vector<std::string> SplitCandidates(const std::string& hosts) {
   std::vector<std::string> out;
   size_t start = 0;
@@ -178,56 +148,58 @@ std::vector<std::string> SplitCandidates(const std::string& hosts) {
 Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token,
                                int32_t channel, Deadline deadline) {
   const std::vector<std::string> candidates = SplitCandidates(addr.host);
-  const std::string port = std::to_string(addr.port);
   // The peer listens before addresses are exchanged, so a refusal is no start-up race: the
   // address reaches a machine (or network namespace) where this peer does not listen. A
-  // few passes absorb a transient one; a candidate that does not answer gets a bounded try
-  // so the next one is reached in time.
+  // few passes absorb a transient one. A silent candidate delays the next by kStaggerMs
+  // only, and the one that answered a peer's host is tried first for its next connection.
+  constexpr int kStaggerMs = 250;
   constexpr int kAttemptMs = 3000;
   constexpr int kRefusedPasses = 5;
-  std::vector<std::string> errors(candidates.size());
+  std::vector<std::string> errors(candidates.size(), "not tried");
+  const auto remembered = reached_.find(addr.host);
+  std::vector<size_t> order;
+  if (remembered != reached_.end()) order.push_back(remembered->second);
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    if (order.empty() || order[0] != c) order.push_back(c);
+  }
   for (int pass = 0;; ++pass) {
-    bool all_refused = !candidates.empty();
-    for (size_t c = 0; c < candidates.size(); ++c) {
-      addrinfo hints{};
-      hints.ai_family = AF_UNSPEC;
-      hints.ai_socktype = SOCK_STREAM;
-      addrinfo* res = nullptr;
-      const int rc = getaddrinfo(candidates[c].c_str(), port.c_str(), &hints, &res);
-      if (rc != 0) {
-        errors[c] = std::string("cannot resolve: ") + gai_strerror(rc);
-        all_refused = false;
-        continue;
-      }
-      for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
-        int err = 0;
-        const int fd = ConnectWithin(ai, deadline.remaining_ms(kAttemptMs), &err);
-        if (fd >= 0) {
-          freeaddrinfo(res);
-          (channel == kData ? fds_ : control_fds_)[static_cast<size_t>(peer)] = fd;
-          Hello hello{kHelloMagic, job_token, build_hash_, rank_, size_, channel, 0};
-          if (!SendAllBlocking(fd, &hello, sizeof hello)) return PeerGone(peer, "connecting", errno);
-          return Status::OK();
-        }
-        errors[c] = Errno(err);
-        if (err != ECONNREFUSED) all_refused = false;
-      }
-      freeaddrinfo(res);
+    std::vector<ConnectTarget> targets;
+    bool all_refused = true;  // every candidate resolved and refused: none will listen
+    for (size_t c : order) {
+      const std::string unresolved = Resolve(candidates[c], addr.port, c, &targets);
+      if (!unresolved.empty()) errors[c] = unresolved;
+      all_refused = all_refused && unresolved.empty();
+    }
+    const ConnectOutcome got = ConnectFirst(targets, kStaggerMs, kAttemptMs, deadline);
+    if (got.fd >= 0) {
+      const size_t c = targets[got.winner].candidate;
+      reached_[addr.host] = c;
+      (channel == kData ? fds_ : control_fds_)[static_cast<size_t>(peer)] = got.fd;
+      Hello hello{kHelloMagic, job_token, build_hash_, rank_, size_, channel, 0};
+      if (!SendAllBlocking(got.fd, &hello, sizeof hello)) return PeerGone(peer, "connecting", errno);
+      return Status::OK();
+    }
+    all_refused = all_refused && !targets.empty();
+    for (size_t t = 0; t < targets.size(); ++t) {
+      if (got.errs[t] != 0) errors[targets[t].candidate] = Errno(got.errs[t]);
+      if (got.errs[t] != ECONNREFUSED) all_refused = false;
     }
     if (deadline.expired() || (all_refused && pass + 1 >= kRefusedPasses)) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(pass, 4)));  // back-off
   }
   std::string tried;
   for (size_t c = 0; c < candidates.size(); ++c) {
-    tried += (c ? "; " : "") + candidates[c] + ":" + port + " (" + errors[c] + ")";
+    tried += (c ? "; " : "") + candidates[c] + ":" + std::to_string(addr.port) + " (" +
+             errors[c] + ")";
   }
   return Status(Code::kUnavailable,
                 "could not connect to rank " + std::to_string(peer) + " at any address it "
                     "offered: " + (tried.empty() ? "none" : tried) + ". A refused connection "
                     "means nothing of this job listens there: the address belongs to another "
                     "machine or network namespace (ranks with one KERAS_RING_HOST_ID are "
-                    "reached over loopback), or set KERAS_RING_SOCKET_IFNAME to the "
-                    "interface that connects the hosts",
+                    "reached over loopback); a timed-out one, that the network drops what "
+                    "is sent there. Set KERAS_RING_SOCKET_IFNAME to the interface that "
+                    "connects the hosts",
                 peer);
 }
 

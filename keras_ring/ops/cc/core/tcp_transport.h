@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,6 +79,8 @@ class TcpTransport : public Transport {
 
   int rank_;
   int size_;
+  // Per peer host (its offered address list): the candidate that answered last time.
+  std::map<std::string, size_t> reached_;
   std::string build_;
   uint64_t build_hash_;
   std::vector<int> fds_;          // data socket per peer, -1 for self

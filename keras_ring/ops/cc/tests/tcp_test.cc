@@ -1,7 +1,12 @@
 // The TCP mesh over loopback with ranks as threads: it forms and carries data, and a peer
 // greeting with another build is refused with an error naming it, in bounded time, instead
 // of being trusted to share this build's slot layout and protocol.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <memory>
 #include <string>
@@ -128,6 +133,46 @@ TEST(Tcp_AnAddressWhereNothingListensFailsFastNamingIt) {
   CHECK_CONTAINS(s.message(), "127.0.0.1:" + std::to_string(port) + " (Connection refused)");
   CHECK_CONTAINS(s.message(), "KERAS_RING_SOCKET_IFNAME");
   CHECK(SecondsSince(start) < 30.0) << SecondsSince(start) << " s";
+}
+
+}  // namespace kr_test
+
+namespace kr_test {
+
+TEST(Tcp_ASilentAddressCostsAMomentNotAConnectTimeout) {
+  // Rank 0 offers 127.0.0.2 first, where a listener with a full accept queue drops every
+  // SYN (a firewalled interface), then 127.0.0.1 where it listens. Tried in turn with a 3 s
+  // attempt each, the data and control connections could not form within the deadline.
+  int ports[2];
+  const int listen_fds[2] = {ListenOnLoopback(&ports[0]), ListenOnLoopback(&ports[1])};
+  const int silent = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(0x7f000002);  // 127.0.0.2
+  addr.sin_port = htons(static_cast<uint16_t>(ports[0]));
+  CHECK(bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) << errno;
+  CHECK(listen(silent, 0) == 0);
+  std::vector<int> fillers;  // never accepted: they fill the queue
+  for (int i = 0; i < 2; ++i) {
+    fillers.push_back(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    connect(fillers.back(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  }
+  const std::vector<PeerAddress> peers = {{"127.0.0.2,127.0.0.1", ports[0]},
+                                          {"127.0.0.1", ports[1]}};
+  Status create[2];
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<TcpTransport> t;
+      create[r] = TcpTransport::Create(r, 2, listen_fds[r], peers, 9, Deadline::After(2.5), &t);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int fd : listen_fds) close(fd);
+  for (int fd : fillers) close(fd);
+  close(silent);
+  CHECK_OK(create[0]);
+  CHECK_OK(create[1]);
 }
 
 }  // namespace kr_test
