@@ -3,9 +3,10 @@
 Example:
 
 ```python
-import keras, keras_ring
+import keras, keras_ring, tensorflow as tf
 keras_ring.init()
 x = keras_ring.allreduce(tf.constant([1.0, 2.0]), op=keras_ring.Sum)
+optimizer = keras_ring.wrap(keras.optimizers.Adam(1e-3 * keras_ring.size()))
 ```
 """
 

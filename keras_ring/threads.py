@@ -11,6 +11,7 @@ TensorFlow's default alone).
 from __future__ import annotations
 
 import os
+import warnings
 
 
 def available_cores() -> int:
@@ -37,6 +38,11 @@ def configure(local_size: int, requested: int | None) -> int | None:
         return None
     try:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
-    except RuntimeError:
-        return None  # TensorFlow already started its pools; nothing can change them now
+    except RuntimeError:  # TensorFlow already started its pools; nothing can change them now
+        if requested is not None:  # the user asked for it: say that it did not happen
+            warnings.warn(
+                f"keras_ring: KERAS_RING_INTRA_OP_THREADS={requested} was ignored: a TensorFlow "
+                "op ran before keras_ring.init(), so TensorFlow's thread pools already exist. "
+                "Call keras_ring.init() before any TensorFlow op.", stacklevel=3)
+        return None
     return threads

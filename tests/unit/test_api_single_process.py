@@ -276,6 +276,19 @@ def test_intra_op_threads_follow_the_variables(clean_env, env, expected):
     assert f"THREADS {expected}" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
+def test_intra_op_threads_asked_for_too_late_are_named_in_a_warning(clean_env):
+    code = ("import tensorflow as tf, keras_ring\n"
+            "tf.constant(1.0) + 1.0  # TensorFlow starts its pools here\n"
+            "keras_ring.init()\n"
+            "print('THREADS', tf.config.threading.get_intra_op_parallelism_threads())\n")
+    child = {k: v for k, v in clean_env.items() if k != "TF_NUM_INTRAOP_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code],
+                         env=dict(child, KERAS_RING_INTRA_OP_THREADS="3"),
+                         capture_output=True, text=True, timeout=300)
+    assert "THREADS 0" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "KERAS_RING_INTRA_OP_THREADS=3 was ignored" in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_reducescatter_and_alltoall_world_of_one(initialized, op):
     x = rank_input(tf.float32, (5, 2), 0, seed=1, op=op)
