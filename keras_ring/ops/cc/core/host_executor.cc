@@ -86,7 +86,8 @@ Status HostExecutor::FastAgree(const Request& request, uint64_t seq, Request* de
     return Status(Code::kDeadlineExceeded,
                   "timed out waiting for rank " + std::to_string(waited_on) + " to submit " +
                       mine.Label() +
-                      " (it has not reached it, is stalled, or runs a different program)",
+                      " (it has not reached it, is stalled, runs a different program, or the "
+                      "network to it drops what is sent)",
                   waited_on);
   }
   return s;
@@ -195,7 +196,8 @@ Status HostExecutor::BlameForExchangeTimeout(const Request& request, uint64_t se
   return Status(Code::kDeadlineExceeded,
                 "timed out waiting for rank " + std::to_string(blamed) + " to submit " +
                     SignatureOf(request, seq).Label() +
-                    " (it has not reached it, is stalled, or runs a different program)",
+                    " (it has not reached it, is stalled, runs a different program, or the "
+                    "network to it drops what is sent)",
                 blamed);
 }
 

@@ -273,7 +273,9 @@ Status CheckSignatures(const std::vector<Signature>& all) {
       for (int d : differ) msg << " " << d;
       msg << ")";
     }
-    msg << "; every rank must submit the same collectives in the same order";
+    msg << "; every rank must submit the same collectives in the same order (uneven data "
+           "shards part them: a rank with fewer steps moves on to its epoch's end; see 'When "
+           "ranks run different collectives' in keras_ring's README)";
     return Status(Code::kFailedPrecondition, msg.str(), differ[0]);
   }
   return Status::OK();
