@@ -79,9 +79,9 @@ Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string&
     return Status(Code::kUnavailable,
                   "rank " + std::to_string(reporter) + " has shut down" + how_far +
                       " while this rank still needs it: the ranks ran different numbers of "
-                      "collectives: uneven data shards, or a rank that stopped early on a "
-                      "decision of its own (see 'When ranks run different collectives' in "
-                      "keras_ring's README)",
+                      "collectives: uneven data shards, or a rank that stopped early (on a "
+                      "decision of its own, or by sys.exit; see 'When ranks run different "
+                      "collectives' in keras_ring's README)",
                   reporter)
         .ReportedBy(reporter);
   }
