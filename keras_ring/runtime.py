@@ -258,7 +258,8 @@ def _interrupting_signals() -> list[int]:
 def _gist(exc: BaseException) -> str:
     """One line of an exception's message: keras_ring's own line where TensorFlow wrapped it,
     else the first line that says what went wrong."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    raw = str(exc).splitlines()
+    lines = [line.strip() for line in raw if line.strip()]
     ours = [line for line in lines if line.startswith("keras_ring:")]
     if ours:
         return ours[0]
@@ -266,18 +267,23 @@ def _gist(exc: BaseException) -> str:
         # TensorFlow's wrappers (running a graph; tracing one), then where the op was defined
         # and, for an error raised in a tf.data generator or py_function, the Python
         # traceback: none of it is the cause.
-        lines = _without_tracebacks(lines[1:]) or lines
+        lines = _without_tracebacks(raw) or lines
     return (lines or [""])[0]
 
 
-def _without_tracebacks(lines: list[str]) -> list[str]:
-    kept, after_frame = [], False
-    for line in lines:
-        frame = line.startswith('File "')
-        if not (frame or after_frame or line.startswith(_TF_BOILERPLATE)
-                or set(line) <= set("^~ ")):
-            kept.append(line)
-        after_frame = frame  # the source line a frame shows
+def _without_tracebacks(raw: list[str]) -> list[str]:
+    """The stripped lines of ``raw`` after its first, less traceback frames, the source lines
+    they show and TensorFlow's boilerplate."""
+    kept, frame_indent = [], None
+    for line in raw[1:]:
+        text, indent = line.strip(), len(line) - len(line.lstrip())
+        # A frame shows its source line right below it, indented deeper; where TensorFlow
+        # has no source to show, the next line is the message itself.
+        source = frame_indent is not None and indent > frame_indent
+        frame_indent = indent if text.startswith('File "') else None
+        if not (not text or frame_indent is not None or source
+                or text.startswith(_TF_BOILERPLATE) or set(text) <= set("^~ ")):
+            kept.append(text)
     return kept
 
 
