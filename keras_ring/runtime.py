@@ -258,7 +258,7 @@ def _interrupting_signals() -> list[int]:
 def _gist(exc: BaseException) -> str:
     """One line of an exception's message: keras_ring's own line where TensorFlow wrapped it,
     else the first line that says what went wrong."""
-    raw = str(exc).splitlines()
+    raw = str(exc).strip().splitlines()  # raw[0]: the first line, where the header is
     lines = [line.strip() for line in raw if line.strip()]
     ours = [line for line in lines if line.startswith("keras_ring:")]
     if ours:
@@ -281,7 +281,7 @@ def _without_tracebacks(raw: list[str]) -> list[str]:
         # has no source to show, the next line is the message itself.
         source = frame_indent is not None and indent > frame_indent
         frame_indent = indent if text.startswith('File "') else None
-        if not (not text or frame_indent is not None or source
+        if not (frame_indent is not None or source
                 or text.startswith(_TF_BOILERPLATE) or set(text) <= set("^~ ")):
             kept.append(text)
     return kept
