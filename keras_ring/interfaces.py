@@ -180,6 +180,48 @@ def candidate_addresses(advertise: str | None = None, ifname: str | None = None,
     return ordered
 
 
+def foreign_addresses(advertised: str) -> list[str]:
+    """The entries of ``advertised`` (comma-separated addresses or names) that name no
+    address of this host: a socket cannot be bound to them here (or a name does not resolve).
+
+    Peers reach such an address only through a translation that forwards every port to this
+    host: the runtime listens on an ephemeral port.
+    """
+    foreign = []
+    for entry in (a.strip() for a in advertised.split(",")):
+        if entry and not _bindable(entry):
+            foreign.append(entry)
+    return foreign
+
+
+def _bindable(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(address)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def advertise_hint(advertised: str | None) -> str:
+    """A sentence for a failed connection: which of this rank's hand-set addresses are not
+    this host's, or "" when all are (or none was set)."""
+    foreign = foreign_addresses(advertised) if advertised else []
+    if not foreign:
+        return ""
+    what = "is no address" if len(foreign) == 1 else "are no addresses"
+    return (f"; this rank advertises {ADVERTISE_VARIABLE}={advertised!r}, and "
+            f"{', '.join(foreign)} {what} of this host (a socket cannot be bound here): "
+            "peers reach this rank there only through a translation that forwards every "
+            "port to it")
+
+
 def _nothing_usable(interfaces: list[Interface], spec: str) -> str:
     seen = ", ".join(f"{i.name} {i.address}" + ("" if i.up else " (down)")
                      for i in interfaces) or "none"

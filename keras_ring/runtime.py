@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from keras_ring import _lifecycle, errors, gpu, threads
+from keras_ring import _lifecycle, errors, gpu, interfaces, threads
 from keras_ring.bootstrap import bootstrap
 from keras_ring.config import Config
 from keras_ring.elastic import client as elastic_client
@@ -202,6 +202,8 @@ class Runtime:
         if rc != 0:
             message = err.value.decode(errors="replace")
             info = errors.error_info(message)
+            if len(set(topo.host_ids)) > 1:  # only other hosts use the advertised address
+                message += interfaces.advertise_hint(config.advertise_address)
             raise InitError(f"rank {topo.rank}: {message}",
                             info=info if info is not None and info.rank >= 0 else None)
         for sig in _interrupting_signals():

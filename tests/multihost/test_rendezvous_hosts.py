@@ -60,3 +60,22 @@ def test_a_rank_that_spells_the_rendezvous_as_loopback_is_the_one_named(cluster,
     for e in errors:
         assert "rank 1 on host h0 reached the rendezvous at a loopback address" in e["message"], e
         assert e["seconds"] < TIMEOUT / 2, e
+
+
+def test_a_rank_that_advertises_a_foreign_address_is_named_on_every_rank_before_the_timeout(
+        cluster, env, tmp_path):
+    # Rank 1 (on h0) hands its peers an address no host has: rank 2 and 3 on h1 cannot reach
+    # it, and rank 1, waiting for them to connect, is reached by no one. They tell the ranks
+    # they did reach, which pass it on, so rank 1 hears the cause too.
+    c = cluster(["h0", "h1"])
+    wrong = "10.250.99.99"  # outside the cluster's subnet: no route leads there
+    advertise = {1: {"KERAS_RING_ADVERTISE_ADDRESS": wrong}}
+    outputs = finish(start(c, ["h0", "h0", "h1", "h1"], env, tmp_path, "init", advertise))
+    errors = {e["rank"]: e for _, out, _ in outputs for e in records(out, "ERROR")}
+    assert sorted(errors) == [0, 1, 2, 3], describe(outputs)
+    for e in errors.values():
+        assert "could not connect to rank 1 at any address it offered" in e["message"], e
+        assert f"{wrong}:" in e["message"] and "Network is unreachable" in e["message"], e
+        assert e["seconds"] < TIMEOUT / 2, e  # told, not timed out
+    assert "is no address of this host" in errors[1]["message"], errors[1]
+    assert all(code != 0 for code, _, _ in outputs), describe(outputs)

@@ -69,7 +69,8 @@ def main() -> None:
     try:
         kr.init()
     except Exception as e:  # noqa: BLE001 - the test inspects whatever came out
-        print("ERROR " + json.dumps({"type": type(e).__name__, "message": str(e),
+        print("ERROR " + json.dumps({"rank": int(os.environ["KERAS_RING_RANK"]),
+                                     "type": type(e).__name__, "message": str(e),
                                      "seconds": time.monotonic() - start}), flush=True)
         sys.exit(3)
     result = {"rank": kr.rank(), "size": kr.size(), "local_rank": kr.local_rank(),

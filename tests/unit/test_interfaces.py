@@ -64,3 +64,17 @@ def test_this_hosts_interfaces_are_read_and_never_offer_loopback():
 def test_network_stack_id_is_stable_in_a_process():
     assert itf.network_stack_id() == itf.network_stack_id()
     assert "/" in itf.network_stack_id()  # boot id / namespace inode, on Linux
+
+
+def test_a_hand_set_address_that_is_not_this_hosts_is_told_apart():
+    # 192.0.2.x is reserved for documentation: no host has it. Loopback and a real address
+    # of this host can be bound; a name that does not resolve is no address either.
+    mine = next((i.address for i in itf.local_interfaces()
+                 if i.family == socket.AF_INET and i.up), "127.0.0.1")
+    assert itf.foreign_addresses(f"192.0.2.7, {mine},localhost,no-such-host.invalid") == [
+        "192.0.2.7", "no-such-host.invalid"]
+    assert itf.foreign_addresses(mine) == []
+    hint = itf.advertise_hint("192.0.2.7")
+    assert "KERAS_RING_ADVERTISE_ADDRESS='192.0.2.7'" in hint
+    assert "192.0.2.7 is no address of this host" in hint
+    assert itf.advertise_hint(mine) == "" and itf.advertise_hint(None) == ""

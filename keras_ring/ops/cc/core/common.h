@@ -142,6 +142,10 @@ class Deadline {
   bool may_yield_ = false;
 };
 
+// Room for the reason a rank that gives up leaves its peers (a notice, a shared region):
+// enough for a connection error that lists the addresses tried, relayed with its reporter.
+constexpr size_t kCauseMessageBytes = 1024;
+
 // The error a rank reports when peer `reporter` gave up because of `cause` (its code and
 // peer, i.e. the rank to blame, are kept; kCancelled means `reporter` shut down cleanly).
 Status PeerGaveUp(int reporter, Code cause_code, int culprit, const std::string& cause_message);

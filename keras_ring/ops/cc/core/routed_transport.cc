@@ -31,8 +31,12 @@ Status ConnectHostTransport(const HostTransportConfig& config, std::unique_ptr<T
   shm_options.job_token = config.job_token;
   std::unique_ptr<ShmTransport> shm;
   // Collective: every rank takes part, also one without local peers.
-  KR_RETURN_IF_ERROR(ShmTransport::Create(*tcp, local, liveness, shm_options,
-                                          config.timeout_seconds, &shm));
+  const Status s =
+      ShmTransport::Create(*tcp, local, liveness, shm_options, config.timeout_seconds, &shm);
+  if (!s.ok()) {
+    tcp->AbortWith(s);  // peers still forming the job learn why (see TcpTransport::Create)
+    return s;
+  }
   *out = std::make_unique<RoutedTransport>(std::move(tcp), std::move(shm));
   return Status::OK();
 }

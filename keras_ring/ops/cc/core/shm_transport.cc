@@ -86,7 +86,7 @@ struct ShmTransport::Region {
   alignas(64) std::atomic<uint32_t> aborted;  // set (release) after the cause below
   int32_t cause_code;    // why: kCancelled for a clean shutdown
   int32_t cause_peer;    // the rank to blame
-  char cause_message[400];
+  char cause_message[kCauseMessageBytes];
   alignas(64) std::atomic<uint32_t> doorbell;  // bumped by anyone who made progress for us
   alignas(64) std::atomic<uint32_t> sleepers;  // >0 while the owner sleeps on the doorbell
 

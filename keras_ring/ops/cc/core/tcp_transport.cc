@@ -24,6 +24,9 @@ namespace {
 
 constexpr uint64_t kHelloMagic = 0x6b72696e67686921ull;  // "kringhi!"
 constexpr int kPollSliceMs = 200;  // wake up this often to notice Abort()
+// How long a rank that failed to form the mesh tries to reach its other lower ranks, only
+// to tell them why.
+constexpr double kRelaySeconds = 2.0;
 constexpr std::chrono::microseconds kYieldBudget{200};  // as ShmOptions::yield_seconds
 
 #ifndef KERAS_RING_BUILD_INFO
@@ -56,7 +59,7 @@ struct AbortNotice {
   uint64_t magic;
   int32_t code;
   int32_t culprit;
-  char message[400];
+  char message[kCauseMessageBytes];
 };
 constexpr uint64_t kNoticeMagic = 0x6b72696e67656e64ull;  // "kringend"
 
@@ -101,23 +104,45 @@ Status TcpTransport::Create(int rank, int size, int listen_fd,
                                               " entries for " + std::to_string(size) + " ranks");
   }
   std::unique_ptr<TcpTransport> t(new TcpTransport(rank, size, build));
-  // Lower ranks first: every rank connects downward and accepts upward, so no cycle waits.
-  // Each pair gets a data socket and a control socket (for abort notices).
-  for (int peer = 0; peer < rank; ++peer) {
-    for (int32_t channel : {kData, kControl}) {
-      KR_RETURN_IF_ERROR(
-          t->ConnectTo(peer, peers[static_cast<size_t>(peer)], job_token, channel, deadline));
-    }
-  }
-  // Higher ranks connect in any order; each accept takes whichever comes.
-  for (int n = 0; n < 2 * (size - rank - 1); ++n) {
-    KR_RETURN_IF_ERROR(t->AcceptFrom(listen_fd, job_token, deadline));
+  const Status s = t->FormMesh(listen_fd, peers, job_token, deadline);
+  if (!s.ok()) {
+    // Ranks this one did reach learn why it gave up (a notice on each control socket); they
+    // pass it on as they give up in turn, so a rank nobody could reach hears the cause
+    // instead of waiting out its deadline.
+    t->AbortWith(s);
+    return s;
   }
   for (size_t i = 0; i < t->fds_.size(); ++i) {
     if (t->fds_[i] >= 0) SetSocketOptions(t->fds_[i]);
     if (t->control_fds_[i] >= 0) SetSocketOptions(t->control_fds_[i]);
   }
   *out = std::move(t);
+  return Status::OK();
+}
+
+Status TcpTransport::FormMesh(int listen_fd, const std::vector<PeerAddress>& peers,
+                              uint64_t job_token, Deadline deadline) {
+  // Lower ranks first: every rank connects downward and accepts upward, so no cycle waits.
+  // Each pair gets a data socket and a control socket (for abort notices).
+  Status failed;
+  for (int peer = 0; peer < rank_; ++peer) {
+    const PeerAddress& addr = peers[static_cast<size_t>(peer)];
+    if (!failed.ok()) {
+      // The remaining lower ranks get a control socket only, to carry the notice of why
+      // this rank gives up, with a short bound of its own: the deadline may be what ran out.
+      (void)ConnectTo(peer, addr, job_token, kControl, Deadline::After(kRelaySeconds));
+      continue;
+    }
+    for (int32_t channel : {kData, kControl}) {
+      failed = ConnectTo(peer, addr, job_token, channel, deadline);
+      if (!failed.ok()) break;
+    }
+  }
+  if (!failed.ok()) return failed;
+  // Higher ranks connect in any order; each accept takes whichever comes.
+  for (int n = 0; n < 2 * (size_ - rank_ - 1); ++n) {
+    KR_RETURN_IF_ERROR(AcceptFrom(listen_fd, job_token, deadline));
+  }
   return Status::OK();
 }
 
@@ -149,12 +174,13 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
                                int32_t channel, Deadline deadline) {
   const std::vector<std::string> candidates = SplitCandidates(addr.host);
   // The peer listens before addresses are exchanged, so a refusal is no start-up race: the
-  // address reaches a machine (or network namespace) where this peer does not listen. A
-  // few passes absorb a transient one. A silent candidate delays the next by kStaggerMs
+  // address reaches a machine (or network namespace) where this peer does not listen; nor is
+  // an unreachable network or host: no route leads there. A few passes absorb a transient
+  // one. A silent candidate delays the next by kStaggerMs
   // only, and the one that answered a peer's host is tried first for its next connection.
   constexpr int kStaggerMs = 250;
   constexpr int kAttemptMs = 3000;
-  constexpr int kRefusedPasses = 5;
+  constexpr int kDefinitivePasses = 5;
   std::vector<std::string> errors(candidates.size(), "not tried");
   const auto remembered = reached_.find(addr.host);
   std::vector<size_t> order;
@@ -164,11 +190,11 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
   }
   for (int pass = 0;; ++pass) {
     std::vector<ConnectTarget> targets;
-    bool all_refused = true;  // every candidate resolved and refused: none will listen
+    bool definitive = true;  // every candidate resolved and refused or unreachable
     for (size_t c : order) {
       const std::string unresolved = Resolve(candidates[c], addr.port, c, &targets);
       if (!unresolved.empty()) errors[c] = unresolved;
-      all_refused = all_refused && unresolved.empty();
+      definitive = definitive && unresolved.empty();
     }
     const ConnectOutcome got = ConnectFirst(targets, kStaggerMs, kAttemptMs, deadline);
     if (got.fd >= 0) {
@@ -179,12 +205,15 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
       if (!SendAllBlocking(got.fd, &hello, sizeof hello)) return PeerGone(peer, "connecting", errno);
       return Status::OK();
     }
-    all_refused = all_refused && !targets.empty();
+    definitive = definitive && !targets.empty();
     for (size_t t = 0; t < targets.size(); ++t) {
-      if (got.errs[t] != 0) errors[targets[t].candidate] = Errno(got.errs[t]);
-      if (got.errs[t] != ECONNREFUSED) all_refused = false;
+      const int err = got.errs[t];
+      if (err != 0) errors[targets[t].candidate] = Errno(err);
+      if (err != ECONNREFUSED && err != ENETUNREACH && err != EHOSTUNREACH) definitive = false;
     }
-    if (deadline.expired() || (all_refused && pass + 1 >= kRefusedPasses)) break;
+    if (deadline.expired() || (definitive && pass + 1 >= kDefinitivePasses)) break;
+    // A rank already reached may have given up meanwhile, maybe for this very address.
+    KR_RETURN_IF_ERROR(PollPeerFailure());
     std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(pass, 4)));  // back-off
   }
   std::string tried;
@@ -194,17 +223,21 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
   }
   return Status(Code::kUnavailable,
                 "could not connect to rank " + std::to_string(peer) + " at any address it "
-                    "offered: " + (tried.empty() ? "none" : tried) + ". A refused connection "
-                    "means nothing of this job listens there: the address belongs to another "
+                    "offered (rank " + std::to_string(rank_) + " tried): " +
+                    (tried.empty() ? "none" : tried) + ". A refused connection means "
+                    "nothing of this job listens there: the address belongs to another "
                     "machine or network namespace (ranks with one KERAS_RING_HOST_ID are "
-                    "reached over loopback); a timed-out one, that the network drops what "
-                    "is sent there. Set KERAS_RING_SOCKET_IFNAME to the interface that "
-                    "connects the hosts",
+                    "reached over loopback); an unreachable one, that no route leads there; "
+                    "a timed-out one, that the network drops what is sent there. Set "
+                    "KERAS_RING_SOCKET_IFNAME to the interface that connects the hosts",
                 peer);
 }
 
 Status TcpTransport::AcceptFrom(int listen_fd, uint64_t job_token, Deadline deadline) {
   while (true) {
+    // A rank already connected may give up meanwhile: one that could not reach a rank that
+    // this one waits for tells why (see Create).
+    KR_RETURN_IF_ERROR(PollPeerFailure());
     pollfd p{listen_fd, POLLIN, 0};
     int rc = poll(&p, 1, deadline.remaining_ms(kPollSliceMs));
     if (rc < 0 && errno != EINTR) return Status(Code::kInternal, "poll: " + Errno(errno));
@@ -215,7 +248,9 @@ Status TcpTransport::AcceptFrom(int listen_fd, uint64_t job_token, Deadline dead
           if (fds_[static_cast<size_t>(r)] < 0) missing = r;
         }
         return Status(Code::kDeadlineExceeded,
-                      "timed out waiting for rank " + std::to_string(missing) + " to connect",
+                      "timed out waiting for rank " + std::to_string(missing) +
+                          " to connect to this rank's listener (at the addresses this rank "
+                          "offered; a rank that cannot reach them says so in its own error)",
                       missing);
       }
       continue;

@@ -61,6 +61,8 @@ class TcpTransport : public Transport {
 
  private:
   TcpTransport(int rank, int size, const std::string& build);
+  Status FormMesh(int listen_fd, const std::vector<PeerAddress>& peers, uint64_t job_token,
+                  Deadline deadline);
   Status ConnectTo(int peer, const PeerAddress& addr, uint64_t job_token, int32_t channel,
                    Deadline deadline);
   Status AcceptFrom(int listen_fd, uint64_t job_token, Deadline deadline);

@@ -176,3 +176,54 @@ TEST(Tcp_ASilentAddressCostsAMomentNotAConnectTimeout) {
 }
 
 }  // namespace kr_test
+
+#include "../core/routed_transport.h"
+
+namespace kr_test {
+
+TEST(Tcp_ARankNobodyCanReachHearsWhyInsteadOfTimingOut) {
+  // Rank 1 offers an address where nothing listens. Rank 2 cannot connect to it; rank 1
+  // waits for rank 2 to connect and cannot be told directly. Rank 2 tells rank 0, which
+  // passes it on: every rank names the address in its error, long before the deadline.
+  const int n = 3;
+  const int closed = ClosedPort();
+  std::vector<int> listen_fds(n);
+  std::vector<PeerAddress> peers(n);
+  for (int r = 0; r < n; ++r) {
+    int port = 0;
+    listen_fds[static_cast<size_t>(r)] = ListenOnLoopback(&port);
+    peers[static_cast<size_t>(r)] = PeerAddress{"127.0.0.1", r == 1 ? closed : port};
+  }
+  std::vector<Status> result(n);
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      HostTransportConfig config;
+      config.rank = r;
+      config.size = n;
+      config.listen_fd = listen_fds[static_cast<size_t>(r)];
+      config.peers = peers;
+      config.host_index = {0, 0, 0};
+      config.job_token = 11;
+      config.timeout_seconds = 60;
+      std::unique_ptr<Transport> t;
+      result[static_cast<size_t>(r)] = ConnectHostTransport(config, &t);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int fd : listen_fds) close(fd);
+  const std::string where = "127.0.0.1:" + std::to_string(closed) + " (Connection refused)";
+  for (int r = 0; r < n; ++r) {
+    const Status& s = result[static_cast<size_t>(r)];
+    CHECK(!s.ok()) << "rank " << r << " formed a job with a rank it cannot reach";
+    CHECK_CONTAINS(s.message(), "could not connect to rank 1 at any address it offered "
+                                "(rank 2 tried): " + where);
+    CHECK_EQ(s.peer(), 1) << "rank " << r << ": " << s.message();
+  }
+  // Rank 1 heard it through rank 0 (bounded, not a speed bound: the deadline is 60 s).
+  CHECK_CONTAINS(result[1].message(), "reported by rank 0");
+  CHECK(SecondsSince(start) < 30.0) << SecondsSince(start) << " s";
+}
+
+}  // namespace kr_test
