@@ -123,20 +123,28 @@ Status TcpTransport::Create(int rank, int size, int listen_fd,
 Status TcpTransport::FormMesh(int listen_fd, const std::vector<PeerAddress>& peers,
                               uint64_t job_token, Deadline deadline) {
   // Lower ranks first: every rank connects downward and accepts upward, so no cycle waits.
-  // Each pair gets a data socket and a control socket (for abort notices).
+  // Each pair gets a data socket and a control socket (for abort notices). Connecting gives
+  // up a little before accepting does: a rank waiting for a peer that cannot reach it (a
+  // firewall dropping what is sent there) then hears why before its own wait ends.
+  const Clock::duration left = std::max(deadline.time() - Clock::now(), Clock::duration::zero());
+  const Deadline connect_deadline(deadline.time() -
+                                  std::min<Clock::duration>(left / 10, std::chrono::seconds(5)));
   Status failed;
+  Deadline relay_deadline = deadline;
   for (int peer = 0; peer < rank_; ++peer) {
     const PeerAddress& addr = peers[static_cast<size_t>(peer)];
     if (!failed.ok()) {
       // The remaining lower ranks get a control socket only, to carry the notice of why
-      // this rank gives up, with a short bound of its own: the deadline may be what ran out.
-      (void)ConnectTo(peer, addr, job_token, kControl, Deadline::After(kRelaySeconds));
+      // this rank gives up, all within a short bound of their own (the deadline may be
+      // what ran out).
+      (void)ConnectTo(peer, addr, job_token, kControl, relay_deadline);
       continue;
     }
     for (int32_t channel : {kData, kControl}) {
-      failed = ConnectTo(peer, addr, job_token, channel, deadline);
+      failed = ConnectTo(peer, addr, job_token, channel, connect_deadline);
       if (!failed.ok()) break;
     }
+    if (!failed.ok()) relay_deadline = Deadline::After(kRelaySeconds);
   }
   if (!failed.ok()) return failed;
   // Higher ranks connect in any order; each accept takes whichever comes.

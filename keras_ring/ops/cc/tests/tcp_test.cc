@@ -138,25 +138,49 @@ TEST(Tcp_AnAddressWhereNothingListensFailsFastNamingIt) {
 }  // namespace kr_test
 
 namespace kr_test {
+namespace {
+
+// A listener on 127.0.0.2 whose accept queue is full, so it drops every SYN, as a firewalled
+// interface does. `port` 0 picks one.
+class SilentListener {
+ public:
+  explicit SilentListener(int port) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(0x7f000002);  // 127.0.0.2
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    CHECK(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) << errno;
+    CHECK(listen(fd_, 0) == 0);
+    socklen_t len = sizeof addr;
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    for (int i = 0; i < 2; ++i) {  // never accepted: they fill the queue
+      fillers_.push_back(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      connect(fillers_.back(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    }
+  }
+  ~SilentListener() {
+    for (int fd : fillers_) close(fd);
+    close(fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  std::vector<int> fillers_;
+};
+
+}  // namespace
 
 TEST(Tcp_ASilentAddressCostsAMomentNotAConnectTimeout) {
-  // Rank 0 offers 127.0.0.2 first, where a listener with a full accept queue drops every
-  // SYN (a firewalled interface), then 127.0.0.1 where it listens. Tried in turn with a 3 s
-  // attempt each, the data and control connections could not form within the deadline.
+  // Rank 0 offers 127.0.0.2 first, where SYNs are dropped, then 127.0.0.1 where it listens.
+  // Tried in turn with a 3 s attempt each, the data and control connections could not form
+  // within the deadline.
   int ports[2];
   const int listen_fds[2] = {ListenOnLoopback(&ports[0]), ListenOnLoopback(&ports[1])};
-  const int silent = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(0x7f000002);  // 127.0.0.2
-  addr.sin_port = htons(static_cast<uint16_t>(ports[0]));
-  CHECK(bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) << errno;
-  CHECK(listen(silent, 0) == 0);
-  std::vector<int> fillers;  // never accepted: they fill the queue
-  for (int i = 0; i < 2; ++i) {
-    fillers.push_back(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    connect(fillers.back(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  }
+  const SilentListener silent(ports[0]);
   const std::vector<PeerAddress> peers = {{"127.0.0.2,127.0.0.1", ports[0]},
                                           {"127.0.0.1", ports[1]}};
   Status create[2];
@@ -169,8 +193,6 @@ TEST(Tcp_ASilentAddressCostsAMomentNotAConnectTimeout) {
   }
   for (std::thread& t : threads) t.join();
   for (int fd : listen_fds) close(fd);
-  for (int fd : fillers) close(fd);
-  close(silent);
   CHECK_OK(create[0]);
   CHECK_OK(create[1]);
 }
@@ -180,22 +202,20 @@ TEST(Tcp_ASilentAddressCostsAMomentNotAConnectTimeout) {
 #include "../core/routed_transport.h"
 
 namespace kr_test {
+namespace {
 
-TEST(Tcp_ARankNobodyCanReachHearsWhyInsteadOfTimingOut) {
-  // Rank 1 offers an address where nothing listens. Rank 2 cannot connect to it; rank 1
-  // waits for rank 2 to connect and cannot be told directly. Rank 2 tells rank 0, which
-  // passes it on: every rank names the address in its error, long before the deadline.
+// Three ranks of one host form a job (TCP mesh, then shared memory), but the table gives
+// rank 1's address as `rank1` (host, port). Returns each rank's status.
+std::vector<Status> JobWithRank1At(const PeerAddress& rank1, double timeout_seconds) {
   const int n = 3;
-  const int closed = ClosedPort();
   std::vector<int> listen_fds(n);
   std::vector<PeerAddress> peers(n);
   for (int r = 0; r < n; ++r) {
     int port = 0;
     listen_fds[static_cast<size_t>(r)] = ListenOnLoopback(&port);
-    peers[static_cast<size_t>(r)] = PeerAddress{"127.0.0.1", r == 1 ? closed : port};
+    peers[static_cast<size_t>(r)] = r == 1 ? rank1 : PeerAddress{"127.0.0.1", port};
   }
   std::vector<Status> result(n);
-  const auto start = Clock::now();
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
@@ -206,24 +226,51 @@ TEST(Tcp_ARankNobodyCanReachHearsWhyInsteadOfTimingOut) {
       config.peers = peers;
       config.host_index = {0, 0, 0};
       config.job_token = 11;
-      config.timeout_seconds = 60;
+      config.timeout_seconds = timeout_seconds;
       std::unique_ptr<Transport> t;
       result[static_cast<size_t>(r)] = ConnectHostTransport(config, &t);
     });
   }
   for (std::thread& t : threads) t.join();
   for (int fd : listen_fds) close(fd);
-  const std::string where = "127.0.0.1:" + std::to_string(closed) + " (Connection refused)";
-  for (int r = 0; r < n; ++r) {
+  return result;
+}
+
+void CheckEveryRankNamesRank1(const std::vector<Status>& result, const std::string& where) {
+  for (int r = 0; r < static_cast<int>(result.size()); ++r) {
     const Status& s = result[static_cast<size_t>(r)];
     CHECK(!s.ok()) << "rank " << r << " formed a job with a rank it cannot reach";
     CHECK_CONTAINS(s.message(), "could not connect to rank 1 at any address it offered "
                                 "(rank 2 tried): " + where);
     CHECK_EQ(s.peer(), 1) << "rank " << r << ": " << s.message();
   }
-  // Rank 1 heard it through rank 0 (bounded, not a speed bound: the deadline is 60 s).
+  // Rank 1 heard it through rank 0: nobody could reach it directly.
   CHECK_CONTAINS(result[1].message(), "reported by rank 0");
-  CHECK(SecondsSince(start) < 30.0) << SecondsSince(start) << " s";
+}
+
+}  // namespace
+
+TEST(Tcp_ARankNobodyCanReachHearsWhyInsteadOfTimingOut) {
+  // Rank 1 offers an address where nothing listens. Rank 2 cannot connect to it; rank 1
+  // waits for rank 2 to connect and cannot be told directly. Rank 2 tells rank 0, which
+  // passes it on: every rank names the address, long before the deadline.
+  const int closed = ClosedPort();
+  const auto start = Clock::now();
+  const std::vector<Status> result = JobWithRank1At({"127.0.0.1", closed}, 60);
+  CheckEveryRankNamesRank1(result, "127.0.0.1:" + std::to_string(closed) +
+                                       " (Connection refused)");
+  CHECK(SecondsSince(start) < 30.0) << SecondsSince(start) << " s";  // a bound, not a speed
+}
+
+TEST(Tcp_ARankBehindAFirewallHearsWhyBeforeItsOwnWaitEnds) {
+  // Rank 1 offers 127.0.0.2, where a listener with a full accept queue drops every SYN (as a
+  // firewall does): rank 2 tries until its deadline. Connecting gives up before accepting
+  // does, so rank 1, waiting for rank 2, hears the cause rather than its own timeout.
+  const SilentListener silent(0);
+  const std::vector<Status> result = JobWithRank1At({"127.0.0.2", silent.port()}, 10);
+  CheckEveryRankNamesRank1(result, "127.0.0.2:" + std::to_string(silent.port()) + " (");
+  CHECK(result[1].message().find("timed out waiting for rank 2") == std::string::npos)
+      << result[1].message();
 }
 
 }  // namespace kr_test
