@@ -187,11 +187,7 @@ def foreign_addresses(advertised: str) -> list[str]:
     Peers reach such an address only through a translation that forwards every port to this
     host: the runtime listens on an ephemeral port.
     """
-    foreign = []
-    for entry in (a.strip() for a in advertised.split(",")):
-        if entry and not _bindable(entry):
-            foreign.append(entry)
-    return foreign
+    return [a for a in candidate_addresses(advertised) if not _bindable(a)]
 
 
 def _bindable(host: str) -> bool:

@@ -130,23 +130,23 @@ Status TcpTransport::FormMesh(int listen_fd, const std::vector<PeerAddress>& pee
   const Deadline connect_deadline(deadline.time() -
                                   std::min<Clock::duration>(left / 10, std::chrono::seconds(5)));
   Status failed;
-  Deadline relay_deadline = deadline;
-  for (int peer = 0; peer < rank_; ++peer) {
-    const PeerAddress& addr = peers[static_cast<size_t>(peer)];
-    if (!failed.ok()) {
-      // The remaining lower ranks get a control socket only, to carry the notice of why
-      // this rank gives up, all within a short bound of their own (the deadline may be
-      // what ran out).
-      (void)ConnectTo(peer, addr, job_token, kControl, relay_deadline);
-      continue;
-    }
+  int peer = 0;
+  for (; peer < rank_ && failed.ok(); ++peer) {
     for (int32_t channel : {kData, kControl}) {
-      failed = ConnectTo(peer, addr, job_token, channel, connect_deadline);
+      failed = ConnectTo(peer, peers[static_cast<size_t>(peer)], job_token, channel,
+                         connect_deadline);
       if (!failed.ok()) break;
     }
-    if (!failed.ok()) relay_deadline = Deadline::After(kRelaySeconds);
   }
-  if (!failed.ok()) return failed;
+  if (!failed.ok()) {
+    // The remaining lower ranks get a control socket only, to carry the notice of why this
+    // rank gives up, all within a short bound of their own (the deadline may be what ran out).
+    const Deadline relay = Deadline::After(kRelaySeconds);
+    for (; peer < rank_; ++peer) {
+      (void)ConnectTo(peer, peers[static_cast<size_t>(peer)], job_token, kControl, relay);
+    }
+    return failed;
+  }
   // Higher ranks connect in any order; each accept takes whichever comes.
   for (int n = 0; n < 2 * (size_ - rank_ - 1); ++n) {
     KR_RETURN_IF_ERROR(AcceptFrom(listen_fd, job_token, deadline));
@@ -184,8 +184,8 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
   // The peer listens before addresses are exchanged, so a refusal is no start-up race: the
   // address reaches a machine (or network namespace) where this peer does not listen; nor is
   // an unreachable network or host: no route leads there. A few passes absorb a transient
-  // one. A silent candidate delays the next by kStaggerMs
-  // only, and the one that answered a peer's host is tried first for its next connection.
+  // one. A silent candidate delays the next by kStaggerMs only, and the one that answered a
+  // peer's host is tried first for its next connection.
   constexpr int kStaggerMs = 250;
   constexpr int kAttemptMs = 3000;
   constexpr int kDefinitivePasses = 5;

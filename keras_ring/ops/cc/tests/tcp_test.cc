@@ -199,41 +199,14 @@ TEST(Tcp_ASilentAddressCostsAMomentNotAConnectTimeout) {
 
 }  // namespace kr_test
 
-#include "../core/routed_transport.h"
-
 namespace kr_test {
 namespace {
 
 // Three ranks of one host form a job (TCP mesh, then shared memory), but the table gives
-// rank 1's address as `rank1` (host, port). Returns each rank's status.
+// rank 1's address as `rank1`. Returns each rank's status.
 std::vector<Status> JobWithRank1At(const PeerAddress& rank1, double timeout_seconds) {
-  const int n = 3;
-  std::vector<int> listen_fds(n);
-  std::vector<PeerAddress> peers(n);
-  for (int r = 0; r < n; ++r) {
-    int port = 0;
-    listen_fds[static_cast<size_t>(r)] = ListenOnLoopback(&port);
-    peers[static_cast<size_t>(r)] = r == 1 ? rank1 : PeerAddress{"127.0.0.1", port};
-  }
-  std::vector<Status> result(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      HostTransportConfig config;
-      config.rank = r;
-      config.size = n;
-      config.listen_fd = listen_fds[static_cast<size_t>(r)];
-      config.peers = peers;
-      config.host_index = {0, 0, 0};
-      config.job_token = 11;
-      config.timeout_seconds = timeout_seconds;
-      std::unique_ptr<Transport> t;
-      result[static_cast<size_t>(r)] = ConnectHostTransport(config, &t);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int fd : listen_fds) close(fd);
-  return result;
+  std::vector<std::unique_ptr<Transport>> world;
+  return TryConnectHostWorld({0, 0, 0}, 11, timeout_seconds, &world, 1, rank1);
 }
 
 void CheckEveryRankNamesRank1(const std::vector<Status>& result, const std::string& where) {

@@ -38,15 +38,27 @@ int ListenOnLoopback(int* port) {
 
 std::vector<std::unique_ptr<Transport>> ConnectHostWorld(const std::vector<int>& hosts,
                                                          uint64_t token) {
+  std::vector<std::unique_ptr<Transport>> out;
+  const std::vector<Status> status = TryConnectHostWorld(hosts, token, 30, &out);
+  for (size_t r = 0; r < status.size(); ++r) CHECK_OK(status[r]) << "rank " << r;
+  return out;
+}
+
+std::vector<Status> TryConnectHostWorld(const std::vector<int>& hosts, uint64_t token,
+                                        double timeout_seconds,
+                                        std::vector<std::unique_ptr<Transport>>* out, int moved,
+                                        const keras_ring::PeerAddress& moved_to) {
   const int n = static_cast<int>(hosts.size());
   std::vector<int> listen_fds(static_cast<size_t>(n));
   std::vector<keras_ring::PeerAddress> peers(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
     int port = 0;
     At(listen_fds, r) = ListenOnLoopback(&port);
-    At(peers, r) = keras_ring::PeerAddress{"127.0.0.1", port};
+    At(peers, r) = r == moved ? moved_to : keras_ring::PeerAddress{"127.0.0.1", port};
   }
-  std::vector<std::unique_ptr<Transport>> out(static_cast<size_t>(n));
+  out->clear();
+  out->resize(static_cast<size_t>(n));
+  std::vector<Status> status(static_cast<size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
@@ -57,16 +69,15 @@ std::vector<std::unique_ptr<Transport>> ConnectHostWorld(const std::vector<int>&
       config.peers = peers;
       config.host_index = hosts;
       config.job_token = token;
-      config.timeout_seconds = 30;
+      config.timeout_seconds = timeout_seconds;
       config.shm.channel_bytes = 4096;  // every large message wraps around many times
       config.shm.spin_iterations = 0;
-      const Status s = keras_ring::ConnectHostTransport(config, &At(out, r));
-      CHECK_OK(s) << "rank " << r;
+      At(status, r) = keras_ring::ConnectHostTransport(config, &At(*out, r));
     });
   }
   for (std::thread& t : threads) t.join();
   for (int fd : listen_fds) close(fd);
-  return out;
+  return status;
 }
 
 void RunAll(std::vector<std::unique_ptr<Transport>>& world,

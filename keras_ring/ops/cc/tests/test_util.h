@@ -12,6 +12,7 @@
 #include "../core/common.h"
 #include "../core/local_transport.h"
 #include "../core/request.h"
+#include "../core/tcp_transport.h"
 #include "test_harness.h"
 
 namespace kr_test {
@@ -66,6 +67,14 @@ int ListenOnLoopback(int* port);
 // same hosts[r], tiny shm rings), connected like a job whose rank r lives on host hosts[r].
 std::vector<std::unique_ptr<keras_ring::Transport>> ConnectHostWorld(const std::vector<int>& hosts,
                                                                      uint64_t token);
+
+// ConnectHostWorld's job, each rank's status returned instead of checked, with the start
+// timeout given; where `moved` >= 0, every rank's table gives rank `moved` as `moved_to`
+// (the address its peers connect to) instead of its real listener.
+std::vector<keras_ring::Status> TryConnectHostWorld(
+    const std::vector<int>& hosts, uint64_t token, double timeout_seconds,
+    std::vector<std::unique_ptr<keras_ring::Transport>>* out, int moved = -1,
+    const keras_ring::PeerAddress& moved_to = {});
 
 // Runs fn(rank, transport) on one thread per rank of `world` (null entries skipped) and
 // joins them all.
