@@ -23,7 +23,19 @@ BATCH, STEPS, EPOCHS = 4, 5, 2
 def _optimizer(kind: str) -> keras.optimizers.Optimizer:
     if kind == "sgd":
         return keras.optimizers.SGD(0.1, momentum=0.9)
-    return keras.optimizers.Adam(0.01)
+    if kind == "adam":
+        return keras.optimizers.Adam(0.01)
+    # Options that act on the gradients inside the optimizer's apply: with the gradient
+    # averaged first they see what one process with the whole batch sees. Clipping a rank's
+    # own gradient instead (Horovod's Keras optimizer once did) averages clipped halves.
+    # The limits are far below these gradients' norms, so clipping acts on every step.
+    return {
+        "sgd_unclipped": lambda: keras.optimizers.SGD(0.1),
+        "sgd_global_clipnorm": lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.02),
+        "sgd_clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.01),
+        "adamw_ema": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.5, use_ema=True,
+                                                     ema_overwrite_frequency=3),
+    }[kind]()
 
 
 def _data(size):
@@ -48,7 +60,7 @@ def _rank_data(rank, size):
 def _tolerance(kind):
     # Summing in a different order moves the gradient by a few ulps; Adam's normalisation
     # can magnify that on near-zero gradients a little more than SGD does.
-    return 1e-6 if kind == "sgd" else 2e-6
+    return 1e-6 if kind.startswith("sgd") else 2e-6
 
 
 @pytest.mark.parametrize("kind, root", [("sgd", 0), ("adam", -1)])
@@ -75,6 +87,21 @@ def test_fit_variants_match_single_process(world, mode):
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
               callbacks=[BroadcastGlobalVariablesCallback(0)])
     ks.assert_weights_close(ks.weights(model), _reference("sgd", 0, size), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sgd_global_clipnorm", "sgd_clipnorm", "adamw_ema"])
+def test_clipping_decay_and_ema_see_the_averaged_gradients(world, kind):
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(rank))
+    model.compile(optimizer=keras_ring.wrap(_optimizer(kind)), loss=ks.loss())
+    x, y = _rank_data(rank, size)
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+              callbacks=[BroadcastGlobalVariablesCallback(0)])
+    ks.assert_weights_close(ks.weights(model), _reference(kind, 0, size), atol=_tolerance(kind))
+    # The option changed the training (else matching the reference would prove nothing).
+    plain = "adam" if kind == "adamw_ema" else "sgd_unclipped"
+    assert max(np.abs(a - b).max() for a, b in zip(_reference(kind, 0, size),
+                                                   _reference(plain, 0, size))) > 100 * _tolerance(kind)
 
 
 def test_train_on_batch_matches_single_process(world):
