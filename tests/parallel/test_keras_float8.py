@@ -64,14 +64,16 @@ def test_float8_training_records_the_global_batch_like_one_process(world, passes
     # size times one process's: each rank's loss is the mean over its own batch.) Not
     # bitwise: a bias gradient is a sum of float8 values, which splitting the batch rounds
     # differently (1e-4 here, as in one process summing two halves), and the next inputs
-    # follow the biases.
+    # follow the biases. A power-of-two size scales the output gradients exactly in float8;
+    # any other rounds them, and the kernels (so their amax) follow: 1.7e-3 at 3 ranks.
+    exact_scaling = size & (size - 1) == 0
     for (name, value), (_, want) in zip(recorded, expected):
         if not name.startswith("outputs_grad"):
-            np.testing.assert_allclose(value, want, rtol=1e-3, err_msg=name)
-    # A power-of-two size scales the output gradients exactly in float8, so the weights
-    # follow one process too, up to those sums (1.1e-3 at 4 ranks, 1e-4 at 2, of weights
-    # that move by 0.07 to 0.16).
-    if size & (size - 1) == 0:
+            np.testing.assert_allclose(value, want, rtol=1e-3 if exact_scaling else 1e-2,
+                                       err_msg=name)
+    # With exact scaling the weights follow one process too, up to those sums (1.1e-3 at 4
+    # ranks, 1e-4 at 2, of weights that move by 0.07 to 0.16).
+    if exact_scaling:
         ks.assert_weights_close(_trained(model), _trained(reference), atol=2e-3)
     ks.assert_same_on_all_ranks(ks.weights(model))
 
