@@ -32,7 +32,9 @@ import keras_ring as kr
 from tests.reference import (GATHER_DTYPES, OP_NAMES, REDUCE_DTYPES, assert_same, rank_input,
                              reduce_reference)
 
-MAX_RANKS = 4
+# Examples draw per-rank values (allgather rows, roots, the diverging rank) for this many
+# ranks: at least 4, so that a seed replays the same examples at 2 and 4 ranks.
+MAX_RANKS = max(4, kr.size())
 
 
 def _run_seed() -> int:
@@ -324,7 +326,8 @@ def test_each_divergence_kind_once(world, how):
     seq = [Op("allreduce", "a0", (tf.float32,), ((5,),), op="Sum"),
            Op("broadcast", "b1", (tf.int32,), ((4, 2),), root=1),
            Op("grouped_allreduce", "g2", (tf.float64, tf.int8), ((3,), (2, 2)), op="Max"),
-           Op("allgather", "c3", (tf.float16,), ((0, 3),), rows=(1, 0, 2, 3)),
+           Op("allgather", "c3", (tf.float16,), ((0, 3),),
+              rows=(1, 0, 2, 3) + (2,) * (MAX_RANKS - 4)),
            Op("allreduce", "a4", (tf.int64,), ((2,),), op="Min")]
     at = 1 if how in ("root", "root_range") else 0
     d = Divergence(size - 1, at, how)
