@@ -75,8 +75,8 @@ test-unit: venv
 # modules (three quarters of that run's time on 2 cores), which test-multihost runs at 4 ranks
 # (2 hosts x 2, shared memory and TCP in one ring). Then the randomized suite at 4 ranks over
 # TCP with 8 KiB segments, so its large tensors cross segment boundaries. Last, the
-# collectives at 3 ranks: a world that is no power of two (recursive doubling folds a rank
-# in, ring segments split unevenly) through real processes and the op library.
+# collectives at 5 ranks: a world that is no power of two (recursive doubling folds a rank
+# in, ring segments split unevenly) and larger than the others, through real processes.
 test-parallel: venv
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 4 $(VPY) -m pytest tests/parallel -q \
@@ -84,7 +84,7 @@ test-parallel: venv
 	$(TEST_ENV) KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
 	$(TEST_ENV) KERAS_RING_SHM=0 KERAS_RING_SEGMENT_BYTES=8192 $(GUARD) $(MPIRUN) -np 4 \
 		$(VPY) -m pytest tests/parallel/test_randomized.py -q
-	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 3 $(VPY) -m pytest -q tests/parallel/test_collectives.py \
+	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 5 $(VPY) -m pytest -q tests/parallel/test_collectives.py \
 		tests/parallel/test_scatter.py tests/parallel/test_randomized.py \
 		tests/parallel/test_mismatch.py tests/parallel/test_join.py
 
