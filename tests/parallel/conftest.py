@@ -16,6 +16,9 @@ def pytest_configure(config):
         raise pytest.UsageError("tests/parallel must run under mpirun, e.g. "
                                 "'.venv/bin/mpirun -np 2 .venv/bin/python -m pytest tests/parallel'")
     keras_ring.init()
+    if keras_ring.size() < 2:  # the tests compare ranks and make them disagree
+        raise pytest.UsageError("tests/parallel needs at least 2 ranks, got a world of one; "
+                                "run it under 'mpirun -np 2' or more")
 
 
 @pytest.fixture(scope="session")
