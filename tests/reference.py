@@ -72,6 +72,12 @@ def reduce_reference(inputs: list[np.ndarray], op: str, dtype: tf.DType,
         out = np.min(stack, axis=0)
     else:
         out = np.max(stack, axis=0)
+    # The reduction runs in the tensor's dtype: past its range the result is inf before the
+    # postscale can bring it back (float16 Product at 8 ranks, prescale 2: 4**8 = 65536).
+    # The inputs keep every partial sum and product in range where the final one is.
+    with np.errstate(over="ignore"):
+        overflowed = np.isfinite(out) & ~np.isfinite(out.astype(nd))
+    out = np.where(overflowed, np.copysign(np.inf, out), out)
     if op == "Average":  # keras_ring scales by postscale / n in one multiplication
         return (out * (postscale / n)).astype(nd)
     return (out * postscale).astype(nd)
