@@ -51,12 +51,25 @@ def version_problem(tf_version: str, keras_version: str) -> str | None:
     return None
 
 
+def backend_problem(backend: str) -> str | None:
+    """What is wrong with this Keras backend for keras_ring, or None for TensorFlow's."""
+    if backend == "tensorflow":
+        return None
+    # Under another backend a wrapped optimizer gets that backend's arrays (JAX tracers, say),
+    # which TensorFlow ops cannot reduce: refuse before training instead of failing inside it.
+    return (f"keras_ring needs Keras's TensorFlow backend; this process runs Keras with the "
+            f"{backend!r} backend (the KERAS_BACKEND variable, or 'backend' in "
+            "~/.keras/keras.json). Set KERAS_BACKEND=tensorflow before Python starts")
+
+
 def check_versions() -> None:
-    """Raises ImportError naming the minimum when TensorFlow or Keras is too old."""
+    """Raises ImportError naming the minimum when TensorFlow or Keras is too old, or the
+    backend when Keras runs on another than TensorFlow."""
     import keras
     import tensorflow as tf
 
-    problem = version_problem(tf.__version__, keras.__version__)
+    problem = (version_problem(tf.__version__, keras.__version__)
+               or backend_problem(keras.backend.backend()))
     if problem:
         raise ImportError(problem)
 

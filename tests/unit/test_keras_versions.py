@@ -28,6 +28,15 @@ def test_supported_pairs_pass(tf_version, keras_version):
     assert _keras_private.version_problem(tf_version, keras_version) is None
 
 
+def test_another_keras_backend_is_refused_at_init_naming_it(monkeypatch):
+    assert _keras_private.backend_problem("tensorflow") is None
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ImportError, match=r"TensorFlow backend; this process runs Keras with "
+                                          r"the 'jax' backend.*KERAS_BACKEND=tensorflow"):
+        keras_ring.init()
+    assert not keras_ring.is_initialized()
+
+
 class _RenamedInternals(keras.optimizers.SGD):
     """An optimizer as a Keras that renamed its raw step counter would make it."""
 
