@@ -30,11 +30,16 @@ def test_supported_pairs_pass(tf_version, keras_version):
 
 def test_another_keras_backend_is_refused_at_init_naming_it(monkeypatch):
     assert _keras_private.backend_problem("tensorflow") is None
+    was_initialized = keras_ring.is_initialized()  # by an earlier test of this process
+    keras_ring.shutdown()
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(ImportError, match=r"TensorFlow backend; this process runs Keras with "
                                           r"the 'jax' backend.*KERAS_BACKEND=tensorflow"):
         keras_ring.init()
     assert not keras_ring.is_initialized()
+    monkeypatch.undo()
+    if was_initialized:
+        keras_ring.init()
 
 
 class _RenamedInternals(keras.optimizers.SGD):
