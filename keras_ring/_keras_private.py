@@ -4,9 +4,10 @@ Keras has no public API for an optimizer's raw step counter, its gradient accumu
 model's build-before-the-first-step hook; keras_ring reads them here and nowhere else. The
 supported range starts at the first Keras 3 that has all of them (3.5.0, where the
 TensorFlow trainer gained ``_maybe_symbolic_build`` and optimizers a raw ``_iterations``);
-:func:`check_versions` refuses anything older when keras_ring starts, and
-:func:`check_accumulation` refuses an optimizer that lacks them at ``wrap()`` time, so a
-Keras that renames them fails early with a message, never with an AttributeError mid-fit.
+:func:`check_supported` refuses anything older (and a backend other than TensorFlow) when
+keras_ring starts, and :func:`check_accumulation` refuses an optimizer that lacks them at
+``wrap()`` time, so a Keras that renames them fails early with a message, never with an
+AttributeError mid-fit.
 (``SyncBatchNormalization`` overrides BatchNormalization's private ``_moments``; it checks in
 every training call that Keras called it, so a Keras that stops doing so is an error there,
 never local statistics.)
@@ -62,9 +63,9 @@ def backend_problem(backend: str) -> str | None:
             "~/.keras/keras.json). Set KERAS_BACKEND=tensorflow before Python starts")
 
 
-def check_versions() -> None:
-    """Raises ImportError naming the minimum when TensorFlow or Keras is too old, or the
-    backend when Keras runs on another than TensorFlow."""
+def check_supported() -> None:
+    """Raises ImportError naming the minimum when TensorFlow or Keras is too old, or naming
+    the backend when Keras runs on one other than TensorFlow."""
     import keras
     import tensorflow as tf
 

@@ -28,7 +28,7 @@ def init(process_sets: Sequence[Any] | None = None) -> None:
     print(keras_ring.rank(), keras_ring.size())
     ```
     """
-    _keras_private.check_versions()  # before anything starts: a too-old Keras fails here
+    _keras_private.check_supported()  # before anything starts: a too-old Keras or a JAX backend fails here
     RUNTIME.init()
     for step in _lifecycle.AFTER_INIT:  # the Keras integration's, say: see keras_ring/__init__
         step()

@@ -20,22 +20,24 @@ from tests.parallel import keras_support as ks
 BATCH, STEPS, EPOCHS = 4, 5, 2
 
 
+# Besides plain SGD and Adam: options that act on the gradients inside the optimizer's apply.
+# With the gradient averaged first they see what one process with the whole batch sees;
+# clipping a rank's own gradient instead (Horovod's Keras optimizer once did) averages
+# clipped halves. The limits are far below these gradients' norms, so clipping acts on
+# every step.
+_OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgd_unclipped": lambda: keras.optimizers.SGD(0.1),
+    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.02),
+    "sgd_clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.01),
+    "adamw_ema": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.5, use_ema=True,
+                                                 ema_overwrite_frequency=3),
+}
+
+
 def _optimizer(kind: str) -> keras.optimizers.Optimizer:
-    if kind == "sgd":
-        return keras.optimizers.SGD(0.1, momentum=0.9)
-    if kind == "adam":
-        return keras.optimizers.Adam(0.01)
-    # Options that act on the gradients inside the optimizer's apply: with the gradient
-    # averaged first they see what one process with the whole batch sees. Clipping a rank's
-    # own gradient instead (Horovod's Keras optimizer once did) averages clipped halves.
-    # The limits are far below these gradients' norms, so clipping acts on every step.
-    return {
-        "sgd_unclipped": lambda: keras.optimizers.SGD(0.1),
-        "sgd_global_clipnorm": lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.02),
-        "sgd_clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.01),
-        "adamw_ema": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.5, use_ema=True,
-                                                     ema_overwrite_frequency=3),
-    }[kind]()
+    return _OPTIMIZERS[kind]()
 
 
 def _data(size):
