@@ -28,9 +28,11 @@ _EXPORTS = {
          "cross_rank", "cross_size"], "keras_ring.basics"),
     **dict.fromkeys(
         ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "allreduce", "grouped_allreduce",
-         "allgather", "broadcast", "broadcast_variables", "broadcast_object", "allgather_object",
-         "barrier", "grouped_allgather", "broadcast_", "broadcast_global_variables", "join"],
+         "allgather", "broadcast", "broadcast_variables", "barrier", "grouped_allgather",
+         "broadcast_", "broadcast_global_variables", "join"],
         "keras_ring.collectives"),
+    **dict.fromkeys(["broadcast_object", "broadcast_object_fn", "allgather_object"],
+                    "keras_ring.objects"),
     **dict.fromkeys(
         ["reducescatter", "grouped_reducescatter", "alltoall"], "keras_ring.scatter"),
     **dict.fromkeys(["ProcessSet", "global_process_set"], "keras_ring.process_sets"),
@@ -107,8 +109,9 @@ if TYPE_CHECKING:
     from keras_ring.basics import (cross_rank, cross_size, init, is_initialized, local_rank,
                                    local_size, rank, shutdown, size)
     from keras_ring.collectives import (Average, Max, Min, Product, ReduceOp, Sum, allgather,
-                                        allgather_object, allreduce, barrier, broadcast,
-                                        broadcast_object, broadcast_variables, grouped_allreduce)
+                                        allreduce, barrier, broadcast, broadcast_variables,
+                                        grouped_allreduce)
+    from keras_ring.objects import allgather_object, broadcast_object, broadcast_object_fn
     from keras_ring.compression import Compression
     from keras_ring.config import Config
     from keras_ring.errors import (CollectiveAbortedError, CollectiveArgumentError,

@@ -23,7 +23,8 @@ import tensorflow as tf
 
 from keras_ring import _xla
 from keras_ring._bucket_tuning import FIRST_BYTES, MEASURED
-from keras_ring.collectives import Average, ReduceOp, Sum, allreduce, grouped_allreduce
+from keras_ring.collectives import (Average, ReduceOp, Sum, allreduce, grouped_allreduce,
+                                    op_hint)
 from keras_ring.process_sets import ProcessSet, global_process_set
 from keras_ring.compression import Compression, casts_only, check_compression
 from keras_ring.runtime import RUNTIME
@@ -65,10 +66,9 @@ class ReduceOptions:
                process_set: Any = global_process_set,
                first_bucket_bytes: Any = DEFAULT_FIRST_BUCKET_BYTES) -> "ReduceOptions":
         """Checks every option and says what was received when one is wrong."""
-        if isinstance(op, bool) or op not in (Sum, Average):
+        if type(op) is not ReduceOp or op not in (Sum, Average):
             raise ValueError(f"{who}: op must be keras_ring.Sum or keras_ring.Average, "
-                             f"got {op!r}")
-        op = ReduceOp(op)
+                             f"got {op!r}{op_hint(op)}")
         compression = check_compression(compression, who)
         _check_size(who, "bucket_bytes", bucket_bytes)
         _check_size(who, "first_bucket_bytes", first_bucket_bytes)

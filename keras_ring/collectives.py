@@ -7,9 +7,7 @@ every rank. Invalid arguments raise before anything is communicated.
 from __future__ import annotations
 
 import ctypes
-import io
 import math
-import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -63,12 +61,24 @@ def _check_dtype(tensor: tf.Tensor, allowed: tuple, what: str) -> None:
 def _check_op(op: Any) -> ReduceOp:
     if type(op) is ReduceOp:
         return op
-    try:
-        return ReduceOp(op)
-    except ValueError:
-        raise ValueError(
-            f"op must be one of keras_ring.Sum, Average, Min, Max, Product; got {op!r}"
-        ) from None
+    raise ValueError(f"op must be one of keras_ring.Sum, Average, Min, Max, Product; "
+                     f"got {op!r}{op_hint(op)}")
+
+
+def op_hint(op: Any) -> str:
+    """What an ``op`` that is not a ``ReduceOp`` member probably meant, for its error."""
+    # Numbers are refused, not converted: Horovod numbers its ops differently (its 0 is
+    # Average and 1 Sum, keras_ring's the reverse), so a number from a Horovod program would
+    # silently reduce with another op.
+    if isinstance(op, (int, np.integer)) and not isinstance(op, bool):
+        return (" (a number: pass the op itself, such as keras_ring.Sum; Horovod numbers its "
+                "ops differently, its 0 is Average and 1 Sum)")
+    if isinstance(op, str) and op.capitalize() in ReduceOp.__members__:
+        return f" (a string: pass keras_ring.{op.capitalize()})"
+    if isinstance(op, str):
+        return (" (a string: horovod.tensorflow.keras's allreduce takes the name second, "
+                f"keras_ring's takes the op; pass name={op!r})")
+    return ""
 
 
 def _check_name(name: str | None) -> str:
@@ -155,6 +165,8 @@ def resolve_op(op: Any, average: bool | None, what: str) -> Any:
             raise ValueError(f"keras_ring.{what}: pass op or the older average, not both "
                              f"(got op={op!r}, average={average!r})")
         return Average if average else Sum
+    if isinstance(op, bool):  # horovod.tensorflow's second positional argument is average
+        return Average if op else Sum
     return Average if op is None else op
 
 
@@ -486,56 +498,6 @@ def broadcast_global_variables(root_rank: int) -> Any:
     variables = tf.compat.v1.global_variables()
     return tf.group(*[var.assign(broadcast(var, root, name=f"broadcast_global_variables.{i}"))
                       for i, var in enumerate(variables)])
-
-
-def _pickle(obj: Any) -> tf.Tensor:
-    buf = io.BytesIO()
-    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    return tf.constant(np.frombuffer(buf.getvalue(), dtype=np.uint8))
-
-
-def _check_eager(what: str) -> None:
-    # Traced, the root would put broadcasts in its graph while the others fail on .numpy():
-    # the ranks' sequences of collectives would part. Every rank traces alike, so all refuse.
-    if not tf.executing_eagerly():
-        raise RuntimeError(
-            f"keras_ring.{what} returns Python objects and runs eagerly only, but was called "
-            "inside a tf.function (or a graph); call it outside, or broadcast/allgather "
-            "tensors there")
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """Returns the root rank's ``obj`` (any picklable object) on every rank. Eager only."""
-    _check_eager("broadcast_object")
-    resolve(process_set, "broadcast_object")
-    mine = RUNTIME.topology().rank == root_rank
-    base = _check_name(name) or "broadcast_object"
-    payload = _pickle(obj) if mine else tf.zeros([0], tf.uint8)
-    length = broadcast(tf.constant([int(payload.shape[0])], tf.int64), root_rank,
-                       name=f"{base}.length", process_set=process_set)
-    if not mine:
-        payload = tf.zeros([int(length[0])], tf.uint8)
-    data = broadcast(payload, root_rank, name=f"{base}.data", process_set=process_set)
-    return obj if mine else pickle.loads(data.numpy().tobytes())
-
-
-def allgather_object(obj: Any, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Returns a list with every rank's ``obj`` (any picklable object), in rank order. Eager
-    only."""
-    _check_eager("allgather_object")
-    resolve(process_set, "allgather_object")
-    base = _check_name(name) or "allgather_object"
-    payload = _pickle(obj)
-    lengths = allgather(tf.constant([int(payload.shape[0])], tf.int64), name=f"{base}.lengths",
-                        process_set=process_set).numpy()
-    data = allgather(payload, name=f"{base}.data", process_set=process_set).numpy().tobytes()
-    out, offset = [], 0
-    for n in lengths:
-        out.append(pickle.loads(data[offset:offset + int(n)]))
-        offset += int(n)
-    return out
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from keras_ring import peer_table
-from keras_ring.collectives import allgather_object
+from keras_ring.objects import allgather_object
 from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_ring.collectives import allgather_object
+from keras_ring.objects import allgather_object
 from keras_ring.ops.loader import Library, library
 from keras_ring.peer_table import Topology
 from keras_ring.runtime import RUNTIME

@@ -18,8 +18,8 @@ import tensorflow as tf
 
 from keras_ring import _keras_private
 from keras_ring.basics import rank
-from keras_ring.collectives import (allgather_object, broadcast, broadcast_object,
-                                    broadcast_variables)
+from keras_ring.collectives import broadcast, broadcast_variables
+from keras_ring.objects import allgather_object, broadcast_object
 from keras_ring.runtime import RUNTIME
 
 

@@ -183,7 +183,28 @@ def test_objects(world):
     obj = {"rank": rank, "payload": list(range(rank * 100))}
     assert kr.broadcast_object(obj, root_rank=size - 1) == {"rank": size - 1, "payload": list(range((size - 1) * 100))}
     assert kr.allgather_object(("r", rank)) == [("r", r) for r in range(size)]
+    bcast = kr.broadcast_object_fn(root_rank=size - 1, name="fn")
+    assert [bcast(("call", i, rank)) for i in range(2)] == [("call", i, size - 1) for i in range(2)]
     kr.barrier()
+
+
+@pytest.mark.parametrize("what", ["broadcast_object", "allgather_object"])
+def test_an_unpicklable_object_fails_on_every_rank_naming_its_rank(world, what):
+    """Only the last rank's object cannot be pickled: every rank raises the same error, which
+    names that rank and what pickle said, and the ranks stay in step."""
+    import threading
+
+    rank, size = world
+    last = size - 1
+    obj = threading.Lock() if rank == last else {"rank": rank}
+    call = (lambda o: kr.broadcast_object(o, root_rank=last, name="objs")) \
+        if what == "broadcast_object" else (lambda o: kr.allgather_object(o, name="objs"))
+    with pytest.raises(kr.CollectiveArgumentError,
+                       match=rf"{what} 'objs': the object of rank {last} \(TypeError: "
+                             r".*'_thread.lock' object\) cannot be pickled") as caught:
+        call(obj)
+    assert (caught.value.rank, caught.value.collective) == (last, f"{what} 'objs'")
+    assert kr.allgather_object(rank) == list(range(size))  # still in step
 
 
 @pytest.mark.parametrize("what", ["broadcast_object", "allgather_object"])

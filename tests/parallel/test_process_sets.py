@@ -5,6 +5,8 @@ they are refused. The sets are the even and the odd ranks (at 2 ranks: {0} and {
 from 3 ranks on, the first two ranks (at 2 ranks they are the whole job, which is no new set).
 """
 
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -71,6 +73,9 @@ def test_every_collective_takes_a_process_set(world, sets):
     assert kr.allgather_object(rank, process_set=mine) == mine.ranks
     assert kr.broadcast_object(f"from {root}" if rank == root else None, root,
                                process_set=mine) == f"from {root}"
+    # An object that cannot be pickled is named by its global rank, as roots are.
+    with pytest.raises(kr.CollectiveArgumentError, match=rf"the object of rank {root} \("):
+        kr.allgather_object(threading.Lock() if rank == root else rank, process_set=mine)
     grouped = kr.grouped_allreduce([tf.constant([1.0]), tf.constant([rank], tf.int64)],
                                    op=kr.Sum, process_set=mine)
     assert grouped[0].numpy().tolist() == [n] and grouped[1].numpy().tolist() == [sum(mine.ranks)]

@@ -10,7 +10,7 @@ grouped_allreduce, root_rank="0" and root_rank=1, bad environment values.
 
 from __future__ import annotations
 
-import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -73,6 +73,22 @@ BAD = {
                        "pass op or the older average, not both"),
     "op-string": (lambda: kr.allreduce(tf.ones([1]), op="Sum"), ValueError, "op must be one of"),
     "op-negative": (lambda: kr.allreduce(tf.ones([1]), op=-1), ValueError, "op must be one of"),
+    # Numbers are refused even where they are keras_ring's own values: Horovod's 0 is
+    # Average and its 1 Sum, so a number from a Horovod program would reduce with another op.
+    "op-0": (lambda: kr.allreduce(tf.ones([1]), op=0), ValueError,
+             "got 0 .a number: pass the op itself.*Horovod numbers its ops differently"),
+    "op-numpy-1": (lambda: kr.grouped_allreduce([tf.ones([1])], op=np.int64(1)), ValueError,
+                   "got np.int64.1. .a number"),
+    "op-reducescatter-3": (lambda: kr.reducescatter(tf.ones([2]), op=3), ValueError,
+                           "got 3 .a number"),
+    "op-wrap-1": (lambda: kr.wrap("sgd", op=1), ValueError,
+                  "wrap: op must be keras_ring.Sum or keras_ring.Average, got 1 .a number"),
+    # horovod.tensorflow.keras.allreduce(value, name): a name where keras_ring takes the op.
+    "op-a-name": (lambda: kr.allreduce(tf.ones([1]), "loss"), ValueError,
+                  "got 'loss' .a string: horovod.tensorflow.keras's allreduce takes the name "
+                  "second.*pass name='loss'"),
+    "op-a-name-of-an-op": (lambda: kr.allreduce(tf.ones([1]), "max"), ValueError,
+                           "got 'max' .a string: pass keras_ring.Max"),
     "name-int": (lambda: kr.allreduce(tf.ones([1]), name=5), TypeError, "name must be a string"),
     "name-bytes": (lambda: kr.allgather(tf.ones([1]), name=b"x"), TypeError, "name must be a string"),
     "prescale-None": (lambda: kr.allreduce(tf.ones([1]), prescale_factor=None), TypeError,
@@ -99,11 +115,18 @@ BAD = {
                             tf.errors.InvalidArgumentError, "root_rank 3 on rank 0 is out of range"),
     "broadcast_object-root": (lambda: kr.broadcast_object("x", root_rank=1), *_root_error(1)),
     "broadcast_variables-root": (lambda: kr.broadcast_variables([tf.Variable(1.0)], 5), *_root_error(5)),
-    # Objects that cannot be pickled fail before anything is communicated.
+    # Objects that cannot be pickled: an error (on every rank: tests/parallel/test_collectives.py)
+    # that names the rank and what pickle said.
     "broadcast_object-unpicklable": (lambda: kr.broadcast_object(lambda: 1, root_rank=0),
-                                     (pickle.PicklingError, AttributeError, TypeError), "pickle"),
-    "allgather_object-unpicklable": (lambda: kr.allgather_object(lambda: 1),
-                                     (pickle.PicklingError, AttributeError, TypeError), "pickle"),
+                                     kr.CollectiveArgumentError,
+                                     "broadcast_object 'broadcast_object': the object of rank 0 "
+                                     r"\((PicklingError|AttributeError): .*lambda.*\) cannot be pickled"),
+    "allgather_object-unpicklable": (lambda: kr.allgather_object(threading.Lock(), name="lock"),
+                                     kr.CollectiveArgumentError,
+                                     r"allgather_object 'lock': the object of rank 0 \(TypeError: "
+                                     ".*pickle '_thread.lock' object\\) cannot be pickled"),
+    "broadcast_object_fn-session": (lambda: kr.broadcast_object_fn(0, session=object()), ValueError,
+                                    "takes no TF1 session"),
 }
 
 
@@ -158,6 +181,20 @@ def test_dtype_check_does_not_depend_on_interned_dtypes():
     assert float32 in collectives.REDUCE_DTYPES
     assert string not in collectives.GATHER_DTYPES
     assert tf.bool in collectives.GATHER_DTYPES and tf.bool not in collectives.REDUCE_DTYPES
+
+
+@pytest.mark.parametrize("average, op", [(True, "Average"), (False, "Sum")])
+@pytest.mark.parametrize("call", ["allreduce", "grouped_allreduce"])
+def test_a_bool_second_is_horovods_average(call, average, op):
+    """horovod.tensorflow.allreduce(tensor, average): a bool where keras_ring takes the op
+    means what Horovod meant, read from the op the graph holds (a world of one reduces
+    nothing, so the result could not tell)."""
+    fn = getattr(kr, call)
+    arg = tf.ones([2]) if call == "allreduce" else [tf.ones([2])]
+    graph = tf.function(lambda: fn(arg, average)).get_concrete_function().graph
+    ops = [o.get_attr("reduce_op") for o in graph.get_operations()
+           if "reduce_op" in o.node_def.attr]
+    assert ops == [int(getattr(kr, op))]
 
 
 def test_traced_function_after_shutdown_and_init_again():

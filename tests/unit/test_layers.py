@@ -53,6 +53,7 @@ LAYERS = {
     # 6. The process API, the collectives, the timeline written at shutdown.
     "keras_ring.basics": 6,
     "keras_ring.collectives": 6,
+    "keras_ring.objects": 6,  # Python objects over the collectives
     "keras_ring.timeline": 6,
     "keras_ring.introspection": 6,
     "keras_ring.process_sets": 6,
