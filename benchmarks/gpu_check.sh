@@ -41,7 +41,9 @@ say "$("$CXX" --version | head -1); $("$PY" --version 2>&1)"
 build() {
     rm -f "$BUILD"/obj/*.o
     local src pid failed=0 start pids=()
-    local sources=(keras_ring/ops/cc/core/*.cc keras_ring/ops/cc/core/nccl/*.cc keras_ring/ops/cc/tf/c_api.cc)
+    # The C API and the error registry it reports through; the rest of tf/ needs TensorFlow.
+    local sources=(keras_ring/ops/cc/core/*.cc keras_ring/ops/cc/core/nccl/*.cc
+                   keras_ring/ops/cc/tf/c_api.cc keras_ring/ops/cc/tf/error_registry.cc)
     say "building $BUILD/libkeras_ring_core.so from ${#sources[@]} files (no TensorFlow) ..."
     start=$(date +%s)
     for src in "${sources[@]}"; do
@@ -51,8 +53,13 @@ build() {
     done
     for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
     [ "$failed" = 0 ] || die "compilation failed (above)"
-    "$CXX" -shared -pthread -o "$BUILD/libkeras_ring_core.so" "$BUILD"/obj/*.o -ldl \
-        || die "linking failed (above)"
+    # --no-undefined: a source missing from the list fails here, not when every rank loads
+    # the library on the GPU machine (NCCL and CUDA are opened with dlopen, so nothing else
+    # is left undefined).
+    "$CXX" -shared -pthread -Wl,--no-undefined -o "$BUILD/libkeras_ring_core.so" \
+        "$BUILD"/obj/*.o -ldl || die "linking failed (above)"
+    "$PY" -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$BUILD/libkeras_ring_core.so" \
+        || die "the library does not load (above)"
     say "built in $(( $(date +%s) - start )) s"
 }
 if [ "${BUILD_ONLY:-0}" = 1 ]; then

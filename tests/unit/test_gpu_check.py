@@ -422,3 +422,35 @@ def test_in_flight_check_passes_on_right_results_and_fails_on_wrong_ones(n):
     assert all(len(v) == gc.inflight.REPEATS for v in extra[0]["in_flight_us"].values())
     bad, _ = run(_WindowWorld(n, wrong=True))
     assert all(c.failed for c in bad)
+
+
+# ---------------------------------------------------------------- the library the GPU run loads
+
+def test_the_core_library_builds_without_tensorflow_loads_and_reports_a_missing_gpu(tmp_path):
+    """gpu_check.sh's own build (BUILD_ONLY=1), then what every rank does first on the GPU
+    machine: load the library, init, a barrier, a device allreduce. Here there is no CUDA, so
+    the allreduce must fail cleanly with FAILED_PRECONDITION, and the runtime still shut down.
+    A source missing from the script's list once built a library that could not load."""
+    import socket
+    import sys
+
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
+                               "BUILD_ONLY": "1", "OUT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    core = gc.Core(str(ROOT / "build" / "gpu_check" / "libkeras_ring_core.so"))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    core.init(0, 1, listener, [listener.getsockname()[1]], token=7, timeout=30.0)
+    try:
+        core.barrier()
+        with pytest.raises(gc.CollectiveError, match="allreduce #2 failed on rank 0") as failed:
+            core._check(core.c.keras_ring_device_allreduce(
+                None, None, 8, gc.DTYPES["float32"], gc.OPS["Sum"], 1.0, 1.0, 0, None, None,
+                core.err, len(core.err)))
+        assert failed.value.code == 9, failed.value  # FAILED_PRECONDITION: no usable CUDA
+    finally:
+        core.shutdown()
+        listener.close()
