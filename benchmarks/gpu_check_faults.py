@@ -152,6 +152,9 @@ def collect(shared: str, name: str, n: int) -> dict[int, dict]:
 
 def run_all(args, spawn) -> int:
     """Every scenario as a job of its own (`spawn(args, name)` starts it), judged from outside."""
+    if args.spawn < 2:  # each scenario has a victim and a survivor
+        print(f"# fault scenarios need 2 ranks, got {args.spawn}: none run", flush=True)
+        return 4
     summary, failed = {}, 0
     for name in SCENARIOS:
         started = time.perf_counter()

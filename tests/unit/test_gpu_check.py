@@ -91,6 +91,14 @@ def test_benchmark_plan_is_the_same_everywhere_and_bounded():
 def test_bus_bandwidth_is_nccl_tests_definition():
     assert gc.bandwidths(1_000_000_000, 1.0, 2) == (1.0, 1.0)
     assert gc.bandwidths(1_000_000_000, 0.5, 4) == (2.0, 3.0)
+    assert gc.bandwidths(1_000_000_000, 1.0, 1) == (1.0, 0.0)  # one rank: no bus
+
+
+def test_fault_scenarios_refuse_a_world_of_one(capsys):
+    # The victim would be the only rank, and nobody would be left to judge.
+    args = type("Args", (), {"spawn": 1})()
+    assert gc.faults.run_all(args, spawn=lambda *a: pytest.fail("a job was started")) == 4
+    assert "need 2 ranks" in capsys.readouterr().out
 
 
 def test_table_shows_both_implementations_or_only_keras_ring():
