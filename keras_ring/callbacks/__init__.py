@@ -13,6 +13,7 @@ callbacks = [
 ```
 """
 
+from keras_ring.callbacks.best_model_checkpoint import BestModelCheckpoint
 from keras_ring.callbacks.broadcast_global_variables import (
     BroadcastGlobalVariablesCallback,
     broadcast_model,
@@ -29,4 +30,5 @@ __all__ = [
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
     "LearningRateScheduleCallback", "on_rank_zero", "broadcast_model", "average_logs",
     "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
+    "BestModelCheckpoint",
 ]

@@ -8,6 +8,7 @@ import keras
 import keras_ring
 from keras_ring.callbacks import (
     BroadcastGlobalVariablesCallback,
+    BestModelCheckpoint,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
     MetricAverageCallback,
@@ -202,6 +203,30 @@ def test_on_rank_zero_runs_the_callback_on_rank_zero_only(world, tmp_path):
     assert path.exists() == (rank == 0)
     if rank == 0:
         assert len(path.read_text().strip().splitlines()) == 3  # header and two epochs
+
+
+class EpochSignal(keras.callbacks.Callback):
+    """A metric whose best epoch differs between rank 0's own values and all ranks' mean."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["signal"] = float((3, 1, 2)[epoch] if keras_ring.rank() == 0 else (1, 5, 0)[epoch])
+
+
+def test_best_model_checkpoint_keeps_the_best_of_the_averaged_metric_on_rank_zero(world, tmp_path):
+    # Means over the ranks: epoch 1 best so far, epoch 2 worse, epoch 3 best (rank 0 alone
+    # would have saved epochs 1 and 2). Only rank 0 writes.
+    rank, size = world
+    best = BestModelCheckpoint(monitor="signal", mode="min",
+                               filepath=str(tmp_path / "best_{epoch}.keras"))
+    _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(0.1)), rank, size,
+         [BroadcastGlobalVariablesCallback(0), EpochSignal(), MetricAverageCallback(), best],
+         epochs=3)
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert saved == (["best_1.keras", "best_3.keras"] if rank == 0 else [])
+    if rank == 0:
+        assert best.best == (2.0 + 0.0 * (size - 1)) / size  # epoch 3's mean
+        restored = keras.models.load_model(tmp_path / "best_3.keras")
+        assert [w.shape for w in restored.weights] == [w.shape for w in best.model.weights]
 
 
 # --- the learning rates agree (keras_ring/_rate_check.py) -----------------------------------

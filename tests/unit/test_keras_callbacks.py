@@ -6,6 +6,7 @@ import pytest
 import keras
 import keras_ring
 from keras_ring.callbacks import (
+    BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
@@ -30,6 +31,9 @@ def initialized():
     (lambda: LearningRateScheduleCallback(0.1, 0.5, start_epoch=3, end_epoch=3), "end_epoch must be .* greater than start_epoch=3, got 3"),
     (lambda: LearningRateScheduleCallback(0.1, 0.5, start_epoch=-1), "start_epoch must be a non-negative int, got -1"),
     (lambda: LearningRateScheduleCallback(-0.1, 0.5), "initial_lr must be a non-negative number or None, got -0.1"),
+    # Horovod's call, as its Spark example writes it: the path came from its estimator.
+    (lambda: BestModelCheckpoint(monitor="val_loss", mode="auto", save_freq="epoch"),
+     "BestModelCheckpoint needs filepath=..., e.g. filepath='best.keras'"),
 ])
 def test_invalid_arguments_say_what_was_received(make, message):
     with pytest.raises(ValueError, match=message):

@@ -80,6 +80,7 @@ LAYERS = {
     "keras_ring.callbacks.learning_rate_warmup": 7,
     "keras_ring.callbacks.metric_average": 7,
     "keras_ring.callbacks.rank_zero": 7,
+    "keras_ring.callbacks.best_model_checkpoint": 7,
     "keras_ring.saving": 7,
     "keras_ring.callbacks.commit_state": 7,
     "keras_ring.callbacks.update_batch_state": 7,
