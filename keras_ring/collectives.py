@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ring import _keras_private, errors
-from keras_ring.ops import loader, wrappers
+from keras_ring.ops import wrappers
 from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.process_sets import (ProcessSet, global_process_set, resolve, root_in_set,
                                      set_rank, set_size)

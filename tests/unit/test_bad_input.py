@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ring as kr
-from tests.reference import GATHER_DTYPES, OP_NAMES, REDUCE_DTYPES, assert_same, reduce_reference
+from tests.reference import OP_NAMES, REDUCE_DTYPES, assert_same, reduce_reference
 
 COLLECTIVES = {
     "allreduce": lambda x: kr.allreduce(x),
