@@ -500,9 +500,22 @@ def broadcast_global_variables(root_rank: int) -> Any:
                       for i, var in enumerate(variables)])
 
 
+def check_eager(what: str, why: str) -> None:
+    """Refuses a call that only works eagerly inside a tf.function, on every rank alike
+    (every rank traces alike); ``why`` says what tracing would do and what to do instead."""
+    if not tf.executing_eagerly():
+        raise RuntimeError(f"keras_ring.{what} runs eagerly only, but was called inside a "
+                           f"tf.function (or a graph): {why}")
+
+
+_TRACED_ONCE = ("traced, it would run once, as the function is traced, and never when the "
+                "function is called; call it outside the function")
+
+
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Returns once every rank (of ``process_set``) has called it (bounded by
-    ``KERAS_RING_TIMEOUT_SECONDS``)."""
+    ``KERAS_RING_TIMEOUT_SECONDS``). Eager only."""
+    check_eager("barrier", _TRACED_ONCE)
     set_id = resolve(process_set, "barrier")
     lib = RUNTIME.library("keras_ring.barrier()")
     err = ctypes.create_string_buffer(4096)
@@ -528,6 +541,7 @@ def join(process_set: ProcessSet = global_process_set) -> int:
     last = keras_ring.join()
     ```
     """
+    check_eager("join", _TRACED_ONCE)
     set_id = resolve(process_set, "join")
     lib = RUNTIME.library("keras_ring.join()")
     err = ctypes.create_string_buffer(4096)

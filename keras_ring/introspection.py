@@ -38,10 +38,22 @@ def rank_op(name: str | None = None) -> tf.Tensor:
     return _graph_value(basics.rank, "rank_op")
 
 
-def size_op(name: str | None = None) -> tf.Tensor:
-    """The number of processes, as an int32 op evaluated when the graph runs."""
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """The number of processes (of process set ``process_set_id``; all by default), as an
+    int32 op evaluated when the graph runs. Horovod's signature: an id passed first is a set's,
+    never a name."""
     del name
-    return _graph_value(basics.size, "size_op")
+    if process_set_id == 0:
+        return _graph_value(basics.size, "size_op")
+
+    def set_size() -> int:
+        sets = RUNTIME.process_set_ids()
+        if process_set_id not in sets:
+            raise ValueError(f"keras_ring.size_op: no process set has id {process_set_id!r} "
+                             f"(registered: {sorted(sets)})")
+        return len(sets[process_set_id])
+
+    return _graph_value(set_size, "size_op")
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:

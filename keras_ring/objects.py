@@ -15,10 +15,16 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from keras_ring.collectives import _check_name, allgather, broadcast
+from keras_ring.collectives import _check_name, allgather, broadcast, check_eager
 from keras_ring.errors import CollectiveArgumentError
 from keras_ring.process_sets import ProcessSet, global_process_set, resolve
 from keras_ring.runtime import RUNTIME
+
+
+# Traced, the root would put broadcasts in its graph while the others fail on .numpy(): the
+# ranks' sequences of collectives would part.
+_TRACED = ("it returns Python objects; call it outside the function, or broadcast/allgather "
+           "tensors there")
 
 
 def _pickle(obj: Any) -> tuple[bytes, BaseException | None]:
@@ -47,16 +53,6 @@ def _unpicklable(what: str, name: str, failed: dict[int, str],
     return error
 
 
-def _check_eager(what: str) -> None:
-    # Traced, the root would put broadcasts in its graph while the others fail on .numpy():
-    # the ranks' sequences of collectives would part. Every rank traces alike, so all refuse.
-    if not tf.executing_eagerly():
-        raise RuntimeError(
-            f"keras_ring.{what} returns Python objects and runs eagerly only, but was called "
-            "inside a tf.function (or a graph); call it outside, or broadcast/allgather "
-            "tensors there")
-
-
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Returns the root rank's ``obj`` (any picklable object) on every rank. Eager only.
@@ -76,7 +72,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     config = keras_ring.broadcast_object(config if keras_ring.rank() == 0 else None)
     ```
     """
-    _check_eager("broadcast_object")
+    check_eager("broadcast_object", _TRACED)
     resolve(process_set, "broadcast_object")
     base = _check_name(name) or "broadcast_object"
     mine = RUNTIME.topology().rank == root_rank
@@ -134,7 +130,7 @@ def allgather_object(obj: Any, name: str | None = None,
     losses = keras_ring.allgather_object(float(loss))
     ```
     """
-    _check_eager("allgather_object")
+    check_eager("allgather_object", _TRACED)
     resolve(process_set, "allgather_object")
     base = _check_name(name) or "allgather_object"
     data, error = _pickle(obj)

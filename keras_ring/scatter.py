@@ -45,16 +45,17 @@ def reducescatter(
     compression: Compressor = Compression.none,
     op: ReduceOp = _c.Average,
     name: str | None = None,
+    process_set: ProcessSet = global_process_set,
     ignore_name_scope: bool = False,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
 ) -> tf.Tensor:
     """Reduces ``tensor`` over all ranks and gives each rank its part of the first dimension.
 
     Rank ``r`` gets rows ``[start_r, start_r + rows_r)`` of the reduction, where the first
     ``rows % size()`` ranks get one row more than the others (Horovod's split). It moves
-    about half the data of an allreduce of the same tensor.
+    about half the data of an allreduce of the same tensor. The arguments are
+    ``horovod.tensorflow.reducescatter``'s, in its order.
 
     Args:
         tensor: a tensor of rank >= 1 and a supported dtype, of the same shape on every rank.
@@ -94,13 +95,15 @@ def grouped_reducescatter(
     device_dense: str = "",
     compression: Compressor = Compression.none,
     op: ReduceOp = _c.Average,
-    name: str | None = None,
-    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
+    *,
+    name: str | None = None,
 ) -> list[tf.Tensor]:
-    """:func:`reducescatter` of each tensor, in order (one collective each).
+    """:func:`reducescatter` of each tensor, in order (one collective each). The positional
+    arguments are ``horovod.tensorflow.grouped_reducescatter``'s, in its order (it has no
+    name; keras_ring's names the collectives ``name.0``, ``name.1``, ...).
 
     Example:
 
@@ -110,9 +113,9 @@ def grouped_reducescatter(
     """
     tensors = _c._tensor_list(tensors, "grouped_reducescatter")
     base = _c._check_name(name)
-    return [reducescatter(t, device_dense, compression, op,
-                          f"{base}.{i}" if base else None, ignore_name_scope,
-                          prescale_factor, postscale_factor, process_set)
+    return [reducescatter(t, device_dense, compression, op, f"{base}.{i}" if base else None,
+                          process_set, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor)
             for i, t in enumerate(tensors)]
 
 

@@ -211,6 +211,16 @@ def test_an_unpicklable_object_fails_on_every_rank_naming_its_rank(world, what):
 def test_object_collectives_refuse_to_be_traced_on_every_rank(world, what):
     # Traced, the root's graph would hold broadcasts that the other ranks never run.
     call = getattr(kr, what)
-    with pytest.raises(RuntimeError, match=f"{what} returns Python objects and runs eagerly"):
+    with pytest.raises(RuntimeError, match=f"{what} runs eagerly only.*returns Python objects"):
         tf.function(lambda: call({"epoch": 3}))()
     assert call({"epoch": 3}) in ({"epoch": 3}, [{"epoch": 3}] * world[1])  # still in step
+
+
+@pytest.mark.parametrize("what", ["barrier", "join"])
+def test_barrier_and_join_refuse_to_be_traced_on_every_rank(world, what):
+    # Traced, they ran once at trace time and never when the function was called: a
+    # barrier that does not wait, a join that leaves the other ranks' allreduces waiting.
+    with pytest.raises(RuntimeError, match=f"{what} runs eagerly only.*run once, as the "
+                                           "function is traced"):
+        tf.function(getattr(kr, what))()
+    assert kr.allgather_object(world[0]) == list(range(world[1]))  # still in step

@@ -43,6 +43,13 @@ def test_sets_know_their_ranks(world, sets):
     ids = (0, evens.process_set_id, odds.process_set_id, odds.process_set_id + 100)
     included = tf.function(lambda: [kr.process_set_included_op(i) for i in ids])()
     assert [int(v) for v in included] == [1, int(rank % 2 == 0), int(rank % 2 == 1), -3]
+    # size_op's first argument is a set's id, as in Horovod (it once took a name there and
+    # answered the job's size for any set).
+    sizes = tf.function(lambda: [kr.size_op(i) for i in ids[:3]])()
+    assert [int(v) for v in sizes] == [size, evens.size(), odds.size()]
+    assert int(kr.size_op(odds.process_set_id)) == odds.size()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="size_op: no process set has id"):
+        kr.size_op(ids[3])
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
@@ -68,6 +75,13 @@ def test_every_collective_takes_a_process_set(world, sets):
     assert kr.broadcast(tf.constant(rank), root, process_set=mine).numpy() == root
     part = kr.reducescatter(tf.ones([2 * n + 1, 2]) * rank, op=kr.Sum, process_set=mine)
     assert part.shape[0] == 2 + (me == 0) and np.all(part.numpy() == sum(mine.ranks))
+    # Horovod's positional order: the set is the sixth argument (after name), and the
+    # grouped form's fifth (it has no name).
+    part = kr.reducescatter(tf.ones([n, 2]) * rank, "", kr.Compression.none, kr.Sum, None, mine)
+    assert part.shape[0] == 1 and np.all(part.numpy() == sum(mine.ranks))
+    parts = kr.grouped_reducescatter([tf.ones([n, 1]) * rank], "", kr.Compression.none, kr.Sum,
+                                     mine)
+    assert parts[0].shape[0] == 1 and np.all(parts[0].numpy() == sum(mine.ranks))
     out, received = kr.alltoall(tf.fill([n, 1], rank), splits=[1] * n, process_set=mine)
     assert out.numpy().ravel().tolist() == mine.ranks and received.numpy().tolist() == [1] * n
     assert kr.allgather_object(rank, process_set=mine) == mine.ranks
