@@ -11,9 +11,10 @@ class CommitStateCallback(keras.callbacks.Callback):
     """Commits ``state`` every ``batches_per_commit`` batches and at every epoch's end.
 
     A commit is the point a failed world goes back to and where waiting workers join (see
-    ``keras_ring.elastic``). It runs right before the next batch or epoch starts, so that
-    every callback has recorded the finished batch in the state (``UpdateBatchStateCallback``,
-    ``UpdateEpochStateCallback``) whatever their order in the list.
+    ``keras_ring.elastic``). It runs right before the next batch or epoch starts (or as
+    training ends), so that every callback has recorded the finished batch in the state
+    (``UpdateBatchStateCallback``, ``UpdateEpochStateCallback``) whatever their order in the
+    list.
 
     Args:
         state: the ``keras_ring.elastic`` state to commit (a ``KerasState``, say).
@@ -57,6 +58,11 @@ class CommitStateCallback(keras.callbacks.Callback):
         self._commit_if_pending()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._commit_if_pending()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        # The last epoch's commit too (as Horovod commits at every epoch's end): a failure
+        # after fit goes back to the finished training, not to its last epoch's start.
         self._commit_if_pending()
 
     def _commit_if_pending(self) -> None:

@@ -34,30 +34,27 @@ def data():
         size=(STEPS * 4, 2)).astype("float32")
 
 
-class WeightsAtLastBatch(keras.callbacks.Callback):
-    def on_train_batch_begin(self, batch, logs=None):
-        if batch == STEPS - 1:
-            self.weights = [w.copy() for w in self.model.get_weights()]
-            self.slots = [v.numpy().copy() for v in self.model.optimizer.variables]
-
-
 def test_a_restore_brings_back_the_last_commit_whatever_the_callbacks_order():
     model = make_model()
     state = elastic.KerasState(model, epoch=0, batch=0)
-    last = WeightsAtLastBatch()
     x, y = data()
     # Commit first in the list: it still commits what the later callbacks recorded.
     model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
               callbacks=[elastic.CommitStateCallback(state),
                          elastic.UpdateBatchStateCallback(state),
-                         elastic.UpdateEpochStateCallback(state), last])
+                         elastic.UpdateEpochStateCallback(state)])
     assert (state.epoch, state.batch) == (2, 0)
+    weights = [w.copy() for w in model.get_weights()]
+    slots = [v.numpy().copy() for v in model.optimizer.variables]
+    model.set_weights([np.zeros_like(w) for w in weights])
+    state.epoch = 99
     state.restore()
-    # The last commit ran right before the last batch of epoch 2.
-    assert (state.epoch, state.batch) == (1, STEPS - 1)
-    for now, then in zip(model.get_weights(), last.weights):
+    # The last commit ran as training ended, after the last epoch was recorded (as Horovod
+    # commits at each epoch's end): nothing of the finished training is lost.
+    assert (state.epoch, state.batch) == (2, 0)
+    for now, then in zip(model.get_weights(), weights):
         np.testing.assert_array_equal(now, then)
-    for variable, then in zip(model.optimizer.variables, last.slots):
+    for variable, then in zip(model.optimizer.variables, slots):
         np.testing.assert_array_equal(variable.numpy(), then)
 
 
@@ -65,11 +62,14 @@ def test_batches_per_commit_spaces_the_commits():
     model = make_model()
     state = elastic.KerasState(model, epoch=0, batch=0)
     x, y = data()
+    committed = []
+    commit = state.commit
+    state.commit = lambda: (committed.append(state.batch), commit())
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False,
               callbacks=[elastic.CommitStateCallback(state, batches_per_commit=4),
                          elastic.UpdateBatchStateCallback(state)])
-    state.restore()
-    assert state.batch == 4  # committed before batch 5 (index 4); the next would be at 8
+    # Before batch 5 (index 4), before batch 9, ..., and as training ends (the epoch's end).
+    assert committed == list(range(4, STEPS, 4)) + [0]
 
 
 class StopAfterOne(keras.callbacks.Callback):
