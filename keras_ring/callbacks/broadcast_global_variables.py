@@ -11,6 +11,7 @@ from keras_ring import _keras_private
 from keras_ring._local import check_variable, is_variable, variable_keys
 from keras_ring.basics import size
 from keras_ring.collectives import broadcast_variables
+from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
 
 
@@ -34,6 +35,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     Args:
         root_rank: the rank whose variables everybody gets. Default 0.
+        device: Horovod's placement of the broadcast; accepted (a string) and ignored.
         local_variables: a variable or a list of variables (``keras.Variable`` or
             ``tf.Variable``) that keep each rank's own value: they are not broadcast, like
             those named later with :meth:`register_local_var`. Typically the weights of
@@ -48,9 +50,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, root_rank: int = 0, *, local_variables: Any = None,
+    def __init__(self, root_rank: int = 0, device: str = "", *, local_variables: Any = None,
                  process_set: ProcessSet = global_process_set) -> None:
         super().__init__()
+        check_device(device, "BroadcastGlobalVariablesCallback")
+        check_process_set(process_set, "BroadcastGlobalVariablesCallback")
         self.root_rank = _check_root(root_rank)
         self.process_set = process_set
         self._pending = True

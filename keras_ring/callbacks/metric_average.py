@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ring.collectives import Average, allreduce
+from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
 
 
@@ -56,6 +57,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
     same number of samples, which is how data should be sharded for synchronous training.
 
     Args:
+        device: Horovod's placement of the averaging; accepted (a string) and ignored.
         process_set: average among these ranks only; all by default.
 
     Example:
@@ -67,9 +69,11 @@ class MetricAverageCallback(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, process_set: ProcessSet = global_process_set) -> None:
+    def __init__(self, device: str = "", *,
+                 process_set: ProcessSet = global_process_set) -> None:
         super().__init__()
-        self.process_set = process_set
+        check_device(device, "MetricAverageCallback")
+        self.process_set = check_process_set(process_set, "MetricAverageCallback")
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs:

@@ -124,3 +124,28 @@ def test_the_rate_each_epoch_ended_with_is_in_the_logs():
                                    LearningRateScheduleCallback(0.4, 1.0, 1, end_epoch=2),
                                    LearningRateScheduleCallback(0.4, lambda e: 1e-1, 2)])
     assert history.history["learning_rate"] == pytest.approx([0.4, 0.4, 0.04, 0.04])
+
+
+def test_horovods_device_argument_is_accepted_and_ignored():
+    # hvd.callbacks.BroadcastGlobalVariablesCallback(0, device='') and MetricAverageCallback(
+    # '/cpu:0'), Horovod's placement of their ops.
+    assert BroadcastGlobalVariablesCallback(0, "").root_rank == 0
+    assert BroadcastGlobalVariablesCallback(0, device="/cpu:0").root_rank == 0
+    average = MetricAverageCallback("/cpu:0")
+    logs = {"loss": 0.5}
+    average.on_epoch_end(0, logs)
+    assert logs == {"loss": 0.5}
+
+
+@pytest.mark.parametrize("make, error, message", [
+    # A process set in device's place (keras_ring's old order): refused now, not at epoch end.
+    (lambda: MetricAverageCallback(keras_ring.global_process_set), TypeError,
+     "MetricAverageCallback: device is Horovod's placement string .* pass process_set= by keyword"),
+    (lambda: MetricAverageCallback(process_set=[0, 1]), TypeError,
+     "MetricAverageCallback: process_set must be a keras_ring.ProcessSet, got list"),
+    (lambda: BroadcastGlobalVariablesCallback(0, process_set="all"), TypeError,
+     "BroadcastGlobalVariablesCallback: process_set must be a keras_ring.ProcessSet, got str"),
+])
+def test_callback_arguments_of_the_wrong_kind_fail_when_made(make, error, message):
+    with pytest.raises(error, match=message):
+        make()

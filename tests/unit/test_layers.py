@@ -75,6 +75,7 @@ LAYERS = {
     "keras_ring.gradient_tape": 7,
     "keras_ring.callbacks": 7,
     "keras_ring.callbacks._learning_rate": 7,
+    "keras_ring.callbacks._arguments": 7,
     "keras_ring.callbacks.broadcast_global_variables": 7,
     "keras_ring.callbacks.learning_rate_schedule": 7,
     "keras_ring.callbacks.learning_rate_warmup": 7,
