@@ -38,6 +38,15 @@ def _pickle(obj: Any) -> tuple[bytes, BaseException | None]:
     return buf.getvalue(), None
 
 
+def _check_session(session: Any, what: str) -> None:
+    # Horovod's TF1 session sits where a name might be expected: a string there is a name
+    # passed positionally in keras_ring's old order, which now must be a keyword.
+    if session is not None:
+        raise ValueError(f"keras_ring.{what} takes no TF1 session (keras_ring's object "
+                         f"collectives run eagerly), got session={session!r}; a name goes "
+                         "in name=")
+
+
 def _as_tensor(data: bytes) -> tf.Tensor:
     return tf.constant(np.frombuffer(data, dtype=np.uint8))
 
@@ -53,13 +62,14 @@ def _unpicklable(what: str, name: str, failed: dict[int, str],
     return error
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Returns the root rank's ``obj`` (any picklable object) on every rank. Eager only.
 
     Args:
         obj: the object to send (on the root; ignored elsewhere).
         root_rank: the global rank whose object every rank receives.
+        session: Horovod's TF1 session, in Horovod's place; only None is accepted.
         name: a name shared by all ranks, used in errors.
         process_set: the ranks that take part; all by default.
 
@@ -73,6 +83,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     ```
     """
     check_eager("broadcast_object", _TRACED)
+    _check_session(session, "broadcast_object")
     resolve(process_set, "broadcast_object")
     base = _check_name(name) or "broadcast_object"
     mine = RUNTIME.topology().rank == root_rank
@@ -108,17 +119,15 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | Non
     state = bcast(state)
     ```
     """
-    if session is not None:
-        raise ValueError("keras_ring.broadcast_object_fn takes no TF1 session (keras_ring's "
-                         f"object collectives run eagerly), got session={session!r}")
+    _check_session(session, "broadcast_object_fn")
     base = _check_name(name) or "broadcast_object_fn"
-    return lambda obj: broadcast_object(obj, root_rank, base, process_set)
+    return lambda obj: broadcast_object(obj, root_rank, name=base, process_set=process_set)
 
 
-def allgather_object(obj: Any, name: str | None = None,
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Returns a list with every rank's ``obj`` (any picklable object), in rank order. Eager
-    only.
+    only. ``session`` is Horovod's TF1 session, in Horovod's place: only None is accepted.
 
     Raises:
         CollectiveArgumentError: on every rank, where some rank's object cannot be pickled
@@ -131,6 +140,7 @@ def allgather_object(obj: Any, name: str | None = None,
     ```
     """
     check_eager("allgather_object", _TRACED)
+    _check_session(session, "allgather_object")
     resolve(process_set, "allgather_object")
     base = _check_name(name) or "allgather_object"
     data, error = _pickle(obj)

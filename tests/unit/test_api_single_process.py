@@ -144,6 +144,9 @@ def test_graph_collectives_as_synchronous_and_asynchronous_kernels(monkeypatch, 
 def test_objects_and_barrier(initialized):
     assert kr.broadcast_object({"a": [1, 2]}, root_rank=0) == {"a": [1, 2]}
     assert kr.allgather_object("x") == ["x"]
+    # Horovod's positional order, session=None included.
+    assert kr.broadcast_object({"a": 1}, 0, None, "named") == {"a": 1}
+    assert kr.allgather_object("y", None, "named") == ["y"]
     kr.barrier()
 
 

@@ -127,6 +127,11 @@ BAD = {
                                      ".*pickle '_thread.lock' object\\) cannot be pickled"),
     "broadcast_object_fn-session": (lambda: kr.broadcast_object_fn(0, session=object()), ValueError,
                                     "takes no TF1 session"),
+    # Horovod's order: the session comes third (second for allgather_object), the name after.
+    "broadcast_object-name-in-session": (lambda: kr.broadcast_object(1, 0, "x"), ValueError,
+                                         "broadcast_object takes no TF1 session.*name="),
+    "allgather_object-name-in-session": (lambda: kr.allgather_object(1, "x"), ValueError,
+                                         "allgather_object takes no TF1 session.*name="),
 }
 
 
