@@ -140,8 +140,11 @@ class DistributedGradientTape:
         """This rank's ``tape.gradient(...)``, reduced over all ranks; same structure as ``sources``.
 
         ``use_generic_names`` (Horovod's choice of names for the collectives) is accepted and
-        has no effect: keras_ring names the collectives itself, alike on every rank.
+        has no effect: keras_ring names the collectives itself, alike on every rank. A bool in
+        fourth place is that argument, where Horovod's signature puts it.
         """
+        if isinstance(unconnected_gradients, bool):  # Horovod's positional use_generic_names
+            unconnected_gradients = tf.UnconnectedGradients.NONE
         del use_generic_names
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)

@@ -116,3 +116,8 @@ def test_tape_gradient_takes_horovods_use_generic_names():
     grads = keras_ring.DistributedGradientTape(tape).gradient(loss, [variable],
                                                               use_generic_names=True)
     np.testing.assert_array_equal(grads[0].numpy(), [2.0, 4.0])
+    # Horovod's positional form: gradient(target, sources, output_gradients, use_generic_names).
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(variable * variable)
+    grads = keras_ring.DistributedGradientTape(tape).gradient(loss, [variable], None, True)
+    np.testing.assert_array_equal(grads[0].numpy(), [2.0, 4.0])
