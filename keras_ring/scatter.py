@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ring import collectives as _c
-from keras_ring.compression import Compression, Compressor
+from keras_ring.compression import Compression, Compressor, check_compression
 from keras_ring.ops import wrappers
 from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.process_sets import ProcessSet, global_process_set, resolve, set_rank, set_size
@@ -78,6 +78,14 @@ def reducescatter(
     ```
     """
     del device_dense, ignore_name_scope
+    if isinstance(compression, ReduceOp):  # hvd.keras.reducescatter(value, name, op)
+        raise TypeError(
+            f"keras_ring.reducescatter: got the op {compression.name} as compression: "
+            "horovod.tensorflow.keras's reducescatter takes (value, name, op), keras_ring's "
+            "takes horovod.tensorflow's (tensor, device_dense, compression, op, name, ...); "
+            "pass name= and op= by keyword")
+    if compression is not None:
+        check_compression(compression, "keras_ring.reducescatter")
     op, tensor_name, pre, post, set_id = _c._reduce_args(
         "reducescatter", op, name, prescale_factor, postscale_factor, process_set)
     tensor = _c._tensor(tensor, _c.REDUCE_DTYPES, "reducescatter")

@@ -81,6 +81,11 @@ BAD = {
                    "got np.int64.1. .a number"),
     "op-reducescatter-3": (lambda: kr.reducescatter(tf.ones([2]), op=3), ValueError,
                            "got 3 .a number"),
+    # hvd.keras.reducescatter(value, name, op): the op lands where keras_ring's compression is.
+    "reducescatter-keras-order": (lambda: kr.reducescatter(tf.ones([2]), "rs", kr.Sum), TypeError,
+                                  "got the op Sum as compression.*pass name= and op= by keyword"),
+    "reducescatter-compression-string": (lambda: kr.reducescatter(tf.ones([2]), "", "fp16"),
+                                         TypeError, "compression must be one of"),
     "op-wrap-1": (lambda: kr.wrap("sgd", op=1), ValueError,
                   "wrap: op must be keras_ring.Sum or keras_ring.Average, got 1 .a number"),
     # horovod.tensorflow.keras.allreduce(value, name): a name where keras_ring takes the op.
