@@ -354,8 +354,10 @@ def grouped_allreduce(
 
 
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """:func:`allgather` of each tensor, in order; each may have its own row count.
+    ``ignore_name_scope`` is Horovod's, in its place, and has no effect.
 
     Example:
 
@@ -363,6 +365,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
     features, labels = keras_ring.grouped_allgather([features, labels])
     ```
     """
+    del ignore_name_scope
     set_id = resolve(process_set, "grouped_allgather")
     base = _check_name(name)
     tensors = _tensors(_tensor_list(tensors, "grouped_allgather"), GATHER_DTYPES,
@@ -371,12 +374,13 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
             for i, t in enumerate(tensors)]
 
 
-def allgather(tensor: Any, name: str | None = None,
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenates every rank's tensor along the first dimension, in rank order.
 
     The first dimension may differ between ranks; the others must match. A scalar counts as
-    one row, so gathering scalars gives a vector of ``size()`` entries.
+    one row, so gathering scalars gives a vector of ``size()`` entries. The arguments are
+    Horovod's, in its order; ``ignore_name_scope`` has no effect.
 
     Example:
 
@@ -384,16 +388,19 @@ def allgather(tensor: Any, name: str | None = None,
     all_labels = keras_ring.allgather(labels)  # shape [sum of every rank's batch, ...]
     ```
     """
+    del ignore_name_scope
     set_id = resolve(process_set, "allgather")
     tensor = _tensor(tensor, GATHER_DTYPES, "allgather")
     return _run(wrappers.allgather, tensor, _check_name(name), set_id)
 
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Returns the root rank's ``tensor`` on every rank (shapes and dtypes must match).
 
-    With a ``process_set``, on its ranks; ``root_rank`` is still the root's global rank.
+    With a ``process_set``, on its ranks; ``root_rank`` is still the root's global rank. The
+    arguments are Horovod's, in its order; ``ignore_name_scope`` has no effect.
 
     Example:
 
@@ -401,6 +408,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     w = keras_ring.broadcast(w, root_rank=0)
     ```
     """
+    del ignore_name_scope
     set_id = resolve(process_set, "broadcast")
     tensor = _tensor(tensor, GATHER_DTYPES, "broadcast")
     root = root_in_set(_check_root(root_rank), set_id, "broadcast")
@@ -429,8 +437,11 @@ def _shared_variables(variables: Sequence[Any]) -> list[Any]:
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int,
-                        process_set: ProcessSet = global_process_set) -> None:
+                        process_set: ProcessSet = global_process_set,
+                        inplace: bool = False) -> None:
     """Assigns the root rank's values to ``variables`` (tf or Keras variables) on every rank.
+    ``inplace`` is Horovod's choice of implementation, in its place; every assignment here is
+    in place.
 
     The random-seed states of Keras layers (``keras.random.SeedGenerator``, in
     ``model.variables`` but not in ``model.weights``) are left out: each rank keeps drawing
@@ -444,6 +455,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     keras_ring.broadcast_variables(model.variables, root_rank=0)
     ```
     """
+    del inplace
     resolve(process_set, "broadcast_variables")
     for i, var in enumerate(_shared_variables(variables)):
         var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=f"broadcast_variables.{i}",

@@ -144,9 +144,15 @@ def test_graph_collectives_as_synchronous_and_asynchronous_kernels(monkeypatch, 
 def test_objects_and_barrier(initialized):
     assert kr.broadcast_object({"a": [1, 2]}, root_rank=0) == {"a": [1, 2]}
     assert kr.allgather_object("x") == ["x"]
-    # Horovod's positional order, session=None included.
+    # Horovod's positional order, session=None and ignore_name_scope included.
     assert kr.broadcast_object({"a": 1}, 0, None, "named") == {"a": 1}
     assert kr.allgather_object("y", None, "named") == ["y"]
+    assert kr.allgather(tf.constant([3]), "g", False, kr.global_process_set).numpy().tolist() == [3]
+    assert kr.broadcast(tf.constant([4]), 0, "b", True).numpy().tolist() == [4]
+    assert [t.numpy().tolist() for t in kr.grouped_allgather([tf.constant([5])], "gg", False)] == [[5]]
+    variable = tf.Variable(6.0)
+    kr.broadcast_variables([variable], 0, kr.global_process_set, True)  # Horovod's inplace
+    assert variable.numpy() == 6.0
     kr.barrier()
 
 
