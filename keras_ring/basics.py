@@ -9,7 +9,7 @@ from keras_ring import _keras_private, _lifecycle
 from keras_ring.runtime import RUNTIME
 
 
-def init(process_sets: Sequence[Any] | None = None) -> None:
+def init(process_sets: Sequence[Any] | str | None = None) -> None:
     """Starts keras_ring in this process.
 
     Under ``mpirun -np N`` (or ``keras-ring-run``) it bootstraps through mpi4py and connects
@@ -18,7 +18,8 @@ def init(process_sets: Sequence[Any] | None = None) -> None:
 
     Args:
         process_sets: ``keras_ring.ProcessSet`` objects to add right away (every rank passes
-            the same ones), as ``add_process_set`` would.
+            the same ones), as ``add_process_set`` would. Horovod's ``"dynamic"`` (sets
+            added and removed later) is accepted: keras_ring's sets always are.
 
     Example:
 
@@ -32,6 +33,8 @@ def init(process_sets: Sequence[Any] | None = None) -> None:
     RUNTIME.init()
     for step in _lifecycle.AFTER_INIT:  # the Keras integration's, say: see keras_ring/__init__
         step()
+    if process_sets == "dynamic":
+        return
     if process_sets:
         for add in _lifecycle.ADD_PROCESS_SETS:
             add(list(process_sets))

@@ -189,3 +189,10 @@ def test_init_with_process_sets(world, sets):
         out = kr.allreduce(tf.constant([rank]), op=kr.Sum, process_set=last)
         assert out.numpy().tolist() == [size - 1]
     assert kr.remove_process_set(last)
+    # Horovod's init(process_sets="dynamic"): no sets now, added later as always here.
+    kr.shutdown()
+    kr.init(process_sets="dynamic")
+    later = kr.add_process_set([size - 1])  # not the whole job, which exists already
+    if later.included():
+        assert kr.allreduce(tf.constant([1]), op=kr.Sum, process_set=later).numpy() == [1]
+    assert kr.remove_process_set(later)
