@@ -147,11 +147,11 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
     header = -len(data) if error else len(data)
     lengths = allgather(tf.constant([header], tf.int64), name=f"{base}.lengths",
                         process_set=process_set).numpy()
-    if (lengths < 0).any() and not error:  # every rank knows: all send only the errors' texts
+    some_failed = bool((lengths < 0).any())
+    if some_failed and not error:  # every rank knows: all send only the errors' texts
         data = b""
     gathered = allgather(_as_tensor(data), name=f"{base}.data",
                          process_set=process_set).numpy().tobytes()
-    some_failed = bool((lengths < 0).any())
     out, failed, offset = [], {}, 0
     for rank, n in zip(process_set.ranks, (int(n) for n in lengths)):
         if some_failed and n >= 0:
