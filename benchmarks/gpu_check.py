@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import secrets
@@ -120,6 +121,23 @@ def close(name: str, got: np.ndarray, want: np.ndarray) -> bool:
         return bool(np.array_equal(got, want))
     g, w = as_float64(name, got), as_float64(name, want)
     return bool(np.allclose(g, w, rtol=RTOL[name], atol=RTOL[name]))
+
+
+def mismatch(name: str, got: np.ndarray, want: np.ndarray) -> str:
+    """Where `got` differs from `want`: how many elements, the first and last, their values."""
+    if got.shape != want.shape:
+        return f"shape {got.shape}, expected {want.shape}"
+    if name in RTOL:
+        g, w = as_float64(name, got).ravel(), as_float64(name, want).ravel()
+        bad = np.flatnonzero(~np.isclose(g, w, rtol=RTOL[name], atol=RTOL[name]))
+    else:
+        g, w = got.ravel(), want.ravel()
+        bad = np.flatnonzero(g != w)
+    if bad.size == 0:
+        return "no element differs"
+    first, last = int(bad[0]), int(bad[-1])
+    return (f"{bad.size} of {g.size} elements differ, indices {first}..{last}; "
+            f"[{first}] got {g[first]} want {w[first]}, [{last}] got {g[last]} want {w[last]}")
 
 
 ITERATION_CAP = 200  # timed calls per size at most; fewer where ranks share a GPU
@@ -349,16 +367,28 @@ def check_allreduce(core: Core, cp, checks: Checks, rank: int, n: int, device: i
                 what = f"allreduce {op} {name} x{count}"
                 if run_collective(checks, what, lambda: core.allreduce(x, y, name, op, device)):
                     want = reference_allreduce(name, op, inputs)
-                    checks.expect(what, close(name, cp.asnumpy(y), want))
-    for name, op, pre, post in (("float32", "Sum", 0.5, 3.0), ("float16", "Average", 0.25, 4.0),
-                                ("float64", "Average", 2.0, 1.5)):
-        inputs = [rank_input(name, op, 4096, r) for r in range(n)]
+                    got = cp.asnumpy(y)
+                    if not close(name, got, want):
+                        # Read again after the whole device finished: tells a race on the
+                        # caller's stream from a wrong result.
+                        cp.cuda.Device().synchronize()
+                        detail = (mismatch(name, got, want) + "; after a device synchronize: "
+                                  + mismatch(name, cp.asnumpy(y), want))
+                        checks.expect(what, False, detail)
+                        continue
+                    checks.expect(what, True)
+    for (name, op, pre, post), count in itertools.product(
+            (("float32", "Sum", 0.5, 3.0), ("float16", "Average", 0.25, 4.0),
+             ("float64", "Average", 2.0, 1.5)), (4096, (1 << 20) + 7)):
+        inputs = [rank_input(name, op, count, r) for r in range(n)]
         x = cp.asarray(inputs[rank])  # in place: output == input
-        what = f"allreduce {op} {name} prescale={pre} postscale={post} in place"
+        what = f"allreduce {op} {name} x{count} prescale={pre} postscale={post} in place"
         run = lambda: core.allreduce(x, x, name, op, device, pre=pre, post=post)  # noqa: E731
         if run_collective(checks, what, run):
             want = reference_allreduce(name, op, inputs, pre, post)
-            checks.expect(what, close(name, cp.asnumpy(x), want))
+            got = cp.asnumpy(x)
+            ok = close(name, got, want)
+            checks.expect(what, ok, "" if ok else mismatch(name, got, want))
     # Refused on every rank alike, and the runtime stays usable.
     x = cp.ones(8, cp.float32)
     try:

@@ -134,6 +134,9 @@ else
     rc=$?
 fi
 
+# NCCL's own one-rank kernel, without keras_ring: does it still need the workaround?
+timeout -k 5 120 "$PY" benchmarks/gpu_check_nccl_one_rank.py "$NCCL_DIR" 2>&1 | sed 's/^/gpu_check: /'
+
 # 4. Failure paths, each a job of its own started by the driver (they need 2 ranks).
 frc=0
 if [ "$NP" -ge 2 ]; then

@@ -123,6 +123,40 @@ TEST(NcclPlan_AllgatherLayout) {
   CHECK_EQ(g.total, size_t{20});
 }
 
+TEST(NcclPlan_OneRankKernelLeavesATailWhereTheShareRoundsDown) {
+  // What NCCL 2.28.9 did on an H200: the last 7 of 2^20 + 7 elements left unwritten.
+  CHECK_EQ(kn::OneRankKernelWrites((1 << 20) + 7, 4), size_t{1 << 20});
+  CHECK_EQ(kn::OneRankKernelWrites((1 << 20) + 7, 8), size_t{1 << 20});
+  CHECK_EQ(kn::OneRankKernelWrites((1 << 20) + 7, 2), size_t{1 << 20});
+  CHECK_EQ(kn::OneRankKernelWrites(1 << 20, 4), size_t{1 << 20});
+  CHECK_EQ(kn::OneRankKernelWrites(1000, 4), size_t{1000});  // one block writes everything
+  CHECK_EQ(kn::OneRankKernelWrites(0, 4), size_t{0});
+}
+
+TEST(NcclPlan_OneRankPiecesAreWrittenWholeAndCoverTheTensorOnce) {
+  size_t split = 0;
+  for (size_t esize : {size_t{1}, size_t{2}, size_t{4}, size_t{8}}) {
+    for (size_t count = 0; count < (size_t{3} << 20) / esize; count += count < 70000 ? 1 : 997) {
+      const std::vector<size_t> pieces = kn::OneRankPieces(count, esize);
+      size_t total = 0;
+      for (size_t piece : pieces) {
+        if (kn::OneRankKernelWrites(piece, esize) != piece) {
+          CHECK_EQ(kn::OneRankKernelWrites(piece, esize), piece)
+              << "piece " << piece << " of " << count << " x " << esize << " B";
+          return;
+        }
+        total += piece;
+      }
+      if (total != count || pieces.size() > 2) {
+        CHECK_EQ(total, count) << pieces.size() << " pieces of " << count << " x " << esize;
+        return;
+      }
+      split += pieces.size() == 2 ? 1 : 0;
+    }
+  }
+  CHECK(split > 1000) << "the tail case was exercised " << split << " times";
+}
+
 TEST(NcclPlan_ResultCodesBecomeStatuses) {
   Status s = kn::NcclError(kn::kNcclRemoteError, "ncclAllReduce", "remote process exited");
   CHECK(s.code() == Code::kUnavailable && s.fatal());

@@ -111,6 +111,49 @@ TEST(Nccl_ScaleFactorsBecomeOneCachedPreMulSum) {
   CHECK_EQ(w.fake->Count(0, "destroy premul"), 1);
 }
 
+// The fake leaves the tail that NCCL 2.28's one-rank kernel leaves (plan.h), so these fail
+// if a one-rank reduction is handed to it whole.
+TEST(Nccl_OneRankScaledReductionsWriteEveryElement) {
+  GpuWorld w(1);
+  const size_t n = (1 << 20) + 7;
+  std::vector<float> in(n), out(n, -7.0f);
+  for (size_t i = 0; i < n; ++i) in[i] = static_cast<float>(static_cast<int>(i % 101) - 50);
+  CHECK_OK(w.Run(0, Allreduce(Tensor(DataType::kFloat32, {static_cast<int64_t>(n)}, in.data(),
+                                     out.data()),
+                              ReduceOp::kAverage)));
+  CHECK(out == in) << "Average at one rank: first tail element " << out[n - 7];
+  std::vector<double> x(n + 9, 3.0);  // in place, a scale factor, another length and dtype
+  CHECK_OK(w.Run(0, Allreduce(Tensor(DataType::kFloat64, {static_cast<int64_t>(x.size())},
+                                     x.data(), x.data()),
+                              ReduceOp::kSum, 0.5)));
+  CHECK_EQ(x.front(), 1.5);
+  CHECK_EQ(x.back(), 1.5);
+  std::vector<float> part(n, -7.0f);  // a reducescatter's one part is the whole input
+  Request scatter = Allreduce(Tensor(DataType::kFloat32, {static_cast<int64_t>(n), 1}, in.data(),
+                                     part.data()),
+                              ReduceOp::kAverage);
+  scatter.kind = Kind::kReducescatter;
+  CHECK_OK(w.Run(0, std::move(scatter)));
+  CHECK(part == in) << "reducescatter at one rank: first tail element " << part[n - 7];
+  std::vector<uint16_t> h(40003, keras_ring::FloatToHalf(2.0f)), g(5, keras_ring::FloatToHalf(2.0f));
+  Request grouped;  // each tensor in its pieces, all in one group
+  grouped.kind = Kind::kGroupedAllreduce;
+  grouped.op = ReduceOp::kAverage;
+  grouped.tensors = {Tensor(DataType::kFloat16, {40003}, h.data(), h.data()),
+                     Tensor(DataType::kFloat16, {5}, g.data(), g.data())};
+  grouped.prescale = 0.25;
+  CHECK_OK(w.Run(0, std::move(grouped)));
+  CHECK_EQ(keras_ring::HalfToFloat(h.back()), 0.5f);
+  CHECK_EQ(keras_ring::HalfToFloat(g.back()), 0.5f);
+  const std::vector<std::string> log = w.fake->Log(0);
+  const int first = Find(log, "group start");
+  CHECK(first >= 0);
+  CHECK_EQ(Find(log, "group end", first) - first, 3) << "the first allreduce in two pieces";
+  int last = first;
+  while (Find(log, "group start", last + 1) >= 0) last = Find(log, "group start", last + 1);
+  CHECK_EQ(Find(log, "group end", last) - last, 4) << "two pieces and one whole tensor";
+}
+
 TEST(Nccl_UnsupportedScaleFailsEveryRankAlikeAndStaysUsable) {
   GpuWorld w(2);
   w.Each([&](int r) {

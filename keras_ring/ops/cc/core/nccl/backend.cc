@@ -506,16 +506,34 @@ Status NcclBackend::LaunchReduce(Request& c, const std::vector<ReducePlan>& plan
     }
     ops.push_back(op);
   }
-  // A grouped allreduce is one NCCL group: one launch for all its tensors.
-  const bool group = c.tensors.size() > 1;
-  if (group) KR_RETURN_IF_ERROR(Nccl(api_->GroupStart(), "ncclGroupStart"));
-  Status s;
-  for (size_t i = 0; i < c.tensors.size() && s.ok(); ++i) {
+  // One call per tensor; on one rank, the pieces NCCL's one-rank kernel writes whole.
+  struct Call {
+    const char* input;
+    char* output;
+    size_t count;
+    size_t i;
+  };
+  std::vector<Call> calls;
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
     const TensorRef& t = c.tensors[i];
     const size_t count = static_cast<size_t>(t.num_elements());
-    if (count == 0) continue;
-    const int r =
-        api_->AllReduce(t.input, t.output, count, plans[i].dtype, ops[i], comm.get(), stream);
+    const size_t esize = DataTypeSize(t.dtype);
+    size_t offset = 0;
+    for (size_t piece : size_ == 1 ? OneRankPieces(count, esize) : std::vector<size_t>{count}) {
+      if (piece == 0) continue;
+      calls.push_back({static_cast<const char*>(t.input) + offset * esize,
+                       static_cast<char*>(t.output) + offset * esize, piece, i});
+      offset += piece;
+    }
+  }
+  // A grouped allreduce is one NCCL group: one launch for all its tensors.
+  const bool group = calls.size() > 1;
+  if (group) KR_RETURN_IF_ERROR(Nccl(api_->GroupStart(), "ncclGroupStart"));
+  Status s;
+  for (size_t k = 0; k < calls.size() && s.ok(); ++k) {
+    const Call& call = calls[k];
+    const int r = api_->AllReduce(call.input, call.output, call.count, plans[call.i].dtype,
+                                  ops[call.i], comm.get(), stream);
     s = group ? Grouped(r, "ncclAllReduce") : comm.Settle(r, "ncclAllReduce", stop);
   }
   // Always close the group: NCCL's group depth is per thread and would outlive an error.

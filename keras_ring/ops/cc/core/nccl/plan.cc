@@ -1,5 +1,6 @@
 #include "plan.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "../reduce.h"
@@ -74,6 +75,29 @@ Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale
   plan->premul = true;
   plan->scalar = factor;
   return Status::OK();
+}
+
+namespace {
+constexpr size_t kOneRankBlockBytes = 16 << 10;  // NCCL's bytes per block of that kernel
+constexpr size_t kOneRankMaxBlocks = 32;
+constexpr size_t kOneRankPackBytes = 16;
+}  // namespace
+
+size_t OneRankKernelWrites(size_t count, size_t element_bytes) {
+  const size_t bytes = count * element_bytes;
+  const size_t blocks =
+      std::min(kOneRankMaxBlocks, (bytes + kOneRankBlockBytes - 1) / kOneRankBlockBytes);
+  if (blocks == 0) return count;
+  const size_t pack = std::max<size_t>(1, kOneRankPackBytes / element_bytes);
+  const size_t share = (count / blocks + pack - 1) / pack * pack;
+  return std::min(count, blocks * share);
+}
+
+std::vector<size_t> OneRankPieces(size_t count, size_t element_bytes) {
+  if (element_bytes == 0 || OneRankKernelWrites(count, element_bytes) == count) return {count};
+  const size_t bulk = count * element_bytes / kOneRankBlockBytes * kOneRankBlockBytes /
+                      element_bytes;
+  return {bulk, count - bulk};
 }
 
 uint64_t EncodeScalar(DataType dtype, double value) {

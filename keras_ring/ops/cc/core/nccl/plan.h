@@ -37,6 +37,20 @@ Status NcclReduceType(DataType dtype, int* nccl_type, const char* collective = "
 Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale, int size,
                   ReducePlan* plan, const char* collective = "allreduce");
 
+// A reduction on a one-rank communicator is not communication: NCCL runs it as one kernel
+// (ncclLaunchOneRank) on min(32, ceil(bytes / 16 KiB)) blocks that each take
+// alignUp(floor(count / blocks), 16 bytes) elements, and nothing writes what that leaves over:
+// up to 31 trailing elements, for example the last 7 of a 2^20 + 7 float32 Average, which
+// stay unwritten (out of place) or unscaled (in place). Seen with NCCL 2.28.3 and 2.28.9 on an
+// H200, for every scaled reduction (PreMulSum, and Average of floats). The elements that
+// kernel writes of `count`:
+size_t OneRankKernelWrites(size_t count, size_t element_bytes);
+// The element counts of consecutive, disjoint calls that make up one such reduction, each
+// written whole by that kernel and by any correct one: a bulk of whole 16 KiB (every block
+// then gets the same aligned share) and a tail under 16 KiB (one block). One count where
+// the kernel already writes everything.
+std::vector<size_t> OneRankPieces(size_t count, size_t element_bytes);
+
 // The PreMulSum scalar as one element of `dtype` in the low bytes (NCCL reads the scalar in
 // the data's own type).
 uint64_t EncodeScalar(DataType dtype, double value);

@@ -21,6 +21,9 @@ namespace nccl {
 Status NcclBackend::LaunchReducescatter(Request& c, const ReducePlan& plan,
                                         Communicator& communicator, Stream stream,
                                         const StopCheck& stop) {
+  // One rank's part is the whole input: an allreduce, which also takes NCCL's one-rank
+  // kernel in the pieces it writes whole (plan.h).
+  if (size_ == 1) return LaunchReduce(c, {plan}, communicator, stream, stop);
   const TensorRef& t = c.tensors[0];
   int op = plan.op;
   if (plan.premul) {
