@@ -518,3 +518,23 @@ def test_a_fatal_collective_error_still_ends_the_checks(monkeypatch):
     with pytest.raises(gc.CollectiveError, match="lost rank 1"):
         gc.run_checks(None, None, gc.Checks(0), rank=0, n=2, device=0)
     assert ran == ["check_first_latency", "check_allreduce"]
+
+
+def test_mismatch_names_how_many_elements_differ_and_where():
+    want = np.arange(10, dtype=np.float32)
+    got = want.copy()
+    got[7:] = -7.0
+    text = gc.mismatch("float32", got, want)
+    assert text.startswith("3 of 10 elements differ, indices 7..9"), text
+    assert "[7] got -7.0 want 7.0" in text, text
+    assert gc.mismatch("int32", want.astype(np.int32), want.astype(np.int32)) == "no element differs"
+    assert gc.mismatch("float32", got[:4], want) == "shape (4,), expected (10,)"
+
+
+def test_gpu_only_scripts_compile_and_the_nccl_probe_runs_in_the_check():
+    # They need CUDA and CuPy, so this machine can only compile them.
+    scripts = sorted((ROOT / "benchmarks").glob("gpu_check*.py"))
+    assert ROOT / "benchmarks" / "gpu_check_nccl_one_rank.py" in scripts
+    for path in scripts:
+        compile(path.read_text(), str(path), "exec")
+    assert "gpu_check_nccl_one_rank.py" in (ROOT / "benchmarks" / "gpu_check.sh").read_text()
