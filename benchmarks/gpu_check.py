@@ -46,6 +46,7 @@ import gpu_check_cases as cases  # noqa: E402
 import gpu_check_faults as faults  # noqa: E402
 import gpu_check_inflight as inflight  # noqa: E402
 import gpu_check_scatter as scatter  # noqa: E402
+from gpu_check_libs import cuda_runtime_dirs, find_nccl, nccl_version_string  # noqa: E402
 
 DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4, "uint8": 5,
           "int32": 6, "int64": 7, "bool": 8}
@@ -177,12 +178,6 @@ def table(rows: list[dict], n: int, torch_label: str | None) -> str:
     return "\n".join(lines)
 
 
-def nccl_version_string(code: int) -> str:
-    wide = code >= 10000
-    major, minor = (code // 10000, code % 10000 // 100) if wide else (code // 1000, code % 1000 // 100)
-    return f"{major}.{minor}.{code % 100}"
-
-
 # ---------------------------------------------------------------- ranks and the library
 
 class CollectiveError(RuntimeError):
@@ -255,53 +250,6 @@ class Core:
 cases.load(Core, DTYPES, OPS)  # grouped allreduce, the backend's object counts
 scatter.load(Core, DTYPES, OPS)  # reducescatter, alltoall
 inflight.load(Core)  # allreduces with several outstanding
-
-
-def torch_lib_dirs() -> list[str]:
-    """PyTorch's bundled libraries (its NCCL and CUDA runtime), without importing it."""
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("torch")
-    except (ImportError, ValueError):
-        return []
-    return [str(Path(spec.origin).parent / "lib")] if spec and spec.origin else []
-
-
-def nccl_candidates() -> list[str]:
-    """Directories that may hold libnccl.so.2: wheels (NCCL's own, PyTorch's), the system's."""
-    dirs = []
-    from keras_ring.gpu import library_search_path
-
-    dirs += [d for d in library_search_path().split(":") if d]
-    dirs += torch_lib_dirs()
-    try:
-        ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-        dirs += [str(Path(line.split("=>")[-1].strip()).parent)
-                 for line in ldconfig.splitlines() if "libnccl.so.2" in line]
-    except OSError:
-        pass
-    dirs += os.environ.get("LD_LIBRARY_PATH", "").split(":")
-    cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    dirs += [f"{cuda}/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/local/nccl/lib", "/usr/lib64"]
-    return list(dict.fromkeys(d for d in dirs if d and Path(d, "libnccl.so.2").exists()))
-
-
-def find_nccl() -> tuple[str, int]:
-    """The directory of the newest libnccl.so.2 here and its version code ("", 0 if none).
-    Each candidate is asked in a child process: a library once loaded cannot be unloaded."""
-    probe = ("import ctypes,sys; v=ctypes.c_int(0); "
-             "ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v)); print(v.value)")
-    best = ("", 0)
-    for d in nccl_candidates():
-        out = subprocess.run([sys.executable, "-c", probe, str(Path(d, "libnccl.so.2"))],
-                             capture_output=True, text=True)
-        code = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
-        found = nccl_version_string(code) if code else out.stderr.strip()[-200:]
-        print(f"gpu_check: {d}/libnccl.so.2: {found}", file=sys.stderr)
-        if code > best[1]:
-            best = (d, code)
-    return best
 
 
 def rendezvous(listener: socket.socket, generation: int = 0) -> tuple[int, int, list[int], int, str]:
@@ -543,12 +491,6 @@ def run_checks(core, cp, checks: Checks, rank: int, n: int, device: int) -> dict
 def write_results(path: str | None, **results) -> None:
     if path:
         Path(path).write_text(json.dumps(results, indent=1))
-
-
-def cuda_runtime_dirs() -> list[str]:
-    """Where a CUDA runtime may be besides the wheels: the toolkit's, PyTorch's."""
-    dirs = [f"{os.environ.get('CUDA_HOME', '/usr/local/cuda')}/lib64", "/usr/local/cuda/lib64"]
-    return [d for d in dict.fromkeys(dirs + torch_lib_dirs()) if Path(d).is_dir()]
 
 
 def run_rank(args) -> int:
