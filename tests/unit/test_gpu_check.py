@@ -538,3 +538,16 @@ def test_gpu_only_scripts_compile_and_the_nccl_probe_runs_in_the_check():
     for path in scripts:
         compile(path.read_text(), str(path), "exec")
     assert "gpu_check_nccl_one_rank.py" in (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+
+
+def test_the_one_rank_kernel_model_and_the_lengths_it_cuts():
+    one_rank = gc.one_rank
+    # The H200 run: NCCL 2.28.9 wrote 2^20 of 2^20 + 7 elements, all of 1000, 2^20 and 2^22.
+    assert one_rank.kernel_writes((1 << 20) + 7, 4) == 1 << 20
+    for count in (1000, 1 << 20, 1 << 22):
+        assert one_rank.kernel_writes(count, 4) == count
+    assert one_rank.kernel_writes(0, 4) == 0
+    counts = one_rank.cut_counts(2, 10)
+    assert counts == one_rank.cut_counts(2, 10) == sorted(set(counts)) and len(counts) == 10
+    assert all(count - 32 < one_rank.kernel_writes(count, 2) < count for count in counts)
+    assert max(counts) * 2 < 3 << 20

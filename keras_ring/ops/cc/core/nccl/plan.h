@@ -43,7 +43,7 @@ Status PlanReduce(DataType dtype, ReduceOp op, double prescale, double postscale
 // up to 31 trailing elements, for example the last 7 of a 2^20 + 7 float32 Average, which
 // stay unwritten (out of place) or unscaled (in place). Seen with NCCL 2.28.3 and 2.28.9 on an
 // H200, for every scaled reduction (PreMulSum, and Average of floats). The elements that
-// kernel writes of `count`:
+// kernel writes of `count` (this model matched NCCL 2.28.9 at 180 of 180 lengths there):
 size_t OneRankKernelWrites(size_t count, size_t element_bytes);
 // The element counts of consecutive, disjoint calls that make up one such reduction, each
 // written whole by that kernel and by any correct one: a bulk of whole 16 KiB (every block
