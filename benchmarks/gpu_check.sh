@@ -5,7 +5,7 @@
 # fewer GPUs than ranks the ranks share them, which needs NCCL >= 2.30 (with
 # NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL_MAX_CTAS set, so both ranks' kernels fit; the counts of
 # calls are cut, since the ranks take turns on the GPU); with an older NCCL the checks run on
-# as many ranks as there are GPUs, without the failure scenarios (they need 2 ranks), and the
+# as many ranks as there are GPUs, without the killed-rank scenario (it needs 2 ranks), and the
 # script exits 4: an incomplete run, never a pass. The ranks check allreduce (single
 # and grouped), allgather and broadcast on CuPy arrays against NumPy, edge cases, 10,000 small
 # collectives with stable GPU memory, the libraries loaded and the GPUs holding their
@@ -57,9 +57,16 @@ build() {
     [ "$failed" = 0 ] || die "compilation failed (above)"
     # --no-undefined: a source missing from the list fails here, not when every rank loads
     # the library on the GPU machine (NCCL and CUDA are opened with dlopen, so nothing else
-    # is left undefined).
-    "$CXX" -shared -pthread -Wl,--no-undefined -o "$BUILD/libkeras_ring_core.so" \
-        "$BUILD"/obj/*.o -ldl || die "linking failed (above)"
+    # is left undefined). --exclude-libs: a compiler that links libstdc++ statically (the
+    # GPU machine's g++ does) would otherwise export it, and the process's own
+    # libstdc++.so.6 (CuPy's, PyTorch's), of another GCC, would mix locale facets with it:
+    # the first double put into an ostringstream (a timeout's message) crashed there.
+    "$CXX" -shared -pthread -Wl,--no-undefined -Wl,--exclude-libs,ALL \
+        -o "$BUILD/libkeras_ring_core.so" "$BUILD"/obj/*.o -ldl || die "linking failed (above)"
+    if command -v readelf >/dev/null &&
+        ! readelf -d "$BUILD/libkeras_ring_core.so" | grep -q 'libstdc++'; then
+        say "this compiler linked libstdc++ statically (kept private to the library)"
+    fi
     "$PY" -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$BUILD/libkeras_ring_core.so" \
         || die "the library does not load (above)"
     say "built in $(( $(date +%s) - start )) s"
@@ -137,20 +144,16 @@ fi
 # NCCL's own one-rank kernel, without keras_ring: does it still need the workaround?
 timeout -k 5 120 "$PY" benchmarks/gpu_check_nccl_one_rank.py "$NCCL_DIR" 2>&1 | sed 's/^/gpu_check: /'
 
-# 4. Failure paths, each a job of its own started by the driver (they need 2 ranks).
-frc=0
-if [ "$NP" -ge 2 ]; then
-    say "failure scenarios on $NP ranks"
-    timeout -k 10 200 "$PY" benchmarks/gpu_check.py --faults "$NP" --timeout 60 \
-        --lib "$BUILD/libkeras_ring_core.so" --json "$DEST/gpu_check_faults.json"
-    frc=$?
-else
-    say "no failure scenarios: they need 2 ranks"
-fi
+# 4. Failure paths, each a job of its own started by the driver (a killed rank needs 2 ranks;
+# at one rank only the stalled GPU and init after shutdown run, and the result is 4).
+say "failure scenarios on $NP rank(s)"
+timeout -k 10 200 "$PY" benchmarks/gpu_check.py --faults "$NP" --timeout 60 \
+    --lib "$BUILD/libkeras_ring_core.so" --json "$DEST/gpu_check_faults.json"
+frc=$?
 say "exit status $rc (checks), $frc (failure scenarios)"
 [ "$rc" = 0 ] || exit "$rc"
-[ "$frc" = 0 ] || exit "$frc"
-if [ "$NP" -lt "$ASKED" ]; then
+[ "$frc" = 0 ] || [ "$frc" = 4 ] || exit "$frc"  # 4: a scenario needed more ranks
+if [ "$NP" -lt "$ASKED" ] || [ "$frc" = 4 ]; then
     say "incomplete: ran $NP of the $ASKED ranks asked for (exit 4)"
     exit 4
 fi

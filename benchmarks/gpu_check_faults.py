@@ -9,6 +9,9 @@
           and shut down and exit cleanly.
 - reinit: shutdown, then init again in the same processes: a new communicator works.
 
+At one rank (one GPU, an NCCL that cannot put two ranks on it) kill has no survivor and is
+left out; stall and reinit mean the same with the stalled rank alone.
+
 Ranks write what they saw to <shared>/fault.<scenario>.<rank>.json; judge() decides. The
 pure parts (judge) are unit-tested in tests/unit/test_gpu_check.py.
 """
@@ -32,6 +35,13 @@ SHUTDOWN_LIMIT_S = 15.0
 
 def victim(n: int) -> int:
     return n - 1
+
+
+def scenarios(n: int) -> tuple[str, ...]:
+    """The scenarios a job of n ranks can run: kill needs a rank that survives."""
+    if n < 1:
+        return ()
+    return SCENARIOS if n >= 2 else tuple(name for name in SCENARIOS if name != "kill")
 
 
 def judge(name: str, n: int, codes: list[int], results: dict[int, dict]) -> list[str]:
@@ -152,11 +162,12 @@ def collect(shared: str, name: str, n: int) -> dict[int, dict]:
 
 def run_all(args, spawn) -> int:
     """Every scenario as a job of its own (`spawn(args, name)` starts it), judged from outside."""
-    if args.spawn < 2:  # each scenario has a victim and a survivor
-        print(f"# fault scenarios need 2 ranks, got {args.spawn}: none run", flush=True)
-        return 4
+    left_out = [name for name in SCENARIOS if name not in scenarios(args.spawn)]
+    if left_out:
+        print(f"# fault scenario(s) {', '.join(left_out)} need 2 ranks, got {args.spawn}: "
+              "not run", flush=True)
     summary, failed = {}, 0
-    for name in SCENARIOS:
+    for name in scenarios(args.spawn):
         started = time.perf_counter()
         codes = spawn(args, name)
         if codes is None:
@@ -170,4 +181,4 @@ def run_all(args, spawn) -> int:
         failed += bool(problems)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
-    return 1 if failed else 0
+    return 1 if failed else 4 if left_out else 0  # 4: incomplete, never a pass

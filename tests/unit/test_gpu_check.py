@@ -94,11 +94,25 @@ def test_bus_bandwidth_is_nccl_tests_definition():
     assert gc.bandwidths(1_000_000_000, 1.0, 1) == (1.0, 0.0)  # one rank: no bus
 
 
-def test_fault_scenarios_refuse_a_world_of_one(capsys):
-    # The victim would be the only rank, and nobody would be left to judge.
-    args = type("Args", (), {"spawn": 1})()
-    assert gc.faults.run_all(args, spawn=lambda *a: pytest.fail("a job was started")) == 4
-    assert "need 2 ranks" in capsys.readouterr().out
+def test_a_world_of_one_runs_the_stall_and_reinit_but_never_passes(capsys, tmp_path):
+    # A killed rank would be the only rank, and nobody would be left to judge; a stalled GPU
+    # and init after shutdown mean the same at one rank.
+    started = []
+    f = gc.faults
+    args = type("Args", (), {"spawn": 1, "timeout": 60, "shared": str(tmp_path), "json": None})()
+
+    def spawn(_, name):
+        started.append(name)
+        f.report(args.shared, name, 0, {"code": 0, "values": [1.0, 1.0], "communicators": 1}
+                 if name == "reinit" else _reports(1, code=4, failed_call_s=f.TIMEOUT["stall"])[0])
+        return [0]
+
+    assert f.run_all(args, spawn) == 4  # both passed, yet incomplete
+    out = capsys.readouterr().out
+    assert started == ["stall", "reinit"] and "kill need 2 ranks" in out, out
+    assert "# fault stall: ok" in out and "# fault reinit: ok" in out, out
+    args.spawn = 0
+    assert f.run_all(args, lambda *a: pytest.fail("a job was started")) == 4
 
 
 def test_table_shows_both_implementations_or_only_keras_ring():
@@ -235,10 +249,11 @@ def test_with_an_old_nccl_the_script_runs_one_rank_per_gpu_and_never_passes(tmp_
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "2 ranks would share 1 GPU(s), which needs NCCL >= 2.30" in proc.stdout
     assert "running 1 rank(s) started by the driver" in proc.stdout
-    assert "no failure scenarios" in proc.stdout and "incomplete: ran 1 of the 2" in proc.stdout
+    assert "failure scenarios on 1 rank(s)" in proc.stdout
+    assert "incomplete: ran 1 of the 2" in proc.stdout
     calls = (tmp_path / "calls").read_text().splitlines()
     assert [c for c in calls if "--spawn" in c] == [c for c in calls if "--spawn 1 " in c] != []
-    assert not [c for c in calls if "--faults" in c]
+    assert [c for c in calls if "--faults" in c] == [c for c in calls if "--faults 1 " in c] != []
 
 
 # ---------------------------------------------------------------- reducescatter and alltoall
@@ -453,15 +468,28 @@ def test_the_core_library_builds_without_tensorflow_loads_and_reports_a_missing_
     """gpu_check.sh's own build (BUILD_ONLY=1), then what every rank does first on the GPU
     machine: load the library, init, a barrier, a device allreduce. Here there is no CUDA, so
     the allreduce must fail cleanly with FAILED_PRECONDITION, and the runtime still shut down.
-    A source missing from the script's list once built a library that could not load."""
+    A source missing from the script's list once built a library that could not load.
+    Built as the GPU machine's g++ builds (libstdc++ linked statically): exported, that copy
+    mixed locale facets with the process's libstdc++.so.6 and crashed the first message that
+    printed a double, so the library must export none of it."""
+    import shutil
     import socket
 
+    cxx = tmp_path / "g++"
+    cxx.write_text(f'#!/bin/sh\nexec {shutil.which("g++") or shutil.which("c++")} "$@" -static-libstdc++\n')
+    cxx.chmod(0o755)
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
-                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "CXX": str(cxx),
                                "BUILD_ONLY": "1", "OUT": str(tmp_path)},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    core = gc.Core(str(ROOT / "build" / "gpu_check" / "libkeras_ring_core.so"))
+    assert "linked libstdc++ statically (kept private" in proc.stdout, proc.stdout
+    library = ROOT / "build" / "gpu_check" / "libkeras_ring_core.so"
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True,
+                              text=True, check=True).stdout.split()
+    assert "keras_ring_device_allreduce" in exported
+    assert not [name for name in exported if name.startswith(("_ZNSo", "_ZNSt6locale"))]
+    core = gc.Core(str(library))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 
 #include "../algorithms.h"
 
@@ -87,9 +86,9 @@ bool NothingToMove(const std::vector<Signature>& sigs, const Request& c) {
 bool AllocatesOutput(Kind kind) { return kind == Kind::kAllgather || kind == Kind::kAlltoall; }
 
 std::string Seconds(double s) {
-  std::ostringstream out;
-  out << s;
-  return out.str();
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", s);  // what `ostream << s` prints, without a locale
+  return text;
 }
 
 }  // namespace
