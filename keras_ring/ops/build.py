@@ -150,6 +150,11 @@ def build_inputs() -> tuple[dict, str, list[str], list[str]]:
         "-std=c++17", "-O3", "-fPIC", "-pthread", "-Wall", "-Wextra",
         f'-DKERAS_RING_BUILD_INFO="{info}"', *compile_flags,
     ]
+    if sys.platform.startswith("linux"):
+        # A compiler that links libstdc++ statically would export that copy, and TensorFlow's
+        # libstdc++.so.6 (another GCC's, maybe) would mix locale facets with it: a crash in
+        # the first message that prints a number (seen with gpu_check on a GPU machine).
+        link_flags = [*link_flags, "-Wl,--exclude-libs,ALL"]
     return want, _compiler(), flags, link_flags
 
 

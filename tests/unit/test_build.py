@@ -83,3 +83,15 @@ def test_the_library_is_loaded_once_per_process(monkeypatch):
 
     monkeypatch.setattr(build, "ensure_built", no_second_check)
     assert loader.library() is first
+
+
+def test_the_library_exports_no_copy_of_libstdcxx():
+    # A compiler that links libstdc++ statically must not export it next to TensorFlow's
+    # libstdc++.so.6 (tests/unit/test_gpu_check.py builds that way and shows why).
+    import subprocess
+
+    assert "-Wl,--exclude-libs,ALL" in build.build_inputs()[3]
+    build.ensure_built()
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(build.library_path())],
+                              capture_output=True, text=True, check=True).stdout.split()
+    assert not [name for name in exported if name.startswith(("_ZNSo", "_ZNSt6locale"))]
