@@ -305,14 +305,19 @@ def run_collective(checks: Checks, what: str, fn) -> bool:
 
 
 def check_one_allreduce(core: Core, cp, checks: Checks, rank: int, n: int, device: int,
-                        name: str, op: str, count: int) -> None:
+                        name: str, op: str, count: int, pre: float = 1.0, post: float = 1.0,
+                        in_place: bool = False) -> None:
     inputs = [rank_input(name, op, count, r) for r in range(n)]
     x = cp.asarray(inputs[rank])
-    y = cp.empty_like(x)
+    y = x if in_place else cp.empty_like(x)
     what = f"allreduce {op} {name} x{count}"
-    if not run_collective(checks, what, lambda: core.allreduce(x, y, name, op, device)):
+    if pre != 1.0 or post != 1.0:
+        what += f" prescale={pre} postscale={post}"
+    what += " in place" if in_place else ""
+    run = lambda: core.allreduce(x, y, name, op, device, pre=pre, post=post)  # noqa: E731
+    if not run_collective(checks, what, run):
         return
-    want = reference_allreduce(name, op, inputs)
+    want = reference_allreduce(name, op, inputs, pre, post)
     got = cp.asnumpy(y)
     if close(name, got, want):
         checks.expect(what, True)
@@ -339,15 +344,8 @@ def check_allreduce(core: Core, cp, checks: Checks, rank: int, n: int, device: i
     for (name, op, pre, post), count in itertools.product(
             (("float32", "Sum", 0.5, 3.0), ("float16", "Average", 0.25, 4.0),
              ("float64", "Average", 2.0, 1.5)), (4096, (1 << 20) + 7)):
-        inputs = [rank_input(name, op, count, r) for r in range(n)]
-        x = cp.asarray(inputs[rank])  # in place: output == input
-        what = f"allreduce {op} {name} x{count} prescale={pre} postscale={post} in place"
-        run = lambda: core.allreduce(x, x, name, op, device, pre=pre, post=post)  # noqa: E731
-        if run_collective(checks, what, run):
-            want = reference_allreduce(name, op, inputs, pre, post)
-            got = cp.asnumpy(x)
-            ok = close(name, got, want)
-            checks.expect(what, ok, "" if ok else mismatch(name, got, want))
+        check_one_allreduce(core, cp, checks, rank, n, device, name, op, count, pre, post,
+                            in_place=True)
     # Refused on every rank alike, and the runtime stays usable.
     x = cp.ones(8, cp.float32)
     try:

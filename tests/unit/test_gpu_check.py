@@ -489,6 +489,15 @@ def test_the_core_library_builds_without_tensorflow_loads_and_reports_a_missing_
                               text=True, check=True).stdout.split()
     assert "keras_ring_device_allreduce" in exported
     assert not [name for name in exported if name.startswith(("_ZNSo", "_ZNSt6locale"))]
+    # The probe's Python model of NCCL's one-rank kernel is plan.cc's, not a drifting copy.
+    import ctypes
+
+    writes = ctypes.CDLL(str(library))["_ZN10keras_ring4nccl19OneRankKernelWritesEmm"]
+    writes.restype, writes.argtypes = ctypes.c_size_t, [ctypes.c_size_t, ctypes.c_size_t]
+    for esize in (1, 2, 4, 8):
+        for count in [*range(0, 5000, 7), *range(5000, (3 << 20) // esize, 9973),
+                      *gc.one_rank.cut_counts(esize, 20)]:
+            assert writes(count, esize) == gc.one_rank.kernel_writes(count, esize), (count, esize)
     core = gc.Core(str(library))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
