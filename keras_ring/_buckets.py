@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from keras_ring import _xla
 from keras_ring._bucket_tuning import FIRST_BYTES, MEASURED
+from keras_ring._grouping import Groups
 from keras_ring.collectives import (Average, ReduceOp, Sum, allreduce, grouped_allreduce,
                                     op_hint)
 from keras_ring.process_sets import ProcessSet, global_process_set
@@ -59,12 +60,15 @@ class ReduceOptions:
     gradient_predivide_factor: float = 1.0
     process_set: ProcessSet = global_process_set  # the ranks that reduce
     first_bucket_bytes: int | str | None = DEFAULT_FIRST_BUCKET_BYTES
+    groups: Groups | None = None  # Horovod's explicit groups, in place of buckets
+    name: str = "gradients"  # the collectives' names start with it
 
     @classmethod
     def create(cls, who: str, op: Any, compression: Any, bucket_bytes: Any,
                sparse_as_dense: Any, gradient_predivide_factor: Any,
                process_set: Any = global_process_set,
-               first_bucket_bytes: Any = DEFAULT_FIRST_BUCKET_BYTES) -> "ReduceOptions":
+               first_bucket_bytes: Any = DEFAULT_FIRST_BUCKET_BYTES, *,
+               groups: Any = None, num_groups: Any = 0, name: Any = None) -> "ReduceOptions":
         """Checks every option and says what was received when one is wrong."""
         if type(op) is not ReduceOp or op not in (Sum, Average):
             raise ValueError(f"{who}: op must be keras_ring.Sum or keras_ring.Average, "
@@ -86,8 +90,16 @@ class ReduceOptions:
         if not isinstance(process_set, ProcessSet):
             raise TypeError(f"{who}: process_set must be a keras_ring.ProcessSet, got "
                             f"{type(process_set).__name__}")
+        checked_groups = Groups.create(who, groups, num_groups)
+        if checked_groups is not None and (bucket_bytes, first_bucket_bytes) != (AUTO, AUTO):
+            raise ValueError(f"{who}: groups and bucket_bytes/first_bucket_bytes both decide "
+                             "which gradients travel together; pass one, got groups="
+                             f"{groups if groups is not None else num_groups!r}, bucket_bytes="
+                             f"{bucket_bytes!r}, first_bucket_bytes={first_bucket_bytes!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise TypeError(f"{who}: name must be a non-empty str or None, got {name!r}")
         return cls(op, compression, bucket_bytes, sparse_as_dense, float(factor), process_set,
-                   first_bucket_bytes)
+                   first_bucket_bytes, checked_groups, name or "gradients")
 
     def resolved_sizes(self) -> tuple[int | None, int | None]:
         """(bucket_bytes, first_bucket_bytes) to plan with, "auto" resolved.
@@ -180,16 +192,19 @@ def _reduce_sparse(grad: tf.IndexedSlices, options: ReduceOptions, name: str) ->
 # Our control flow is plain Python on structure (None, IndexedSlices, sizes), never on
 # tensor values: autograph need not (and, converting it on every trace, should not) touch it.
 @tf.autograph.experimental.do_not_convert
-def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
-                     name: str = "gradients") -> list[Any]:
+def reduce_gradients(grads: Sequence[Any], options: ReduceOptions, name: str | None = None,
+                     sources: Sequence[Any] | None = None) -> list[Any]:
     """Allreduces ``grads`` (tensors, ``tf.IndexedSlices`` or None) and returns them in order.
 
     ``None`` entries stay ``None`` and take no part. Their positions are part of the first
     collective's name, so ranks whose ``None`` entries differ (a data-dependent branch left
     different variables unused) fail on every rank with a mismatch error that says so,
-    instead of reducing one variable's gradient into another's.
+    instead of reducing one variable's gradient into another's. ``name`` starts the
+    collectives' names (``options.name`` by default); ``sources`` are the gradients'
+    variables, which ``options.groups`` may name (None if unknown).
     """
     _xla.check_not_xla_compiled("reducing gradients")
+    name = name or options.name
     missing = _missing_tag(grads)
     out: list[Any] = [None] * len(grads)
     dense_positions: list[int] = []
@@ -208,9 +223,7 @@ def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
         dense_positions.append(i)
         wire.append(tf.convert_to_tensor(tensor))
         contexts.append(ctx)
-    sizes = [_wire_bytes(w) for w in wire]
-    bucket_bytes, first_bucket_bytes = options.resolved_sizes() if wire else (None, None)
-    for k, bucket in enumerate(plan_buckets(sizes, bucket_bytes, first_bucket_bytes)):
+    for k, bucket in enumerate(_plan(wire, dense_positions, sources, options)):
         reduced = _reduce_dense([wire[j] for j in bucket], options,
                                 f"{name}.bucket{k}{missing if k == 0 else ''}")
         for j, r in zip(bucket, reduced):
@@ -218,6 +231,17 @@ def reduce_gradients(grads: Sequence[Any], options: ReduceOptions,
     if missing and not wire:  # nothing dense to reduce: still meet the others, by name
         _reduce_dense([tf.zeros([0])], options, f"{name}.bucket0{missing}")
     return out
+
+
+def _plan(wire: list[tf.Tensor], positions: list[int], sources: Sequence[Any] | None,
+          options: ReduceOptions) -> list[list[int]]:
+    """The collectives for ``wire`` (the gradients of ``positions``): groups, or buckets."""
+    if options.groups is not None:
+        return options.groups.plan(len(wire), None if sources is None else
+                                   [sources[i] for i in positions], "keras_ring: groups")
+    sizes = [_wire_bytes(w) for w in wire]
+    bucket_bytes, first_bucket_bytes = options.resolved_sizes() if wire else (None, None)
+    return plan_buckets(sizes, bucket_bytes, first_bucket_bytes)
 
 
 def _missing_tag(grads: Sequence[Any]) -> str:

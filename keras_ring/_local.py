@@ -15,23 +15,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_ring import _keras_private
 from keras_ring._buckets import ReduceOptions, map_gradient, reduce_gradients
+from keras_ring._grouping import is_variable, variable_keys
 from keras_ring._overwrite import overwrites, reduce_new_values
 from keras_ring.basics import size
 from keras_ring.collectives import Min, allreduce
-
-
-def variable_keys(variable: Any) -> set[int]:
-    """Identities that name ``variable``: the object, and for a Keras variable its TF variable.
-
-    Keras 3 variables are not hashable, so variables are compared by ``id``; a user may name
-    either the ``keras.Variable`` or the ``tf.Variable`` behind it.
-    """
-    keys = {id(variable)}
-    if isinstance(variable, _keras_private.variable_classes()):
-        keys.add(id(variable.value))
-    return keys
 
 
 def check_local_layers(local_layers: Any, who: str) -> list[keras.layers.Layer]:
@@ -49,10 +37,6 @@ def check_local_layers(local_layers: Any, who: str) -> list[keras.layers.Layer]:
         raise TypeError(f"{who}: local_layers must all be keras.layers.Layer instances, got "
                         f"{type(wrong[0]).__module__}.{type(wrong[0]).__qualname__}: {wrong[0]!r}")
     return layers
-
-
-def is_variable(value: Any) -> bool:
-    return isinstance(value, (tf.Variable, *_keras_private.variable_classes()))
 
 
 def check_variable(variable: Any, who: str) -> Any:
@@ -99,7 +83,7 @@ def check_scale(scale_local_gradients: Any, who: str) -> bool:
 
 
 def reduce_partially(grads: Sequence[Any], sources: Sequence[Any] | None, options: ReduceOptions,
-                     local: LocalSources | None, name: str = "gradients",
+                     local: LocalSources | None, name: str | None = None,
                      overflow_everywhere: bool = False) -> list[Any]:
     """``reduce_gradients``, except for the gradients of ``local`` sources, which stay here,
     and the new values of variables Keras overwrites with them (``_overwrite``), which take
@@ -110,17 +94,20 @@ def reduce_partially(grads: Sequence[Any], sources: Sequence[Any] | None, option
     optimizer's): a non-finite local gradient on any rank makes every rank's local gradients
     non-finite, so every rank skips the step and lowers its scale alike.
     """
+    name = name or options.name
     if sources is None:
         return reduce_gradients(grads, options, name)
+    sources = list(sources)
     keys = local.keys() if local is not None else set()
     is_local = [bool(keys) and bool(variable_keys(s) & keys) for s in sources]
     is_new = [overwrites(s) for s in sources]
     if not any(is_local) and not any(is_new):
-        return reduce_gradients(grads, options, name)
+        return reduce_gradients(grads, options, name, sources)
     # Those positions become None, which reduce_gradients skips: buckets and their names
     # stay those of the shared gradients alone, the same on every rank.
     shared = reduce_gradients([None if mine or new else g
-                               for g, mine, new in zip(grads, is_local, is_new)], options, name)
+                               for g, mine, new in zip(grads, is_local, is_new)],
+                              options, name, sources)
     newest = reduce_new_values([g if new and not mine else None
                                 for g, mine, new in zip(grads, is_local, is_new)], options, name)
     n = (options.process_set.size() or size()) if local is not None and local.scale else 1

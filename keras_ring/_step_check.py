@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from keras_ring import _weight_check
 from keras_ring._accumulation import SourcesState, state_for, state_variable
-from keras_ring._local import is_variable, variable_keys
+from keras_ring._grouping import is_variable, variable_keys
 from keras_ring.collectives import allgather
 from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME

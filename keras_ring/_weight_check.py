@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from keras_ring import _keras_private
-from keras_ring._local import variable_keys
+from keras_ring._grouping import variable_keys
 from keras_ring.collectives import allgather
 from keras_ring.errors import WEIGHTS_DIFFER, WeightMismatchError
 from keras_ring.process_sets import ProcessSet, global_process_set

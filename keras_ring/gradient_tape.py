@@ -48,6 +48,8 @@ class DistributedGradientTape:
         scale_local_gradients: divide the gradients of local sources (see
             :meth:`register_local_source`) by ``size()``, as Horovod does. Default True.
         process_set: the ranks that reduce the gradients; all by default.
+        groups, num_groups, device_dense, device_sparse: as for :func:`keras_ring.wrap`
+            (Horovod's explicit fusion; placement accepted and ignored).
 
     Example:
 
@@ -94,14 +96,19 @@ class DistributedGradientTape:
         average_aggregated_gradients: bool = False,
         scale_local_gradients: bool = True,
         process_set: ProcessSet = global_process_set,
+        groups: int | list[list[Any]] | None = None,
+        num_groups: int = 0,
+        device_dense: str = "",
+        device_sparse: str = "",
     ) -> None:
         if not isinstance(tape, tf.GradientTape):
             raise TypeError("keras_ring.DistributedGradientTape wraps a tf.GradientTape, got "
                             f"{type(tape).__module__}.{type(tape).__qualname__}")
         self._tape = tape
+        del device_dense, device_sparse
         self._options = ReduceOptions.create(
             _WHO, op, compression, bucket_bytes, sparse_as_dense, gradient_predivide_factor,
-            process_set, first_bucket_bytes,
+            process_set, first_bucket_bytes, groups=groups, num_groups=num_groups,
         )
         self._passes = Passes.create(_WHO, backward_passes_per_step, average_aggregated_gradients)
         self._local = LocalSources(scale=check_scale(scale_local_gradients, _WHO))
@@ -169,7 +176,7 @@ class DistributedGradientTape:
         def update():
             values = [tf.convert_to_tensor(totals[i]) for i in live]
             reduced = reduce_partially(values, [sources[i] for i in live], self._options,
-                                       self._local, name="gradients.accumulated")
+                                       self._local, name=f"{self._options.name}.accumulated")
             if self._passes.average:  # the passes' gradients; a new value is no sum
                 reduced = [r if accumulator.new_values[i] else r / steps
                            for i, r in zip(live, reduced)]

@@ -60,6 +60,11 @@ def wrap(
     average_aggregated_gradients: bool = False,
     scale_local_gradients: bool = True,
     process_set: ProcessSet = global_process_set,
+    groups: int | list[list[Any]] | None = None,
+    num_groups: int = 0,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
 ) -> keras.optimizers.Optimizer:
     """Makes ``optimizer`` average (or sum) its gradients over all ranks before each update.
 
@@ -119,6 +124,16 @@ def wrap(
         process_set: the ranks that average the gradients (``keras_ring.ProcessSet``, e.g.
             the data-parallel group of one pipeline stage); all by default. Only its ranks
             may train with this optimizer.
+        groups: Horovod's explicit fusion, in place of buckets: an int N splits the
+            gradients into N collectives of consecutive variables, as equal in count as
+            possible; a list of lists of variables sends each list's gradients in one
+            collective and every other gradient alone. Only how gradients travel changes,
+            not the result. Not together with ``bucket_bytes``/``first_bucket_bytes``.
+        num_groups: Horovod's older spelling of ``groups=N``; 0 (the default) for none.
+        name: the start of the collectives' names (in the timeline and in mismatch
+            errors); ``"gradients"`` by default.
+        device_dense, device_sparse: accepted for Horovod programs and ignored: the
+            collectives run where the gradients are.
 
     Returns:
         ``optimizer`` itself, now distributed.
@@ -137,8 +152,10 @@ def wrap(
     ```
     """
     who = "keras_ring.wrap"
+    del device_dense, device_sparse
     options = ReduceOptions.create(who, op, compression, bucket_bytes, sparse_as_dense,
-                                   gradient_predivide_factor, process_set, first_bucket_bytes)
+                                   gradient_predivide_factor, process_set, first_bucket_bytes,
+                                   groups=groups, num_groups=num_groups, name=name)
     passes = Passes.create(who, backward_passes_per_step, average_aggregated_gradients)
     local = LocalSources(scale=check_scale(scale_local_gradients, who))
     optimizer = _as_optimizer(optimizer)
@@ -300,9 +317,9 @@ def _communicate(optimizer, state: _WrapState, grads: list, variables) -> list:
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     _check_global_clipnorm(optimizer, state)
 
-    def reduce(grads: list, variables: list | None, name: str = "gradients") -> list:
-        return reduce_partially(grads, variables, state.options, state.local, name,
-                                overflow_everywhere=scaled)
+    def reduce(grads: list, variables: list | None, suffix: str = "") -> list:
+        return reduce_partially(grads, variables, state.options, state.local,
+                                state.options.name + suffix, overflow_everywhere=scaled)
 
     # A LossScaleOptimizer has no accumulation of its own (its inner one may: then the
     # averaged gradients are accumulated, which costs one allreduce per micro-batch but
@@ -350,7 +367,7 @@ def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: in
     other steps the local ``g`` unchanged. Every rank counts the same iterations, so all
     take the same branch. This reads the accumulators Keras keeps
     (``_accumulated_gradients``); Keras has no public accessor. ``reduce(grads, variables,
-    name)`` is the reduction.
+    name_suffix)`` is the reduction.
     """
     if variables is None:
         if not optimizer.built:
@@ -377,7 +394,7 @@ def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: in
         totals = reduce([combine_passes(n, g, tf.cast(tf.convert_to_tensor(a), g.dtype)
                                         * (1.0 if n else scale))
                          for n, g, a in zip(new, dense, accumulators)],
-                        [variables[i] for i in live], name="gradients.accumulated")
+                        [variables[i] for i in live], ".accumulated")
         # Keras adds its accumulators back (or takes the maximum with them): emptied here (it
         # resets them after the update anyway), they change nothing, so every rank applies
         # exactly the reduced totals. Returning t - acc instead left ulps of each rank's own

@@ -8,7 +8,8 @@ from typing import Any
 import keras
 
 from keras_ring import _keras_private
-from keras_ring._local import check_variable, is_variable, variable_keys
+from keras_ring._grouping import is_variable, variable_keys
+from keras_ring._local import check_variable
 from keras_ring.basics import size
 from keras_ring.collectives import broadcast_variables
 from keras_ring.callbacks._arguments import check_device, check_process_set

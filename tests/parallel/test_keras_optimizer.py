@@ -76,6 +76,46 @@ def test_buckets_follow_reverse_variable_order(world, monkeypatch):
         np.testing.assert_allclose(w1, w0 - 0.1 * mean, rtol=1e-6, atol=1e-7)
 
 
+def _apply_with(how, options, model, rank):
+    grads = [tf.ones_like(v) * (rank + 1) for v in model.trainable_variables]
+    if how == "optimizer":
+        optimizer = keras_ring.DistributedOptimizer(keras.optimizers.SGD(0.1), **options)
+        optimizer.build(model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return
+    with tf.GradientTape() as tape:
+        loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(model.trainable_variables, grads)])
+    tape = keras_ring.DistributedGradientTape(tape, **options)
+    grads = tape.gradient(loss, model.trainable_variables)
+    keras.optimizers.SGD(0.1).apply(grads, model.trainable_variables)
+
+
+@pytest.mark.parametrize("how, case", [
+    (how, case) for how in ("optimizer", "tape") for case in ("groups=2", "num_groups=3", "listed")
+] + [("optimizer", "named")])  # Horovod's tape takes no name
+def test_horovods_groups_decide_what_travels_together(world, monkeypatch, how, case):
+    rank, size = world
+    log = CollectiveLog(monkeypatch)
+    model = ks.mlp(ks.rank_seed(rank), hidden=8)
+    k0, b0, k1, b1 = model.trainable_variables  # 6x8, 8, 8x3, 3; sent from b1 back to k0
+    options, shapes = {
+        # Horovod's split in variable order, [k0, b0] and [k1, b1]; the last group first.
+        "groups=2": ({"groups": 2}, [[(3,), (8, 3)], [(8,), (6, 8)]]),
+        "num_groups=3": ({"num_groups": 3}, [[(3,)], [(8, 3)], [(8,), (6, 8)]]),
+        # Listed together, where the first of them is sent; every other gradient alone.
+        "listed": ({"groups": [[k0, b1]]}, [[(3,), (6, 8)], [(8, 3)], [(8,)]]),
+        "named": ({"name": "DistributedSGD", "bucket_bytes": None}, [[(3,), (8, 3), (8,), (6, 8)]]),
+    }[case]
+    before = ks.weights(model)
+    _apply_with(how, options, model, rank)
+    assert log.shapes == shapes
+    prefix = "DistributedSGD" if case == "named" else "gradients"
+    assert [name for _, name, _ in log.traced] == [f"{prefix}.bucket{k}" for k in range(len(shapes))]
+    mean = np.mean([r + 1 for r in range(size)])
+    for w0, w1 in zip(before, ks.weights(model)):
+        np.testing.assert_allclose(w1, w0 - 0.1 * mean, rtol=1e-6, atol=1e-7)
+
+
 def test_gradient_accumulation_communicates_once_per_update(world, monkeypatch):
     rank, size = world
     log = CollectiveLog(monkeypatch)
@@ -217,7 +257,8 @@ def test_compression_sends_narrow_floats(world, monkeypatch, compression, wire):
 
 
 @pytest.mark.parametrize("options, lr_scale", [
-    ({"op": keras_ring.Sum}, "1/size"), ({"gradient_predivide_factor": 2.0}, "1")])
+    ({"op": keras_ring.Sum}, "1/size"), ({"gradient_predivide_factor": 2.0}, "1"),
+    ({"groups": 3, "name": "DistributedSGD"}, "1")])
 def test_sum_and_predivide_match_average(world, options, lr_scale):
     rank, size = world
     x, y = ks.classification_data(size * BATCH * 4, seed=9)

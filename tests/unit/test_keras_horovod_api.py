@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import keras
 import keras_ring
+from keras_ring._grouping import Groups
 from keras_ring.callbacks import BroadcastGlobalVariablesCallback
 from keras_ring.optimizer import is_wrapped
 
@@ -121,3 +122,70 @@ def test_tape_gradient_takes_horovods_use_generic_names():
         loss = tf.reduce_sum(variable * variable)
     grads = keras_ring.DistributedGradientTape(tape).gradient(loss, [variable], None, True)
     np.testing.assert_array_equal(grads[0].numpy(), [2.0, 4.0])
+
+
+def test_horovods_optimizer_and_tape_arguments_are_taken():
+    model = _model()
+    optimizer = keras_ring.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), name="DistributedSGD", device_dense="/gpu:0",
+        device_sparse="/cpu:0", num_groups=2)
+    state = optimizer.__dict__["_keras_ring_state"].options
+    assert state.name == "DistributedSGD" and state.groups.count == 2
+    assert keras_ring.wrap(keras.optimizers.SGD(0.1)).__dict__["_keras_ring_state"].options.name == "gradients"
+    tape = keras_ring.DistributedGradientTape(
+        tf.GradientTape(), device_dense="", device_sparse="",
+        groups=[[model.layers[0].kernel, model.layers[1].kernel]])
+    assert len(tape._options.groups.lists) == 1
+
+
+def _bad_groups():
+    model = _model()
+    kernel = model.layers[0].kernel
+    return [
+        ({"groups": 0}, ValueError, "groups must be a positive int .*got 0"),
+        ({"groups": True}, TypeError, "groups must be a positive int or a list of lists of variables, got builtins.bool"),
+        ({"groups": "dense"}, TypeError, "got builtins.str: 'dense'"),
+        ({"groups": [kernel]}, TypeError, "each entry of groups must be a list of variables, got .*Variable"),
+        ({"groups": [[kernel, 3]]}, TypeError, "groups must hold tf.Variable or keras.Variable objects, got builtins.int: 3"),
+        ({"groups": [[kernel], [kernel.value]]}, ValueError, "variable 'sequential.*/kernel.*' is in more than one group"),
+        ({"num_groups": -1}, ValueError, "num_groups must be a non-negative int .*got -1"),
+        ({"num_groups": 2, "groups": 3}, ValueError, "both num_groups=2 and groups.*pass one"),
+        ({"groups": 2, "bucket_bytes": 1024}, ValueError, "groups and bucket_bytes/first_bucket_bytes .*bucket_bytes=1024"),
+        ({"num_groups": 2, "first_bucket_bytes": None}, ValueError, "groups=2, bucket_bytes='auto', first_bucket_bytes=None"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_groups())))
+def test_bad_groups_say_what_they_got(case):
+    kwargs, error, message = _bad_groups()[case]
+    with pytest.raises(error, match=message):
+        keras_ring.wrap(keras.optimizers.SGD(0.1), **kwargs)
+    with pytest.raises(error, match=message):
+        keras_ring.DistributedGradientTape(tf.GradientTape(), **kwargs)
+
+
+@pytest.mark.parametrize("name", [3, ""])
+def test_optimizer_name_must_be_a_non_empty_str(name):
+    with pytest.raises(TypeError, match=f"name must be a non-empty str or None, got {name!r}"):
+        keras_ring.DistributedOptimizer(keras.optimizers.SGD(0.1), name=name)
+
+
+def test_a_count_of_groups_splits_as_horovod_does_last_variables_first():
+    # Horovod splits 5 gradients in variable order into [0, 1], [2, 3], [4]; they are sent
+    # in reverse variable order (wire position p is variable 4 - p), the last group first.
+    assert Groups(count=3).plan(5, None, "t") == [[0], [1, 2], [3, 4]]
+    assert Groups(count=1).plan(3, None, "t") == [[0, 1, 2]]
+    assert Groups(count=4).plan(2, None, "t") == [[0], [1]]  # no empty collectives
+    assert Groups(count=2).plan(0, None, "t") == []
+
+
+def test_listed_groups_travel_together_and_the_rest_alone():
+    a, b, c, d = (tf.Variable([float(i)]) for i in range(4))
+    keras_var = keras.Variable([1.0])
+    groups = Groups.create("t", [[a, c], [keras_var.value]], 0)
+    # Wire order d, c, b, a, keras_var: {c, a} issued where its first member is.
+    assert groups.plan(5, [d, c, b, a, keras_var], "t") == [[0], [1, 3], [2], [4]]
+    with pytest.raises(ValueError, match="groups lists variables, but the variables of these "
+                                         "gradients are not known yet"):
+        groups.plan(2, None, "t")
+    assert repr(Groups(count=3)) == "Groups(3)"
