@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from keras_ring import _keras_private, _lifecycle
+from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME
 
 
-def init(process_sets: Sequence[Any] | str | None = None) -> None:
+def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> None:
     """Starts keras_ring in this process.
 
     Under ``mpirun -np N`` (or ``keras-ring-run``) it bootstraps through mpi4py and connects
@@ -17,6 +18,10 @@ def init(process_sets: Sequence[Any] | str | None = None) -> None:
     again is harmless; after ``shutdown()`` it starts afresh.
 
     Args:
+        comm: Horovod's: an mpi4py communicator whose processes form the job (its ranks
+            become keras_ring's), or a list of ``MPI_COMM_WORLD`` ranks; None (the
+            default): every process the launcher started. Each disjoint communicator is
+            an independent job.
         process_sets: ``keras_ring.ProcessSet`` objects to add right away (every rank passes
             the same ones), as ``add_process_set`` would. Horovod's ``"dynamic"`` (sets
             added and removed later) is accepted: keras_ring's sets always are.
@@ -30,7 +35,8 @@ def init(process_sets: Sequence[Any] | str | None = None) -> None:
     ```
     """
     _keras_private.check_supported()  # before anything starts: a too-old Keras or a JAX backend fails here
-    RUNTIME.init()
+    _check_comm(comm)
+    RUNTIME.init(comm=comm)
     for step in _lifecycle.AFTER_INIT:  # the Keras integration's, say: see keras_ring/__init__
         step()
     if process_sets == "dynamic":
@@ -38,6 +44,15 @@ def init(process_sets: Sequence[Any] | str | None = None) -> None:
     if process_sets:
         for add in _lifecycle.ADD_PROCESS_SETS:
             add(list(process_sets))
+
+
+def _check_comm(comm: Any) -> None:
+    # keras_ring's init took process_sets first before it took Horovod's comm.
+    if isinstance(comm, str) or (isinstance(comm, (list, tuple)) and any(
+            isinstance(c, ProcessSet) for c in comm)):
+        raise TypeError("keras_ring.init: the first argument is Horovod's comm (an mpi4py "
+                        "communicator or a list of ranks); pass process sets by keyword: "
+                        f"init(process_sets={comm!r})")
 
 
 def shutdown() -> None:

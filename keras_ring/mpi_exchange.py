@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 
 from keras_ring import interfaces
 from keras_ring._errors_base import InitError
@@ -41,6 +42,61 @@ def mpi_bootstrap(config: Config) -> PeerTable:
         return _exchange(MPI.COMM_WORLD, config)
     with _watchdog(config.timeout_seconds):
         return _exchange_and_finalize(config)
+
+
+def comm_bootstrap(config: Config, comm: Any) -> PeerTable:
+    """Horovod's ``init(comm=...)``: the job is an mpi4py communicator's processes, or these
+    ``MPI_COMM_WORLD`` ranks (a list, in the order of their new ranks).
+
+    Only the communicator's processes take part, so disjoint communicators make independent
+    jobs. MPI stays initialised afterwards, as in a program that brought it up itself: the
+    program asked for MPI, and finalising it is collective over every process.
+    """
+    if importlib.util.find_spec("mpi4py") is None:
+        raise InitError("init(comm=...) needs mpi4py: pip install keras-ring[mpi]")
+    if not isinstance(comm, (list, tuple)):
+        from mpi4py import MPI
+
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError("keras_ring.init: comm must be an mpi4py intra-communicator or a "
+                            f"list of MPI_COMM_WORLD ranks, got {type(comm).__module__}."
+                            f"{type(comm).__qualname__}: {comm!r}")
+        return _exchange(comm, config)
+    ranks = list(comm)
+    if not ranks or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks) or len(
+            set(ranks)) != len(ranks):
+        raise ValueError("keras_ring.init: comm as a list must hold distinct MPI_COMM_WORLD "
+                         f"ranks (ints), got {comm!r}")
+    with _watchdog(config.timeout_seconds):  # MPI_Init waits for every process: bounded
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+    outside = [r for r in ranks if not 0 <= r < world.Get_size()]
+    if outside:
+        raise ValueError(f"keras_ring.init: comm={ranks} names ranks {outside}, but "
+                         f"MPI_COMM_WORLD has ranks 0..{world.Get_size() - 1}")
+    if world.Get_rank() not in ranks:
+        raise ValueError(f"keras_ring.init: comm={ranks} leaves out this process "
+                         f"(MPI_COMM_WORLD rank {world.Get_rank()}); only the listed ranks "
+                         "call init with it")
+    group = world.Get_group().Incl(ranks)
+    try:  # collective over the group's processes only, so the others need not be here
+        return _exchange(world.Create_group(group), config)
+    finally:
+        group.Free()
+
+
+def _world_ranks(comm) -> list[int] | None:
+    """Each of ``comm``'s ranks in MPI_COMM_WORLD; None if they are MPI_COMM_WORLD's."""
+    from mpi4py import MPI
+
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        ranks = list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+    return None if ranks == list(range(MPI.COMM_WORLD.Get_size())) else ranks
 
 
 def _exchange_and_finalize(config: Config) -> PeerTable:
@@ -111,8 +167,9 @@ def _exchange(comm, config: Config) -> PeerTable:
     if problem:  # every rank sees the same claims, so every rank raises this
         raise InitError(problem)
     topology = Topology.from_host_ids(rank, host_ids)
+    world_ranks = _world_ranks(comm)
     if size == 1:
-        return PeerTable(topology, via_mpi=True)
+        return PeerTable(topology, via_mpi=True, world_ranks=world_ranks)
     multi_host = len(set(host_ids)) > 1
     listener = listen(multi_host, size)
     try:
@@ -127,4 +184,4 @@ def _exchange(comm, config: Config) -> PeerTable:
     except BaseException:
         listener.close()
         raise
-    return PeerTable(topology, addresses, token, listener, via_mpi=True)
+    return PeerTable(topology, addresses, token, listener, via_mpi=True, world_ranks=world_ranks)

@@ -50,6 +50,9 @@ class PeerTable:
     job_token: int = 0
     listener: socket.socket | None = None
     via_mpi: bool = False  # found through MPI_COMM_WORLD (mpirun), for mpi_enabled()
+    # Each rank's MPI_COMM_WORLD rank where the job is a communicator's processes
+    # (init(comm=...)); None where the ranks are MPI_COMM_WORLD's or there is no MPI.
+    world_ranks: list[int] | None = None
 
     def close(self) -> None:
         if self.listener is not None:

@@ -24,7 +24,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     topology = RUNTIME.topology("keras_ring.add_process_set()")
-    ranks = tuple(process_set.ranks)
+    ranks = _job_ranks(process_set)
     member = topology.rank in ranks
     listener = peer_table.listen(len(set(topology.host_ids)) > 1, len(ranks)) if member else None
     try:
@@ -44,6 +44,22 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             listener.close()
     process_set.process_set_id = set_id
     return process_set
+
+
+def _job_ranks(process_set: ProcessSet) -> tuple[int, ...]:
+    """The set's ranks in this job: a communicator's MPI_COMM_WORLD ranks translated where
+    ``init(comm=...)`` made the job a communicator's processes."""
+    world = RUNTIME.world_ranks
+    if world is None or not getattr(process_set, "world_ranks_given", False):
+        return tuple(process_set.ranks)
+    outside = [r for r in process_set.ranks if r not in world]
+    if outside:
+        raise ValueError(f"keras_ring.add_process_set: the set's communicator holds "
+                         f"MPI_COMM_WORLD ranks {outside}, which are not in the communicator "
+                         f"keras_ring.init(comm=...) was given (MPI_COMM_WORLD ranks {world})")
+    process_set.ranks = sorted(world.index(r) for r in process_set.ranks)
+    process_set.world_ranks_given = False
+    return tuple(process_set.ranks)
 
 
 def _check_same_set(offers: list, size: int, ranks: tuple[int, ...]) -> None:

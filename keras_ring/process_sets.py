@@ -29,8 +29,8 @@ class ProcessSet:
     """A subset of the ranks that runs collectives together.
 
     Args:
-        ranks_or_comm: the global ranks of the set, or an mpi4py communicator whose ranks
-            (in ``MPI.COMM_WORLD``) form it.
+        ranks_or_comm: the global ranks of the set, or an mpi4py communicator whose
+            processes form it (after ``init(comm=...)``, as ranks of that communicator).
 
     Example:
 
@@ -42,7 +42,9 @@ class ProcessSet:
 
     def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
         self.process_set_id: int | None = None
-        if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator
+        # MPI_COMM_WORLD ranks, from a communicator: the job's own once it is added.
+        self.world_ranks_given = hasattr(ranks_or_comm, "Get_group")
+        if self.world_ranks_given:  # an mpi4py communicator
             from mpi4py import MPI
 
             group = ranks_or_comm.Get_group()

@@ -7,9 +7,11 @@ import ctypes
 import signal
 import sys
 import threading
+from typing import Any
 
 from keras_ring import _lifecycle, errors, gpu, interfaces, threads
 from keras_ring.bootstrap import bootstrap
+from keras_ring.mpi_exchange import comm_bootstrap
 from keras_ring.config import Config
 from keras_ring.elastic import client as elastic_client
 from keras_ring.errors import InitError, NotInitializedError
@@ -30,6 +32,7 @@ class Runtime:
         self._atexit_registered = False
         self._leaving_with: str | None = None  # an uncaught exception is ending the program
         self._via_mpi = False
+        self._world_ranks: list[int] | None = None  # see PeerTable.world_ranks
         self._addresses: list[tuple[str, int]] = []  # every rank's, as the job connected
         self._job_token = 0
         # Process sets by id (0: all ranks): their ranks, and this rank's place in each it
@@ -63,6 +66,11 @@ class Runtime:
         """Whether the running job found its peers through MPI."""
         return self._via_mpi
 
+    @property
+    def world_ranks(self) -> list[int] | None:
+        """Each rank's MPI_COMM_WORLD rank where ``init(comm=...)`` chose a communicator."""
+        return self._world_ranks
+
     def library(self, what: str = "this function") -> Library:
         self.topology(what)
         return library()
@@ -72,12 +80,15 @@ class Runtime:
         assert self._config is not None
         return self._config
 
-    def init(self, table: PeerTable | None = None, failure_exit: bool = True) -> None:
+    def init(self, table: PeerTable | None = None, failure_exit: bool = True,
+             comm: Any = None) -> None:
         """Bootstraps (once per process) and starts the native runtime.
 
         Args:
             table: a peer table another launcher prepared (``keras_ring.spark``); used for
                 this start only, not kept, and its owner closes it.
+            comm: bootstrap over this mpi4py communicator, or these MPI_COMM_WORLD ranks
+                (Horovod's ``init(comm=...)``), afresh; later starts without one reuse it.
             failure_exit: end this process ``KERAS_RING_FAILURE_EXIT_SECONDS`` after the job
                 failed, if it is still running (off where the launcher ends failed jobs
                 itself, as Spark's barrier stages do).
@@ -88,7 +99,12 @@ class Runtime:
             config = Config.from_env()
             lib = library()
             world = None  # a table of one world of an elastic job, closed once connected
-            if table is None:
+            if table is None and comm is not None:
+                if self._table is not None:
+                    self._table.close()
+                    self._table = None
+                self._table = comm_bootstrap(config, comm)
+            elif table is None:
                 table = world = self._next_elastic_world(config)
             if table is None:
                 if self._table is None:
@@ -105,6 +121,7 @@ class Runtime:
                     world.close()
             self._topology = table.topology
             self._via_mpi = table.via_mpi
+            self._world_ranks = table.world_ranks
             self._addresses = list(table.addresses)
             self._job_token = table.job_token
             self._sets = {0: (tuple(range(table.topology.size)), table.topology)}

@@ -1,0 +1,55 @@
+"""One of 4 ranks trying Horovod's ``init(comm=...)`` (test_init_comm.py starts it).
+
+Prints one line, ``RESULT <MPI_COMM_WORLD rank> <json>``, with what each case gave here.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mpi4py import MPI  # this program owns MPI, as Horovod's examples with comm= do
+
+import tensorflow as tf
+
+import keras_ring as kr
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def main() -> None:
+    world = MPI.COMM_WORLD.Get_rank()
+    parity = MPI.COMM_WORLD.Split(color=world % 2, key=world)
+    out: dict = {}
+    # Horovod's docs: a job per sub-communicator.
+    kr.init(comm=parity)
+    out["split"] = [kr.rank(), kr.size(), kr.local_size(),
+                    float(kr.allreduce(tf.constant(float(world)), op=kr.Sum))]
+    kr.shutdown()
+    # A list of MPI_COMM_WORLD ranks, in the order of their new ranks; afresh after shutdown.
+    # A set from a communicator names MPI_COMM_WORLD ranks: it becomes the job's own. World
+    # ranks 0 and 1 are ranks 1 and 2 of the job [2, 0, 1]; rank 2 names them itself.
+    kr.init(comm=[2, 0, 1] if world < 3 else [3])
+    low = MPI.COMM_WORLD.Split(color=int(world < 2), key=world)
+    if world < 3:
+        pair = kr.add_process_set(kr.ProcessSet(low if world < 2 else [1, 2]))
+        reduced = kr.allreduce(tf.constant(float(world)), op=kr.Sum, process_set=pair) \
+            if pair.included() else None
+        out["list"] = [kr.rank(), kr.size(), pair.ranks, None if reduced is None else float(reduced),
+                       int(kr.broadcast(tf.constant(world), root_rank=0).numpy())]
+    else:
+        out["list"] = [kr.rank(), kr.size()]
+    kr.shutdown()
+    out["left_out"] = _error(lambda: kr.init(comm=[r for r in range(4) if r != world]))
+    out["out_of_range"] = _error(lambda: kr.init(comm=[world, 7]))
+    out["not_a_comm"] = _error(lambda: kr.init(comm=MPI.COMM_WORLD.Get_group()))
+    print("RESULT", world, json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Horovod's ``init(comm=...)`` under a real mpirun of 4 processes (tests/unit/comm_child.py):
+each sub-communicator, or list of MPI_COMM_WORLD ranks, is an independent job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import keras_ring
+
+CHILD = Path(__file__).with_name("comm_child.py")
+
+
+def test_each_communicator_is_a_job_of_its_own(mpirun, clean_env):
+    env = dict(clean_env, KERAS_RING_TIMEOUT_SECONDS="30")
+    proc = subprocess.run([mpirun, "-np", "4", sys.executable, str(CHILD)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = {int(line.split()[1]): json.loads(line.split(maxsplit=2)[2])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    assert sorted(results) == [0, 1, 2, 3], proc.stdout + proc.stderr
+    for world, out in results.items():
+        odd = world % 2
+        # Split by parity, ordered by world rank: {0, 2} sum 2, {1, 3} sum 4.
+        assert out["split"] == [world // 2, 2, 2, 4.0 if odd else 2.0]
+        # The list [2, 0, 1]: world 2 is rank 0; the set {world 0, world 1} is ranks [1, 2]
+        # (sum 0 + 1), and rank 0 (world 2) is outside it. World 3 is a job of one.
+        assert out["list"] == {0: [1, 3, [1, 2], 1.0, 2], 1: [2, 3, [1, 2], 1.0, 2],
+                               2: [0, 3, [1, 2], None, 2], 3: [0, 1]}[world]
+        assert out["left_out"] == (
+            f"ValueError: keras_ring.init: comm={[r for r in range(4) if r != world]} leaves out "
+            f"this process (MPI_COMM_WORLD rank {world}); only the listed ranks call init with it")
+        assert out["out_of_range"].startswith(
+            f"ValueError: keras_ring.init: comm=[{world}, 7] names ranks [7], but MPI_COMM_WORLD "
+            "has ranks 0..3")
+        assert out["not_a_comm"].startswith(
+            "TypeError: keras_ring.init: comm must be an mpi4py intra-communicator or a list")
+
+
+@pytest.mark.parametrize("first", [[keras_ring.ProcessSet([0])], "dynamic"])
+def test_process_sets_in_comms_place_say_to_pass_them_by_keyword(first):
+    with pytest.raises(TypeError, match=r"the first argument is Horovod's comm .*pass process "
+                                        r"sets by keyword: init\(process_sets="):
+        keras_ring.init(first)
