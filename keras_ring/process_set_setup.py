@@ -15,7 +15,10 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Adds a process set; every rank of the job must call it, with the same ranks.
 
     Starts the set's runtime on its ranks (they connect to each other, bounded by
-    ``KERAS_RING_TIMEOUT_SECONDS``) and returns the set with its ``process_set_id``.
+    ``KERAS_RING_TIMEOUT_SECONDS``) and returns the set with its ``process_set_id``. Sets made
+    from mpi4py communicators may differ by rank where the communicators split the job
+    (Horovod's ``ProcessSet(MPI.COMM_WORLD.Split(...))``): each part is then a set of its own,
+    and each rank's object is the part it belongs to.
 
     Raises:
         ValueError: ranks out of range, a set with these ranks exists already, or ranks
@@ -28,21 +31,26 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     member = topology.rank in ranks
     listener = peer_table.listen(len(set(topology.host_ids)) > 1, len(ranks)) if member else None
     try:
-        offers = allgather_object((ranks, listener.getsockname()[1] if listener else None))
-        _check_same_set(offers, topology.size, ranks)
-        set_id = RUNTIME.next_process_set_id()
-        table = None
-        if member:
-            host_ids = [topology.host_ids[r] for r in ranks]
-            table = peer_table.PeerTable(
-                peer_table.Topology.from_host_ids(ranks.index(topology.rank), host_ids),
-                [(RUNTIME.member_address(r), offers[r][1]) for r in ranks],
-                (RUNTIME.job_token * 1000003 + set_id) % (1 << 63), listener)
-        RUNTIME.start_process_set(set_id, ranks, table)
+        offers = allgather_object((ranks, listener.getsockname()[1] if listener else None,
+                                   process_set.from_comm))
+        parts = _parts(offers, topology.size)
+        ids = []
+        for part in parts:
+            set_id = RUNTIME.next_process_set_id()
+            table = None
+            if topology.rank in part:
+                host_ids = [topology.host_ids[r] for r in part]
+                table = peer_table.PeerTable(
+                    peer_table.Topology.from_host_ids(part.index(topology.rank), host_ids),
+                    [(RUNTIME.member_address(r), offers[r][1]) for r in part],
+                    (RUNTIME.job_token * 1000003 + set_id) % (1 << 63), listener)
+            RUNTIME.start_process_set(set_id, part, table)
+            ids.append(set_id)
     finally:
         if listener is not None:
             listener.close()
-    process_set.process_set_id = set_id
+    process_set.process_set_id = ids[parts.index(ranks)]
+    process_set.split_ids = tuple(ids) if len(ids) > 1 else None
     return process_set
 
 
@@ -62,20 +70,35 @@ def _job_ranks(process_set: ProcessSet) -> tuple[int, ...]:
     return tuple(process_set.ranks)
 
 
-def _check_same_set(offers: list, size: int, ranks: tuple[int, ...]) -> None:
-    """Every rank sees all offers, so every rank raises the same error."""
-    differing = [r for r, (theirs, _) in enumerate(offers) if theirs != offers[0][0]]
-    if differing:
+def _parts(offers: list, size: int) -> list[tuple[int, ...]]:
+    """The sets to register: the one every rank offered, or the parts of a split.
+
+    Every rank sees all offers, so every rank returns the same or raises the same error.
+    """
+    first = offers[0][0]
+    differing = [r for r, offer in enumerate(offers) if offer[0] != first]
+    if differing and not _is_split(offers):
         raise ValueError(f"keras_ring.add_process_set: ranks disagree about the set: rank 0 "
-                         f"passed {list(offers[0][0])}, rank {differing[0]} passed "
+                         f"passed {list(first)}, rank {differing[0]} passed "
                          f"{list(offers[differing[0]][0])}; every rank must add the same sets "
-                         "in the same order")
-    if not ranks or ranks[0] < 0 or ranks[-1] >= size:
-        raise ValueError(f"keras_ring.add_process_set: ranks {list(ranks)} are not a non-empty "
-                         f"subset of the job's ranks 0..{size - 1}")
-    if ranks in RUNTIME.process_set_ids().values():
-        raise ValueError(f"keras_ring.add_process_set: a process set with ranks {list(ranks)} "
-                         "exists already")
+                         "in the same order (or each a set made from its own part of a "
+                         "communicator split)")
+    parts = list(dict.fromkeys(offer[0] for offer in offers))
+    for ranks in parts:
+        if not ranks or ranks[0] < 0 or ranks[-1] >= size:
+            raise ValueError(f"keras_ring.add_process_set: ranks {list(ranks)} are not a "
+                             f"non-empty subset of the job's ranks 0..{size - 1}")
+        if ranks in RUNTIME.process_set_ids().values():
+            raise ValueError(f"keras_ring.add_process_set: a process set with ranks "
+                             f"{list(ranks)} exists already")
+    return parts
+
+
+def _is_split(offers: list) -> bool:
+    """Whether every rank offered a communicator's set that holds it, and the sets' members
+    agree: the parts of a split, such as ``MPI.COMM_WORLD.Split(color=rank % 2)``'s."""
+    return all(from_comm and rank in ranks and all(offers[m][0] == ranks for m in ranks)
+               for rank, (ranks, _, from_comm) in enumerate(offers))
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
@@ -83,14 +106,18 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     that was never added. Its runtime stops on its ranks."""
     RUNTIME.topology("keras_ring.remove_process_set()")
     set_id = process_set.process_set_id
-    ids = allgather_object(set_id)
+    # The parts of a split are removed together, each rank naming its own part's set.
+    split = getattr(process_set, "split_ids", None)
+    ids = allgather_object(split or set_id)
     if len(set(ids)) != 1:
         raise ValueError(f"keras_ring.remove_process_set: ranks disagree about the set to "
                          f"remove (process set ids by rank: {ids})")
     if set_id in (None, 0) or set_id not in RUNTIME.process_set_ids():
         return False
-    RUNTIME.stop_process_set(set_id)
+    for part_id in split or (set_id,):
+        RUNTIME.stop_process_set(part_id)
     process_set.process_set_id = None
+    process_set.split_ids = None
     return True
 
 

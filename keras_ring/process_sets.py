@@ -42,9 +42,13 @@ class ProcessSet:
 
     def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
         self.process_set_id: int | None = None
-        # MPI_COMM_WORLD ranks, from a communicator: the job's own once it is added.
-        self.world_ranks_given = hasattr(ranks_or_comm, "Get_group")
-        if self.world_ranks_given:  # an mpi4py communicator
+        # Made from a communicator: its ranks may differ by rank (the parts of a split),
+        # and they are MPI_COMM_WORLD's until added (then the job's own).
+        self.from_comm = hasattr(ranks_or_comm, "Get_group")
+        self.world_ranks_given = self.from_comm
+        # The ids of every part where the set is a split (see add_process_set), else None.
+        self.split_ids: tuple[int, ...] | None = None
+        if self.from_comm:  # an mpi4py communicator
             from mpi4py import MPI
 
             group = ranks_or_comm.Get_group()

@@ -26,6 +26,14 @@ def main() -> None:
     world = MPI.COMM_WORLD.Get_rank()
     parity = MPI.COMM_WORLD.Split(color=world % 2, key=world)
     out: dict = {}
+    # Horovod's docs on process sets: one set from a split, each rank passing its own part.
+    split = kr.ProcessSet(parity)
+    kr.init(MPI.COMM_WORLD, process_sets=[split])
+    out["sets"] = [split.ranks, split.size(), split.rank(), split.process_set_id,
+                   float(kr.allreduce(tf.constant(float(world)), op=kr.Sum, process_set=split)),
+                   kr.remove_process_set(split),
+                   float(kr.allreduce(tf.constant(float(world)), op=kr.Sum))]
+    kr.shutdown()
     # Horovod's docs: a job per sub-communicator.
     kr.init(comm=parity)
     out["split"] = [kr.rank(), kr.size(), kr.local_size(),

@@ -25,6 +25,10 @@ def test_each_communicator_is_a_job_of_its_own(mpirun, clean_env):
     assert sorted(results) == [0, 1, 2, 3], proc.stdout + proc.stderr
     for world, out in results.items():
         odd = world % 2
+        # A set made from a split is one set per part, each with its own id and runtime;
+        # removed together; the whole job's collectives go on.
+        assert out["sets"] == [[1, 3] if odd else [0, 2], 2, world // 2, 2 if odd else 1,
+                               4.0 if odd else 2.0, True, 6.0]
         # Split by parity, ordered by world rank: {0, 2} sum 2, {1, 3} sum 4.
         assert out["split"] == [world // 2, 2, 2, 4.0 if odd else 2.0]
         # The list [2, 0, 1]: world 2 is rank 0; the set {world 0, world 1} is ranks [1, 2]
