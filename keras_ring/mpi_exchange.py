@@ -86,6 +86,16 @@ def comm_bootstrap(config: Config, comm: Any) -> PeerTable:
         group.Free()
 
 
+def whole_world(comm: Any) -> bool:
+    """Whether ``comm`` is an mpi4py communicator of MPI_COMM_WORLD's processes in their
+    order: the job the launcher started, found as without ``comm`` (so also through
+    keras-ring-run's rendezvous, where each process's MPI_COMM_WORLD is itself alone)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(comm, mpi.Intracomm) or comm == mpi.COMM_NULL:
+        return False
+    return mpi.Comm.Compare(comm, mpi.COMM_WORLD) in (mpi.IDENT, mpi.CONGRUENT)
+
+
 def _world_ranks(comm) -> list[int] | None:
     """Each of ``comm``'s ranks in MPI_COMM_WORLD; None if they are MPI_COMM_WORLD's."""
     from mpi4py import MPI

@@ -11,7 +11,7 @@ from typing import Any
 
 from keras_ring import _lifecycle, errors, gpu, interfaces, threads
 from keras_ring.bootstrap import bootstrap
-from keras_ring.mpi_exchange import comm_bootstrap
+from keras_ring.mpi_exchange import comm_bootstrap, whole_world
 from keras_ring.config import Config
 from keras_ring.elastic import client as elastic_client
 from keras_ring.errors import InitError, NotInitializedError
@@ -100,11 +100,8 @@ class Runtime:
             lib = library()
             world = None  # a table of one world of an elastic job, closed once connected
             if table is None and comm is not None:
-                if self._table is not None:
-                    self._table.close()
-                    self._table = None
-                self._table = comm_bootstrap(config, comm)
-            elif table is None:
+                table = self._comm_table(config, comm)
+            if table is None:
                 table = world = self._next_elastic_world(config)
             if table is None:
                 if self._table is None:
@@ -132,6 +129,17 @@ class Runtime:
                 atexit.register(self._at_exit)
                 _chain_excepthook(self)
                 self._atexit_registered = True
+
+    def _comm_table(self, config: Config, comm: Any) -> PeerTable | None:
+        """The table of ``init(comm=...)``'s job, bootstrapped afresh; None where ``comm`` is
+        the launcher's whole job, which is then found as without it."""
+        sub = not whole_world(comm)
+        if self._table is not None and (sub or self._table.world_ranks is not None):
+            self._table.close()  # another communicator's job
+            self._table = None
+        if sub:
+            self._table = comm_bootstrap(config, comm)
+        return self._table if sub else None
 
     def _next_elastic_world(self, config: Config) -> PeerTable | None:
         """This worker's table in the next world of its elastic job; None if not elastic."""

@@ -53,6 +53,10 @@ def main() -> None:
     else:
         out["list"] = [kr.rank(), kr.size()]
     kr.shutdown()
+    # The launcher's whole job again: the communicator's table is not kept for it.
+    kr.init(comm=MPI.COMM_WORLD)
+    out["world_again"] = [kr.size(), float(kr.allreduce(tf.constant(float(world)), op=kr.Sum))]
+    kr.shutdown()
     out["left_out"] = _error(lambda: kr.init(comm=[r for r in range(4) if r != world]))
     out["out_of_range"] = _error(lambda: kr.init(comm=[world, 7]))
     out["not_a_comm"] = _error(lambda: kr.init(comm=MPI.COMM_WORLD.Get_group()))

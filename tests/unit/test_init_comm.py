@@ -4,6 +4,7 @@ each sub-communicator, or list of MPI_COMM_WORLD ranks, is an independent job.""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ def test_each_communicator_is_a_job_of_its_own(mpirun, clean_env):
         # (sum 0 + 1), and rank 0 (world 2) is outside it. World 3 is a job of one.
         assert out["list"] == {0: [1, 3, [1, 2], 1.0, 2], 1: [2, 3, [1, 2], 1.0, 2],
                                2: [0, 3, [1, 2], None, 2], 3: [0, 1]}[world]
+        assert out["world_again"] == [4, 6.0]
         assert out["left_out"] == (
             f"ValueError: keras_ring.init: comm={[r for r in range(4) if r != world]} leaves out "
             f"this process (MPI_COMM_WORLD rank {world}); only the listed ranks call init with it")
@@ -50,3 +52,23 @@ def test_process_sets_in_comms_place_say_to_pass_them_by_keyword(first):
     with pytest.raises(TypeError, match=r"the first argument is Horovod's comm .*pass process "
                                         r"sets by keyword: init\(process_sets="):
         keras_ring.init(first)
+
+
+def test_comm_world_is_the_job_under_the_environment_rendezvous_too(clean_env):
+    # keras-ring-run without MPI: each process's MPI_COMM_WORLD is itself alone, but
+    # init(comm=MPI.COMM_WORLD) means the launcher's whole job, not a job of one per process.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        rendezvous = f"127.0.0.1:{s.getsockname()[1]}"
+    code = ("from mpi4py import MPI; import tensorflow as tf, keras_ring as kr; "
+            "kr.init(comm=MPI.COMM_WORLD); "
+            "print('RESULT', kr.rank(), kr.size(), float(kr.allreduce(tf.constant(1.0), op=kr.Sum)))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=dict(
+                                  clean_env, KERAS_RING_RANK=str(r), KERAS_RING_SIZE="2",
+                                  KERAS_RING_RENDEZVOUS=rendezvous, KERAS_RING_TIMEOUT_SECONDS="30"))
+             for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    results = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
+    assert results == ["RESULT 0 2 2.0", "RESULT 1 2 2.0"], "\n".join(outputs)
