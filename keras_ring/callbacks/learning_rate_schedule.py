@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +29,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         initial_lr: the rate the multiplier scales; None means the optimizer's rate when
             training starts.
         multiplier: a float, or a callable taking the (possibly fractional) epoch.
-        start_epoch: first epoch (inclusive) the schedule applies to. Default 0.
-        end_epoch: first epoch it no longer applies to; None for no end.
+        start_epoch: the schedule applies to epochs from this one (inclusive). Default 0.
+            A float is compared as Horovod does (``epoch >= start_epoch``): 5.0 is epoch 5,
+            2.5 starts at epoch 3.
+        end_epoch: it no longer applies from this epoch on (``epoch >= end_epoch``); None
+            for no end.
         staircase: set the rate per epoch (True) or per batch (False).
         momentum_correction: rescale SGD's and RMSprop's momentum velocity by new / old
             rate on every change (Goyal et al. 2017). Default True.
@@ -54,7 +58,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, initial_lr: float | None, multiplier: float | Callable[[float], float],
-                 start_epoch: int = 0, end_epoch: int | None = None, staircase: bool = True,
+                 start_epoch: float = 0, end_epoch: float | None = None, staircase: bool = True,
                  momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
         super().__init__()
         if initial_lr is not None and (isinstance(initial_lr, bool)
@@ -116,10 +120,14 @@ def _as_function(multiplier: Any, start_epoch: int) -> Callable[[float], float]:
     return lambda epoch: factor ** (epoch - start_epoch)
 
 
+def _is_number(value: Any) -> bool:
+    # Horovod's examples pass argparse floats (--warmup-epochs 5.0).
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check_epochs(start_epoch: Any, end_epoch: Any) -> None:
-    if isinstance(start_epoch, bool) or not isinstance(start_epoch, int) or start_epoch < 0:
-        raise ValueError(f"start_epoch must be a non-negative int, got {start_epoch!r}")
-    if end_epoch is not None and (isinstance(end_epoch, bool) or not isinstance(end_epoch, int)
-                                  or end_epoch <= start_epoch):
-        raise ValueError(f"end_epoch must be None or an int greater than start_epoch="
+    if not _is_number(start_epoch) or start_epoch < 0:
+        raise ValueError(f"start_epoch must be a non-negative number, got {start_epoch!r}")
+    if end_epoch is not None and (not _is_number(end_epoch) or end_epoch <= start_epoch):
+        raise ValueError(f"end_epoch must be None or a number greater than start_epoch="
                          f"{start_epoch}, got {end_epoch!r}")

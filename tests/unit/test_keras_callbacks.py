@@ -29,7 +29,9 @@ def initialized():
     (lambda: LearningRateWarmupCallback(initial_lr=0), "initial_lr must be a positive number, got 0"),
     (lambda: LearningRateWarmupCallback(steps_per_epoch=0), "steps_per_epoch must be a positive number, got 0"),
     (lambda: LearningRateScheduleCallback(0.1, 0.5, start_epoch=3, end_epoch=3), "end_epoch must be .* greater than start_epoch=3, got 3"),
-    (lambda: LearningRateScheduleCallback(0.1, 0.5, start_epoch=-1), "start_epoch must be a non-negative int, got -1"),
+    (lambda: LearningRateScheduleCallback(0.1, 0.5, start_epoch=-1), "start_epoch must be a non-negative number, got -1"),
+    (lambda: LearningRateScheduleCallback(0.1, 0.5, start_epoch=float("nan")), "start_epoch must be a non-negative number, got nan"),
+    (lambda: LearningRateScheduleCallback(0.1, 0.5, end_epoch="30"), "end_epoch must be None or a number greater than start_epoch=0, got '30'"),
     (lambda: LearningRateScheduleCallback(-0.1, 0.5), "initial_lr must be a non-negative number or None, got -0.1"),
     # Horovod's call, as its Spark example writes it: the path came from its estimator.
     (lambda: BestModelCheckpoint(monitor="val_loss", mode="auto", save_freq="epoch"),
@@ -52,6 +54,15 @@ def test_warmup_formula_at_size_one_is_constant_and_schedule_decays():
     assert warmup.learning_rate_at(2, 0) is None
     schedule = LearningRateScheduleCallback(1.0, 0.1, start_epoch=2, end_epoch=4)
     assert [schedule.learning_rate_at(e) for e in range(5)] == [None, None, 1.0, pytest.approx(0.1), None]
+
+
+def test_schedule_takes_float_epochs_as_horovods_examples_pass_them():
+    # keras_imagenet_resnet50.py: start_epoch=args.warmup_epochs, an argparse float.
+    whole = LearningRateScheduleCallback(1.0, 0.5, start_epoch=2.0, end_epoch=4.0)
+    assert [whole.learning_rate_at(e) for e in range(5)] == [None, None, 1.0, 0.5, None]
+    # Compared as Horovod compares: epoch >= 1.5 from epoch 2, whose factor is 0.5 ** 0.5.
+    half = LearningRateScheduleCallback(1.0, 0.5, start_epoch=1.5)
+    assert [half.learning_rate_at(e) for e in range(3)] == [None, None, pytest.approx(0.5 ** 0.5)]
 
 
 def test_warmup_needs_steps_per_epoch_when_fit_cannot_tell():
