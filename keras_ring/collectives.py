@@ -457,8 +457,12 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     """
     del inplace
     resolve(process_set, "broadcast_variables")
-    for i, var in enumerate(_shared_variables(variables)):
-        var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=f"broadcast_variables.{i}",
+    shared = _shared_variables(variables)
+    # The count in each name: ranks with different lists fail at the first variable, saying
+    # how many each has, not later at whatever collective one of them reaches first.
+    for i, var in enumerate(shared):
+        var.assign(broadcast(tf.convert_to_tensor(var), root_rank,
+                             name=f"broadcast_variables.{i} of {len(shared)}",
                              process_set=process_set))
 
 

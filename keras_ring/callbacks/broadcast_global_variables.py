@@ -11,7 +11,8 @@ from keras_ring import _keras_private
 from keras_ring._grouping import is_variable, variable_keys
 from keras_ring._local import check_variable
 from keras_ring.basics import size
-from keras_ring.collectives import broadcast_variables
+from keras_ring.collectives import _shared_variables, broadcast_variables
+from keras_ring.objects import allgather_object
 from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
 
@@ -111,13 +112,34 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
             "batch, give it a keras.Input, or compile it with keras_ring.wrap(optimizer), "
             "which makes fit() build it before the first step")
     optimizer = getattr(model, "optimizer", None)
-    variables = list(model.weights)  # not its variables: those add the layers' random seeds
+    weights = list(model.weights)  # not its variables: those add the layers' random seeds
+    slots: list[Any] = []
     if optimizer is not None:
         if not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)
-        variables += list(optimizer.variables)
+        slots = list(optimizer.variables)
     local: set[int] = set()
     for variable in local_variables:
         local |= variable_keys(variable)
-    broadcast_variables([v for v in variables if not variable_keys(v) & local],
-                        root_rank=root_rank, process_set=process_set)
+    weights, slots = ([v for v in vs if not variable_keys(v) & local] for vs in (weights, slots))
+    _check_same_variables(model, len(_shared_variables(weights)), len(_shared_variables(slots)),
+                          process_set)
+    broadcast_variables(weights + slots, root_rank=root_rank, process_set=process_set)
+
+
+def _check_same_variables(model: keras.Model, weights: int, slots: int,
+                          process_set: ProcessSet) -> None:
+    """Every rank raises, naming the counts, where the ranks' models or optimizers differ."""
+    optimizer = type(getattr(model, "optimizer", None)).__name__
+    counts = allgather_object((weights, slots, optimizer), name="keras_ring.broadcast_counts",
+                              process_set=process_set)
+    if len(set(counts)) == 1:
+        return
+    ranks = process_set.ranks or range(len(counts))
+    listed = "; ".join(f"rank {r}: {w} model weights, {s} variables of its {o}"
+                       for r, (w, s, o) in zip(ranks, counts))
+    raise ValueError(
+        f"keras_ring: cannot broadcast model '{model.name}': the ranks hold different variables "
+        f"({listed}). A model loaded from a legacy .h5 file comes back with an optimizer "
+        "without its slots (Keras 3 restores only its iteration count and learning rate): "
+        "checkpoint to .keras, or load the model on every rank alike")

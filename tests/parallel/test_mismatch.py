@@ -158,3 +158,12 @@ def test_sparse_allreduces_that_agree_name_nothing_of_their_own(world):
                               dense_shape=tf.constant([size, 2]))
     out = tf.convert_to_tensor(kr.allreduce(slices, op=kr.Sum, name="emb")).numpy()
     np.testing.assert_array_equal(out, np.tile([[1.0, 2.0]], (size, 1)))
+
+
+def test_broadcast_variables_of_lists_that_differ_in_length_fail_at_the_first_saying_both(world):
+    # An optimizer built on some ranks only: its slots make the lists differ in length.
+    rank, size = world
+    variables = [tf.Variable(tf.ones([2])) for _ in range(2 + (rank == size - 1))]
+    _expect_on_every_rank(lambda: kr.broadcast_variables(variables, root_rank=0),
+                          kr.CollectiveMismatchError, "name mismatch",
+                          "'broadcast_variables.0 of 2'", "'broadcast_variables.0 of 3'")
