@@ -93,11 +93,11 @@ class ReduceOptions:
         checked_groups = Groups.create(who, groups, num_groups)
         if checked_groups is not None and (bucket_bytes, first_bucket_bytes) != (AUTO, AUTO):
             raise ValueError(f"{who}: groups and bucket_bytes/first_bucket_bytes both decide "
-                             "which gradients travel together; pass one, got groups="
-                             f"{groups if groups is not None else num_groups!r}, bucket_bytes="
-                             f"{bucket_bytes!r}, first_bucket_bytes={first_bucket_bytes!r}")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise TypeError(f"{who}: name must be a non-empty str or None, got {name!r}")
+                             f"which gradients travel together; pass one, got {checked_groups!r}, "
+                             f"bucket_bytes={bucket_bytes!r}, first_bucket_bytes="
+                             f"{first_bucket_bytes!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{who}: name must be a str or None, got {name!r}")
         return cls(op, compression, bucket_bytes, sparse_as_dense, float(factor), process_set,
                    first_bucket_bytes, checked_groups, name or "gradients")
 

@@ -2,14 +2,17 @@
 
 By default gradients are fused by bytes (``_buckets.plan_buckets``). Horovod's
 ``DistributedOptimizer`` and ``DistributedGradientTape`` also take ``groups`` (and its older
-spelling ``num_groups``): a number of groups to split the gradients into, consecutive in
-variable order and as equal in count as possible, or lists of variables whose gradients
+spelling ``num_groups``): a number of groups to split the dense gradients into (sparse
+ones travel apart, as allgathers), consecutive in variable order and as equal in count as
+possible, or lists of variables whose gradients
 travel together, every variable in no list alone. Groups decide how gradients travel,
 never what they add up to.
 """
 
 from __future__ import annotations
 
+import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +43,7 @@ def _describe(value: Any) -> str:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,18 +65,18 @@ class Groups:
         if not _is_count(num_groups) or num_groups < 0:
             raise ValueError(f"{who}: num_groups must be a non-negative int (0: no groups), "
                              f"got {num_groups!r}")
-        if num_groups and groups is not None:
-            raise ValueError(f"{who}: got both num_groups={num_groups!r} and groups; "
-                             "num_groups is Horovod's older name for groups=<int>: pass one")
-        if num_groups:
-            groups = num_groups
+        if num_groups and groups is not None:  # Horovod lets groups win, and says so
+            warnings.warn(f"{who}: num_groups={num_groups!r} is ignored: groups is given "
+                          "(num_groups is Horovod's older name for groups=<int>)", stacklevel=4)
+        elif num_groups:
+            groups = int(num_groups)
         if groups is None:
             return None
         if _is_count(groups):
             if groups <= 0:
                 raise ValueError(f"{who}: groups must be a positive int (the number of groups) "
                                  f"or a list of lists of variables, got {groups!r}")
-            return cls(count=groups)
+            return cls(count=int(groups))
         if isinstance(groups, (str, bytes)) or not isinstance(groups, (list, tuple)):
             raise TypeError(f"{who}: groups must be a positive int or a list of lists of "
                             f"variables, got {_describe(groups)}")

@@ -15,15 +15,17 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None) -> N
 
     Under ``mpirun -np N`` (or ``keras-ring-run``) it bootstraps through mpi4py and connects
     the ranks; a plain ``python train.py`` is a world of size 1 and needs no MPI. Calling it
-    again is harmless; after ``shutdown()`` it starts afresh.
+    again while running does nothing (whatever ``comm`` it is given); after ``shutdown()`` it
+    starts afresh.
 
     Args:
         comm: Horovod's: an mpi4py communicator whose processes form the job (its ranks
             become keras_ring's), or a list of ``MPI_COMM_WORLD`` ranks; None (the
-            default): every process the launcher started. Each disjoint communicator is
-            an independent job.
+            default) or an empty list: every process the launcher started. Each disjoint
+            communicator is an independent job.
         process_sets: ``keras_ring.ProcessSet`` objects to add right away (every rank passes
-            the same ones), as ``add_process_set`` would. Horovod's ``"dynamic"`` (sets
+            the same ones, or each its part of a communicator split), as
+            ``add_process_set`` would. Horovod's ``"dynamic"`` (sets
             added and removed later) is accepted: keras_ring's sets always are.
 
     Example:

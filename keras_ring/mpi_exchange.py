@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import numbers
 import os
 import secrets
 import signal
@@ -49,28 +50,56 @@ def comm_bootstrap(config: Config, comm: Any) -> PeerTable:
     ``MPI_COMM_WORLD`` ranks (a list, in the order of their new ranks).
 
     Only the communicator's processes take part, so disjoint communicators make independent
-    jobs. MPI stays initialised afterwards, as in a program that brought it up itself: the
-    program asked for MPI, and finalising it is collective over every process.
+    jobs. The exchange runs on a duplicate of the communicator (the program's own traffic on
+    it is untouched) and is bounded like MPI_Init. MPI stays initialised afterwards, as in a
+    program that brought it up itself: finalising it is collective over every process.
     """
     if importlib.util.find_spec("mpi4py") is None:
         raise InitError("init(comm=...) needs mpi4py: pip install keras-ring[mpi]")
-    if not isinstance(comm, (list, tuple)):
+    ranks = None if _is_communicator(comm) else _checked_ranks(comm)
+    with _watchdog(config.timeout_seconds):  # MPI_Init and the exchange wait for the others
         from mpi4py import MPI
 
-        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
-            raise TypeError("keras_ring.init: comm must be an mpi4py intra-communicator or a "
-                            f"list of MPI_COMM_WORLD ranks, got {type(comm).__module__}."
-                            f"{type(comm).__qualname__}: {comm!r}")
-        return _exchange(comm, config)
+        if MPI.Is_finalized():
+            raise InitError("init(comm=...): MPI was finalised after an earlier init() that "
+                            "brought it up; import mpi4py before the first init(), or pass "
+                            "comm to it")
+        if ranks is not None:
+            comm = _listed(MPI.COMM_WORLD, ranks)
+        elif comm == MPI.COMM_NULL:
+            raise ValueError("keras_ring.init: comm is MPI.COMM_NULL (this process's part of "
+                             "a Split with color MPI.UNDEFINED): it belongs to no job")
+        own = comm.Dup()
+        try:
+            return _exchange(own, config)
+        finally:
+            own.Free()
+            if ranks is not None:
+                comm.Free()
+
+
+def _is_communicator(comm: Any) -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(comm, mpi.Intracomm):
+        return True
+    if isinstance(comm, (str, bytes)) or not hasattr(comm, "__iter__"):
+        raise TypeError("keras_ring.init: comm must be an mpi4py intra-communicator or a list "
+                        f"of MPI_COMM_WORLD ranks, got {type(comm).__module__}."
+                        f"{type(comm).__qualname__}: {comm!r}")
+    return False
+
+
+def _checked_ranks(comm: Any) -> list[int]:
     ranks = list(comm)
-    if not ranks or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks) or len(
+    if any(not isinstance(r, numbers.Integral) or isinstance(r, bool) for r in ranks) or len(
             set(ranks)) != len(ranks):
         raise ValueError("keras_ring.init: comm as a list must hold distinct MPI_COMM_WORLD "
                          f"ranks (ints), got {comm!r}")
-    with _watchdog(config.timeout_seconds):  # MPI_Init waits for every process: bounded
-        from mpi4py import MPI
+    return [int(r) for r in ranks]
 
-        world = MPI.COMM_WORLD
+
+def _listed(world: Any, ranks: list[int]) -> Any:
+    """The communicator of these MPI_COMM_WORLD ranks (this process among them)."""
     outside = [r for r in ranks if not 0 <= r < world.Get_size()]
     if outside:
         raise ValueError(f"keras_ring.init: comm={ranks} names ranks {outside}, but "
@@ -79,17 +108,22 @@ def comm_bootstrap(config: Config, comm: Any) -> PeerTable:
         raise ValueError(f"keras_ring.init: comm={ranks} leaves out this process "
                          f"(MPI_COMM_WORLD rank {world.Get_rank()}); only the listed ranks "
                          "call init with it")
-    group = world.Get_group().Incl(ranks)
+    everyone = world.Get_group()
+    group = everyone.Incl(ranks)
     try:  # collective over the group's processes only, so the others need not be here
-        return _exchange(world.Create_group(group), config)
+        return world.Create_group(group)
     finally:
         group.Free()
+        everyone.Free()
 
 
 def whole_world(comm: Any) -> bool:
-    """Whether ``comm`` is an mpi4py communicator of MPI_COMM_WORLD's processes in their
-    order: the job the launcher started, found as without ``comm`` (so also through
-    keras-ring-run's rendezvous, where each process's MPI_COMM_WORLD is itself alone)."""
+    """Whether ``comm`` is the job the launcher started (found then as without ``comm``, so
+    also through keras-ring-run's rendezvous, where each process's MPI_COMM_WORLD is itself
+    alone): an mpi4py communicator of MPI_COMM_WORLD's processes in their order, or an empty
+    list (Horovod's default)."""
+    if isinstance(comm, (list, tuple)) and not comm:
+        return True
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not isinstance(comm, mpi.Intracomm) or comm == mpi.COMM_NULL:
         return False

@@ -124,14 +124,15 @@ def wrap(
         process_set: the ranks that average the gradients (``keras_ring.ProcessSet``, e.g.
             the data-parallel group of one pipeline stage); all by default. Only its ranks
             may train with this optimizer.
-        groups: Horovod's explicit fusion, in place of buckets: an int N splits the
+        groups: Horovod's explicit fusion, in place of buckets: an int N splits the dense
             gradients into N collectives of consecutive variables, as equal in count as
             possible; a list of lists of variables sends each list's gradients in one
             collective and every other gradient alone. Only how gradients travel changes,
             not the result. Not together with ``bucket_bytes``/``first_bucket_bytes``.
-        num_groups: Horovod's older spelling of ``groups=N``; 0 (the default) for none.
+        num_groups: Horovod's older spelling of ``groups=N``; 0 (the default) for none;
+            ignored, with a warning, where ``groups`` is given.
         name: the start of the collectives' names (in the timeline and in mismatch
-            errors); ``"gradients"`` by default.
+            errors); ``"gradients"`` where None or empty.
         device_dense, device_sparse: accepted for Horovod programs and ignored: the
             collectives run where the gradients are.
 

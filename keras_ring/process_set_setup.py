@@ -4,8 +4,10 @@ whole job that start or stop a set's runtime on its ranks."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from keras_ring import peer_table
+from keras_ring._errors_base import InitError, KerasRingError
 from keras_ring.objects import allgather_object
 from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME
@@ -27,47 +29,70 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     topology = RUNTIME.topology("keras_ring.add_process_set()")
-    ranks = _job_ranks(process_set)
-    member = topology.rank in ranks
+    ranks, problem = _job_ranks(process_set)
+    member = problem is None and topology.rank in ranks
     listener = peer_table.listen(len(set(topology.host_ids)) > 1, len(ranks)) if member else None
     try:
         offers = allgather_object((ranks, listener.getsockname()[1] if listener else None,
-                                   process_set.from_comm))
+                                   process_set.from_comm, problem))
         parts = _parts(offers, topology.size)
-        ids = []
-        for part in parts:
-            set_id = RUNTIME.next_process_set_id()
-            table = None
-            if topology.rank in part:
-                host_ids = [topology.host_ids[r] for r in part]
-                table = peer_table.PeerTable(
-                    peer_table.Topology.from_host_ids(part.index(topology.rank), host_ids),
-                    [(RUNTIME.member_address(r), offers[r][1]) for r in part],
-                    (RUNTIME.job_token * 1000003 + set_id) % (1 << 63), listener)
-            RUNTIME.start_process_set(set_id, part, table)
-            ids.append(set_id)
+        ids = _register(parts, offers, topology, listener)
     finally:
         if listener is not None:
             listener.close()
+    process_set.ranks = list(ranks)
+    process_set.world_ranks_given = False
     process_set.process_set_id = ids[parts.index(ranks)]
     process_set.split_ids = tuple(ids) if len(ids) > 1 else None
     return process_set
 
 
-def _job_ranks(process_set: ProcessSet) -> tuple[int, ...]:
-    """The set's ranks in this job: a communicator's MPI_COMM_WORLD ranks translated where
-    ``init(comm=...)`` made the job a communicator's processes."""
+def _job_ranks(process_set: ProcessSet) -> tuple[tuple[int, ...], str | None]:
+    """The set's ranks in this job, and what is wrong with them (None if nothing).
+
+    A communicator's MPI_COMM_WORLD ranks are translated where ``init(comm=...)`` made the
+    job a communicator's processes. A problem is raised after the ranks' offers are
+    exchanged, so that every rank raises it, not only this one.
+    """
     world = RUNTIME.world_ranks
-    if world is None or not getattr(process_set, "world_ranks_given", False):
-        return tuple(process_set.ranks)
+    if world is None or not process_set.world_ranks_given:
+        return tuple(process_set.ranks), None
     outside = [r for r in process_set.ranks if r not in world]
     if outside:
-        raise ValueError(f"keras_ring.add_process_set: the set's communicator holds "
-                         f"MPI_COMM_WORLD ranks {outside}, which are not in the communicator "
-                         f"keras_ring.init(comm=...) was given (MPI_COMM_WORLD ranks {world})")
-    process_set.ranks = sorted(world.index(r) for r in process_set.ranks)
-    process_set.world_ranks_given = False
-    return tuple(process_set.ranks)
+        return tuple(process_set.ranks), (
+            f"its set's communicator holds MPI_COMM_WORLD ranks {outside}, which are not in "
+            f"the communicator keras_ring.init(comm=...) was given (MPI_COMM_WORLD ranks "
+            f"{world})")
+    return tuple(sorted(world.index(r) for r in process_set.ranks)), None
+
+
+def _register(parts: list[tuple[int, ...]], offers: list, topology: peer_table.Topology,
+              listener: Any) -> list[int]:
+    """Registers every part on every rank (the same ids everywhere) and starts this rank's
+    own part's runtime; a start that failed anywhere is an error on every rank."""
+    first = RUNTIME.next_process_set_id()
+    ids = [first + k for k in range(len(parts))]
+    error = None
+    for k in sorted(range(len(parts)), key=lambda k: topology.rank in parts[k]):  # own last
+        part, table = parts[k], None
+        if topology.rank in part:
+            table = peer_table.PeerTable(
+                peer_table.Topology.from_host_ids(part.index(topology.rank),
+                                                  [topology.host_ids[r] for r in part]),
+                [(RUNTIME.member_address(r), offers[r][1]) for r in part],
+                (RUNTIME.job_token * 1000003 + ids[k]) % (1 << 63), listener)
+        try:
+            RUNTIME.start_process_set(ids[k], part, table)
+        except KerasRingError as e:
+            error = str(e)
+    failed = [(r, e) for r, e in enumerate(allgather_object(
+        error, name="keras_ring.add_process_set.started")) if e]
+    if failed:
+        for set_id in ids:
+            RUNTIME.stop_process_set(set_id)
+        raise InitError(f"keras_ring.add_process_set: the set's runtime did not start on rank "
+                        f"{failed[0][0]}: {failed[0][1]}")
+    return ids
 
 
 def _parts(offers: list, size: int) -> list[tuple[int, ...]]:
@@ -75,6 +100,10 @@ def _parts(offers: list, size: int) -> list[tuple[int, ...]]:
 
     Every rank sees all offers, so every rank returns the same or raises the same error.
     """
+    problems = [(r, offer[3]) for r, offer in enumerate(offers) if offer[3]]
+    if problems:
+        raise ValueError(f"keras_ring.add_process_set: on rank {problems[0][0]}, "
+                         f"{problems[0][1]}")
     first = offers[0][0]
     differing = [r for r, offer in enumerate(offers) if offer[0] != first]
     if differing and not _is_split(offers):
@@ -98,7 +127,7 @@ def _is_split(offers: list) -> bool:
     """Whether every rank offered a communicator's set that holds it, and the sets' members
     agree: the parts of a split, such as ``MPI.COMM_WORLD.Split(color=rank % 2)``'s."""
     return all(from_comm and rank in ranks and all(offers[m][0] == ranks for m in ranks)
-               for rank, (ranks, _, from_comm) in enumerate(offers))
+               for rank, (ranks, _, from_comm, _) in enumerate(offers))
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

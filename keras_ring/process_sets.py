@@ -49,11 +49,7 @@ class ProcessSet:
         # The ids of every part where the set is a split (see add_process_set), else None.
         self.split_ids: tuple[int, ...] | None = None
         if self.from_comm:  # an mpi4py communicator
-            from mpi4py import MPI
-
-            group = ranks_or_comm.Get_group()
-            ranks_or_comm = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                                      MPI.COMM_WORLD.Get_group())
+            ranks_or_comm = _world_ranks_of(ranks_or_comm)
         if not isinstance(ranks_or_comm, Iterable) or isinstance(ranks_or_comm, (str, bytes)):
             raise ValueError("ProcessSet takes a list of ranks or an mpi4py communicator, got "
                              f"{type(ranks_or_comm).__name__}")
@@ -79,6 +75,8 @@ class ProcessSet:
         """Whether this process is one of the set's ranks (None before ``init()``)."""
         if not RUNTIME.initialized:
             return None
+        if self.world_ranks_given and RUNTIME.world_ranks is not None:  # not added yet
+            return RUNTIME.world_ranks[RUNTIME.topology().rank] in self.ranks
         return RUNTIME.topology().rank in self.ranks  # the registered ranks are these
 
     def _entry(self):
@@ -86,6 +84,21 @@ class ProcessSet:
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+def _world_ranks_of(comm: Any) -> list[int]:
+    """The MPI_COMM_WORLD ranks of ``comm``'s processes, in its rank order."""
+    from mpi4py import MPI
+
+    if comm == MPI.COMM_NULL:
+        raise ValueError("ProcessSet got MPI.COMM_NULL (this process's part of a Split with "
+                         "color MPI.UNDEFINED): a set needs a communicator this process is in")
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
 
 
 class _GlobalProcessSet(ProcessSet):

@@ -9,8 +9,8 @@ import sys
 import threading
 from typing import Any
 
-from keras_ring import _lifecycle, errors, gpu, interfaces, threads
-from keras_ring.bootstrap import bootstrap
+from keras_ring import _lifecycle, errors, gpu, interfaces, rendezvous, threads
+from keras_ring.bootstrap import bootstrap, launched_by_mpi
 from keras_ring.mpi_exchange import comm_bootstrap, whole_world
 from keras_ring.config import Config
 from keras_ring.elastic import client as elastic_client
@@ -88,7 +88,8 @@ class Runtime:
             table: a peer table another launcher prepared (``keras_ring.spark``); used for
                 this start only, not kept, and its owner closes it.
             comm: bootstrap over this mpi4py communicator, or these MPI_COMM_WORLD ranks
-                (Horovod's ``init(comm=...)``), afresh; later starts without one reuse it.
+                (Horovod's ``init(comm=...)``), afresh; a later start without one is the
+                launcher's whole job again.
             failure_exit: end this process ``KERAS_RING_FAILURE_EXIT_SECONDS`` after the job
                 failed, if it is still running (off where the launcher ends failed jobs
                 itself, as Spark's barrier stages do).
@@ -101,6 +102,8 @@ class Runtime:
             world = None  # a table of one world of an elastic job, closed once connected
             if table is None and comm is not None:
                 table = self._comm_table(config, comm)
+            elif table is None:
+                self._forget_communicator_job()
             if table is None:
                 table = world = self._next_elastic_world(config)
             if table is None:
@@ -133,13 +136,25 @@ class Runtime:
     def _comm_table(self, config: Config, comm: Any) -> PeerTable | None:
         """The table of ``init(comm=...)``'s job, bootstrapped afresh; None where ``comm`` is
         the launcher's whole job, which is then found as without it."""
-        sub = not whole_world(comm)
-        if self._table is not None and (sub or self._table.world_ranks is not None):
-            self._table.close()  # another communicator's job
+        if whole_world(comm):
+            self._forget_communicator_job()
+            return None
+        if not launched_by_mpi() and (rendezvous.requested() or elastic_client.requested()):
+            raise InitError("init(comm=...): keras-ring-run started this process without MPI, "
+                            "so its MPI_COMM_WORLD is itself alone and a communicator of it "
+                            "would make a job of one; pass no comm (or MPI.COMM_WORLD), or "
+                            "launch with mpirun")
+        table = comm_bootstrap(config, comm)  # the old table stays if this fails
+        if self._table is not None:
+            self._table.close()
+        self._table = table
+        return table
+
+    def _forget_communicator_job(self) -> None:
+        """A later init() without a communicator is the launcher's whole job (Horovod's)."""
+        if self._table is not None and self._table.world_ranks is not None:
+            self._table.close()
             self._table = None
-        if sub:
-            self._table = comm_bootstrap(config, comm)
-        return self._table if sub else None
 
     def _next_elastic_world(self, config: Config) -> PeerTable | None:
         """This worker's table in the next world of its elastic job; None if not elastic."""
@@ -176,7 +191,7 @@ class Runtime:
                           table: PeerTable | None) -> None:
         """Registers a process set; with ``table`` (a member's), starts its native runtime."""
         with self._lock:
-            self._last_set_id = set_id
+            self._last_set_id = max(self._last_set_id, set_id)  # parts may come in any order
             if table is not None:
                 self._start_native(library(), table, self.config, True, set_id)
             self._sets[set_id] = (ranks, None if table is None else table.topology)

@@ -16,13 +16,12 @@ import keras_ring
 CHILD = Path(__file__).with_name("comm_child.py")
 
 
-def test_each_communicator_is_a_job_of_its_own(mpirun, clean_env):
-    env = dict(clean_env, KERAS_RING_TIMEOUT_SECONDS="30")
+def test_each_communicator_is_a_job_of_its_own(mpirun, clean_env, tmp_path):
+    env = dict(clean_env, KERAS_RING_TIMEOUT_SECONDS="30", RESULT_DIR=str(tmp_path))
     proc = subprocess.run([mpirun, "-np", "4", sys.executable, str(CHILD)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = {int(line.split()[1]): json.loads(line.split(maxsplit=2)[2])
-               for line in proc.stdout.splitlines() if line.startswith("RESULT ")}
+    results = {int(f.stem): json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
     assert sorted(results) == [0, 1, 2, 3], proc.stdout + proc.stderr
     for world, out in results.items():
         odd = world % 2
@@ -33,9 +32,16 @@ def test_each_communicator_is_a_job_of_its_own(mpirun, clean_env):
         # Split by parity, ordered by world rank: {0, 2} sum 2, {1, 3} sum 4.
         assert out["split"] == [world // 2, 2, 2, 4.0 if odd else 2.0]
         # The list [2, 0, 1]: world 2 is rank 0; the set {world 0, world 1} is ranks [1, 2]
-        # (sum 0 + 1), and rank 0 (world 2) is outside it. World 3 is a job of one.
-        assert out["list"] == {0: [1, 3, [1, 2], 1.0, 2], 1: [2, 3, [1, 2], 1.0, 2],
-                               2: [0, 3, [1, 2], None, 2], 3: [0, 1]}[world]
+        # (sum 0 + 1; included() translated before it was added), and rank 0 (world 2) is
+        # outside it. World 3 is a job of one.
+        assert out["list"] == {0: [1, 3, True, [1, 2], 1.0, 2], 1: [2, 3, True, [1, 2], 1.0, 2],
+                               2: [0, 3, False, [1, 2], None, 2], 3: [0, 1]}[world]
+        # Rank 1's part reaches outside its job: every rank of that job says so.
+        problem = ("ValueError: keras_ring.add_process_set: on rank {}, its set's communicator "
+                   "holds MPI_COMM_WORLD ranks [{}], which are not in the communicator "
+                   "keras_ring.init(comm=...) was given (MPI_COMM_WORLD ranks {})")
+        assert out["outside"] == ([problem.format(0, 1, [3]), 3.0] if world == 3 else
+                                  [problem.format(1, 3, [0, 1, 2]), 3.0])
         assert out["world_again"] == [4, 6.0]
         assert out["left_out"] == (
             f"ValueError: keras_ring.init: comm={[r for r in range(4) if r != world]} leaves out "
@@ -45,6 +51,7 @@ def test_each_communicator_is_a_job_of_its_own(mpirun, clean_env):
             "has ranks 0..3")
         assert out["not_a_comm"].startswith(
             "TypeError: keras_ring.init: comm must be an mpi4py intra-communicator or a list")
+        assert out["null_set"].startswith("ValueError: ProcessSet got MPI.COMM_NULL")
 
 
 @pytest.mark.parametrize("first", [[keras_ring.ProcessSet([0])], "dynamic"])
@@ -62,7 +69,9 @@ def test_comm_world_is_the_job_under_the_environment_rendezvous_too(clean_env):
         rendezvous = f"127.0.0.1:{s.getsockname()[1]}"
     code = ("from mpi4py import MPI; import tensorflow as tf, keras_ring as kr; "
             "kr.init(comm=MPI.COMM_WORLD); "
-            "print('RESULT', kr.rank(), kr.size(), float(kr.allreduce(tf.constant(1.0), op=kr.Sum)))")
+            "print('RESULT', kr.rank(), kr.size(), float(kr.allreduce(tf.constant(1.0), op=kr.Sum)));"
+            "kr.shutdown()\n"
+            "try:\n    kr.init(comm=[0])\nexcept kr.InitError as e:\n    print('REFUSED', e)")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=dict(
                                   clean_env, KERAS_RING_RANK=str(r), KERAS_RING_SIZE="2",
@@ -72,3 +81,7 @@ def test_comm_world_is_the_job_under_the_environment_rendezvous_too(clean_env):
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
     results = sorted(line for out in outputs for line in out.splitlines() if line.startswith("RESULT"))
     assert results == ["RESULT 0 2 2.0", "RESULT 1 2 2.0"], "\n".join(outputs)
+    # A part of it would be a job of one per process there: refused on every rank.
+    refused = [line for out in outputs for line in out.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 2 and all("keras-ring-run started this process without MPI" in r
+                                     for r in refused), "\n".join(outputs)

@@ -149,9 +149,8 @@ def _bad_groups():
         ({"groups": [[kernel, 3]]}, TypeError, "groups must hold tf.Variable or keras.Variable objects, got builtins.int: 3"),
         ({"groups": [[kernel], [kernel.value]]}, ValueError, "variable 'sequential.*/kernel.*' is in more than one group"),
         ({"num_groups": -1}, ValueError, "num_groups must be a non-negative int .*got -1"),
-        ({"num_groups": 2, "groups": 3}, ValueError, "both num_groups=2 and groups.*pass one"),
-        ({"groups": 2, "bucket_bytes": 1024}, ValueError, "groups and bucket_bytes/first_bucket_bytes .*bucket_bytes=1024"),
-        ({"num_groups": 2, "first_bucket_bytes": None}, ValueError, "groups=2, bucket_bytes='auto', first_bucket_bytes=None"),
+        ({"groups": 2, "bucket_bytes": 1024}, ValueError, "groups and bucket_bytes/first_bucket_bytes .*got Groups\\(2\\), bucket_bytes=1024"),
+        ({"num_groups": 2, "first_bucket_bytes": None}, ValueError, "got Groups\\(2\\), bucket_bytes='auto', first_bucket_bytes=None"),
     ]
 
 
@@ -164,10 +163,17 @@ def test_bad_groups_say_what_they_got(case):
         keras_ring.DistributedGradientTape(tf.GradientTape(), **kwargs)
 
 
-@pytest.mark.parametrize("name", [3, ""])
-def test_optimizer_name_must_be_a_non_empty_str(name):
-    with pytest.raises(TypeError, match=f"name must be a non-empty str or None, got {name!r}"):
-        keras_ring.DistributedOptimizer(keras.optimizers.SGD(0.1), name=name)
+def test_optimizer_name_must_be_a_str_and_empty_is_the_default():
+    with pytest.raises(TypeError, match="name must be a str or None, got 3"):
+        keras_ring.DistributedOptimizer(keras.optimizers.SGD(0.1), name=3)
+    optimizer = keras_ring.DistributedOptimizer(keras.optimizers.SGD(0.1), name="")
+    assert optimizer.__dict__["_keras_ring_state"].options.name == "gradients"
+
+
+def test_groups_win_over_num_groups_with_a_warning_as_in_horovod():
+    with pytest.warns(UserWarning, match="num_groups=3 is ignored: groups is given"):
+        optimizer = keras_ring.wrap(keras.optimizers.SGD(0.1), groups=np.int64(2), num_groups=3)
+    assert optimizer.__dict__["_keras_ring_state"].options.groups.count == 2
 
 
 def test_a_count_of_groups_splits_as_horovod_does_last_variables_first():
