@@ -111,7 +111,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             lr_util.set_rate(self.model.optimizer, rate, self.momentum_correction)
 
 
-def _as_function(multiplier: Any, start_epoch: int) -> Callable[[float], float]:
+def _as_function(multiplier: Any, start_epoch: float) -> Callable[[float], float]:
     if callable(multiplier):
         return multiplier
     if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)):
