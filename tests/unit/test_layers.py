@@ -66,6 +66,7 @@ LAYERS = {
     "keras_ring._buckets": 7,
     "keras_ring._overwrite": 7,
     "keras_ring._accumulation": 7,
+    "keras_ring._grouping": 7,  # Horovod's groups=; which variable is which
     "keras_ring._local": 7,
     "keras_ring._weight_check": 7,
     "keras_ring._step_check": 7,
