@@ -163,7 +163,7 @@ def _check_clean(before: set[str], job: Job) -> None:
 def _env(clean_env, transport: str, timeout: float) -> dict:
     env = dict(clean_env)
     # PYTHONFAULTHANDLER: a rank that crashes prints every thread's stack (one rank's
-    # SIGSEGV after a forwarded Ctrl-C was seen once and never reproduced).
+    # SIGSEGV after a forwarded Ctrl-C, seen twice, was TensorFlow's: see training_loop).
     env.update(KERAS_RING_TIMEOUT_SECONDS=str(timeout), KERAS_RING_STALL_WARNING_SECONDS="1",
                KERAS_RING_SHM=TRANSPORTS[transport], PYTHONUNBUFFERED="1",
                PYTHONFAULTHANDLER="1")
