@@ -130,16 +130,23 @@ def whole_world(comm: Any) -> bool:
     return mpi.Comm.Compare(comm, mpi.COMM_WORLD) in (mpi.IDENT, mpi.CONGRUENT)
 
 
-def _world_ranks(comm) -> list[int] | None:
-    """Each of ``comm``'s ranks in MPI_COMM_WORLD; None if they are MPI_COMM_WORLD's."""
+def world_ranks_of(comm: Any) -> list[int]:
+    """The MPI_COMM_WORLD ranks of ``comm``'s processes, in its rank order."""
     from mpi4py import MPI
 
     group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
     try:
-        ranks = list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
+        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
     finally:
         group.Free()
         world.Free()
+
+
+def _world_ranks(comm: Any) -> list[int] | None:
+    """Each of ``comm``'s ranks in MPI_COMM_WORLD; None if they are MPI_COMM_WORLD's."""
+    from mpi4py import MPI
+
+    ranks = world_ranks_of(comm)
     return None if ranks == list(range(MPI.COMM_WORLD.Get_size())) else ranks
 
 

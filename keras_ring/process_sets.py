@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from keras_ring.mpi_exchange import world_ranks_of
 from keras_ring.runtime import RUNTIME
 
 
@@ -93,12 +94,7 @@ def _world_ranks_of(comm: Any) -> list[int]:
     if comm == MPI.COMM_NULL:
         raise ValueError("ProcessSet got MPI.COMM_NULL (this process's part of a Split with "
                          "color MPI.UNDEFINED): a set needs a communicator this process is in")
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
-    finally:
-        group.Free()
-        world.Free()
+    return world_ranks_of(comm)
 
 
 class _GlobalProcessSet(ProcessSet):
