@@ -151,6 +151,13 @@ def iterations(nbytes: int) -> int:
     return int(max(5, min(cap, 2e8 // max(nbytes, 1 << 20) if nbytes > (1 << 20) else cap)))
 
 
+def control_path(cfg) -> str:
+    """How ranks started with native config `cfg` agree on each collective before NCCL runs
+    it (KERAS_RING_SHM and KERAS_RING_FAST_AGREE, as for a user's job)."""
+    return (f"{'shared memory' if cfg.use_shm else 'TCP'}, "
+            f"{'fast' if cfg.fast_agree else 'full'} agreement")
+
+
 def bandwidths(nbytes: int, seconds: float, n: int) -> tuple[float, float]:
     """(algbw, busbw) in GB/s, nccl-tests' definitions for allreduce."""
     algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
@@ -201,6 +208,7 @@ class Core:
         self.c.keras_ring_device_allgather.argtypes = [vp, vp, i64, i64, i64, i, i] + tail
         self.c.keras_ring_device_broadcast.argtypes = [vp, vp, i64, i, i, i] + tail
         self.err = ctypes.create_string_buffer(4096)
+        self.control_path = "not started"
 
     def _check(self, rc: int) -> None:
         if rc != 0:
@@ -208,15 +216,23 @@ class Core:
 
     def init(self, rank: int, size: int, listener: socket.socket, ports: list[int], token: int,
              timeout: float = 60.0):
+        from keras_ring.config import Config
         from keras_ring.ops.loader import NativeConfig
 
+        # What a user's job on one host gets (shared memory between the ranks, the fast
+        # agreement, ...), changed by the same KERAS_RING_* variables.
+        user = Config.from_env()
         cfg = NativeConfig(
             rank=rank, size=size, listen_fd=listener.fileno(),
             hosts=(ctypes.c_char_p * size)(*[b"127.0.0.1"] * size),
             ports=(ctypes.c_int * size)(*ports), host_index=(ctypes.c_int * size)(*[0] * size),
-            job_token=token, timeout_seconds=timeout, stall_warning_seconds=30.0, segment_bytes=0,
-            use_shm=0, shm_channel_bytes=0, timeline=0)
+            job_token=token, timeout_seconds=timeout, stall_warning_seconds=30.0,
+            segment_bytes=user.segment_bytes, use_shm=int(user.use_shm),
+            shm_channel_bytes=user.shm_channel_bytes, timeline=0,
+            fast_agree=int(user.fast_agree), doubling_max_bytes=user.doubling_max_bytes,
+            device_max_in_flight=user.device_max_in_flight)
         self._check(self.c.keras_ring_init(ctypes.byref(cfg), self.err, len(self.err)))
+        self.control_path = control_path(cfg)
 
     def nccl_version(self, search_path: str) -> int:
         self.c.keras_ring_nccl_set_search_path(search_path.encode())
@@ -554,13 +570,15 @@ def run_rank(args) -> int:
             print(f"# {n} ranks on {gpus} GPU(s) ({gpu_name}), NCCL {nccl_version_string(version)}, "
                   f"CuPy {cp.__version__}, NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', '-')}",
                   flush=True)
+            print(f"# control path between the ranks: {core.control_path}", flush=True)
             if n == 1:
                 print("# one rank: the checks' uneven, non-uniform and peer paths move nothing "
                       "here, so their passes say little; the table's busbw is 0", flush=True)
         started = time.perf_counter()
         extra = run_checks(core, cp, checks, rank, n, device)
         summary = {"ranks": n, "gpus": gpus, "nccl": nccl_version_string(version),
-                   "failed": checks.failed, "passed": checks.passed, **extra}
+                   "control": core.control_path, "failed": checks.failed, "passed": checks.passed,
+                   **extra}
         if rank == 0:
             print(f"# checks: {checks.passed} passed, {len(checks.failed)} failed "
                   f"({time.perf_counter() - started:.1f} s)", flush=True)

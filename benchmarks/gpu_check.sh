@@ -3,8 +3,9 @@
 # 2-3), without TensorFlow and without network: builds the core runtime and its C API with g++
 # into libkeras_ring_core.so, then runs benchmarks/gpu_check.py on NP ranks (default 2). With
 # fewer GPUs than ranks the ranks share them, which needs NCCL >= 2.30 (with
-# NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL_MAX_CTAS set, so both ranks' kernels fit; the counts of
-# calls are cut, since the ranks take turns on the GPU); with an older NCCL the checks run on
+# NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL_MAX_CTAS set, so both ranks' kernels fit, and an MPS
+# daemon started for the run where the machine has one, so they run side by side; the counts
+# of calls are cut, since without MPS the ranks take turns on the GPU; an older NCCL runs the checks on
 # as many ranks as there are GPUs, without the killed-rank scenario (it needs 2 ranks), and the
 # script exits 4: an incomplete run, never a pass. The ranks check allreduce (single
 # and grouped), allgather and broadcast on CuPy arrays against NumPy, edge cases, 10,000 small
@@ -111,6 +112,21 @@ if [ "$GPUS" -lt "$NP" ]; then
     export NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
     export NCCL_MAX_CTAS=${NCCL_MAX_CTAS:-16}  # ranks sharing a GPU must run side by side
     say "$NP ranks share $GPUS GPU(s): NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_MAX_CTAS=$NCCL_MAX_CTAS"
+    # Without MPS the sharing ranks' kernels take turns in time slices, and every collective
+    # costs milliseconds (4.5-5.5 ms on an H200, torch's the same): MPS runs them side by
+    # side, so the figures are the library's. A daemon started here is stopped here.
+    if [ "${MPS:-1}" = 1 ] && [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] &&
+        command -v nvidia-cuda-mps-control >/dev/null; then
+        export CUDA_MPS_PIPE_DIRECTORY=$BUILD/mps CUDA_MPS_LOG_DIRECTORY=$BUILD/mps_log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        if nvidia-cuda-mps-control -d; then
+            trap 'echo quit | nvidia-cuda-mps-control' EXIT
+            say "started an MPS daemon for the sharing ranks (MPS=0: without)"
+        else
+            say "no MPS daemon (continuing: collectives take turns on the GPU)"
+            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+        fi
+    fi
 fi
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
@@ -118,7 +134,9 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 build
 
 # 3. The ranks: started by the driver, or by mpirun (USE_MPI=1). Each phase prints a
-# timestamped line, and rank 0 writes the checks' results before the benchmark starts.
+# timestamped line, and rank 0 writes the checks' results before the benchmark starts. The
+# ranks agree on each collective as a user's job on one host does (shared memory, the fast
+# agreement); KERAS_RING_SHM=0 or KERAS_RING_FAST_AGREE=0 changes that as it does for users.
 ARGS=(--lib "$BUILD/libkeras_ring_core.so" --json "$DEST/gpu_check.json")
 [ "$GPUS" -lt "$NP" ] && MAX_BYTES=${MAX_BYTES:-67108864}  # sharing ranks take turns
 ARGS+=(--max-bytes "${MAX_BYTES:-268435456}")

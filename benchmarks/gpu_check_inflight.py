@@ -50,6 +50,19 @@ def load(core_class) -> None:
     core_class.allreduce_window = allreduce_window
 
 
+def control_round_trip_us(core, iterations: int = ALLREDUCES) -> list[float]:
+    """Microseconds per barrier, REPEATS times: the agreement's round trip between the ranks
+    alone (CPU only), to set against the host cost per NCCL collective above."""
+    runs = []
+    for _ in range(REPEATS):
+        core.barrier()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            core.barrier()
+        runs.append((time.perf_counter() - start) / iterations * 1e6)
+    return runs
+
+
 def check_in_flight(gc, core, cp, checks, rank: int, n: int, device: int) -> dict:
     """Results of 256 allreduces 64 in flight, then the timing table."""
     dtype, op = gc.DTYPES["float32"], gc.OPS["Max"]  # Max: buffers keep their value
@@ -67,6 +80,9 @@ def check_in_flight(gc, core, cp, checks, rank: int, n: int, device: int) -> dic
             core.allreduce_window(buffers, COUNT, dtype, op, ALLREDUCES, window, device)
             cp.cuda.runtime.deviceSynchronize()
             results[window].append((time.perf_counter() - start) / ALLREDUCES * 1e6)
+    barrier_us = control_round_trip_us(core)
     if rank == 0:
         print(in_flight_table(results, n), flush=True)
-    return {"in_flight_us": {str(w): v for w, v in results.items()}}
+        print(f"# barrier, the control path alone (us, each repeat): "
+              + " ".join(f"{us:.1f}" for us in barrier_us), flush=True)
+    return {"in_flight_us": {str(w): v for w, v in results.items()}, "barrier_us": barrier_us}

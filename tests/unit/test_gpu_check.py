@@ -458,6 +458,7 @@ def test_in_flight_check_passes_on_right_results_and_fails_on_wrong_ones(n):
     assert all(c.failed == [] and c.passed == 1 for c in good), [c.failed for c in good]
     assert sorted(extra[0]["in_flight_us"]) == ["1", "64"]
     assert all(len(v) == gc.inflight.REPEATS for v in extra[0]["in_flight_us"].values())
+    assert len(extra[0]["barrier_us"]) == gc.inflight.REPEATS
     bad, _ = run(_WindowWorld(n, wrong=True))
     assert all(c.failed for c in bad)
 
@@ -588,3 +589,54 @@ def test_the_one_rank_kernel_model_and_the_lengths_it_cuts():
     assert counts == one_rank.cut_counts(2, 10) == sorted(set(counts)) and len(counts) == 10
     assert all(count - 32 < one_rank.kernel_writes(count, 2) < count for count in counts)
     assert max(counts) * 2 < 3 << 20
+
+
+_TWO_RANKS = """
+import os, socket, sys, time
+sys.path.insert(0, sys.argv[3])
+import gpu_check as gc
+rank, shared = int(sys.argv[1]), sys.argv[2]
+core = gc.Core(sys.argv[4])
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(2)
+gc.Path(shared, f"port{rank}.tmp").write_text(str(listener.getsockname()[1]))
+os.replace(gc.Path(shared, f"port{rank}.tmp"), gc.Path(shared, f"port{rank}"))
+while not all(gc.Path(shared, f"port{r}").exists() for r in range(2)):
+    time.sleep(0.01)
+ports = [int(gc.Path(shared, f"port{r}").read_text()) for r in range(2)]
+core.init(rank, 2, listener, ports, token=23, timeout=60.0)
+us = gc.inflight.control_round_trip_us(core, 200)
+core.shutdown()
+print(core.control_path, "|", " ".join(f"{u:.3f}" for u in us))
+"""
+
+
+@pytest.mark.parametrize("env, path", [({}, "shared memory, fast agreement"),
+                                       ({"KERAS_RING_SHM": "0", "KERAS_RING_FAST_AGREE": "0"},
+                                        "TCP, full agreement")])
+def test_gpu_check_ranks_agree_as_a_users_job_on_one_host_does(tmp_path, env, path):
+    """Two real processes of gpu_check's core library: they connect with a user's defaults
+    (shared memory, the fast agreement; the first GPU runs at 2 ranks used TCP and the full
+    exchange, which no user gets), the same KERAS_RING_* variables change that, and the
+    control path's round trip (barriers) is measured on every rank."""
+    import os
+
+    library = ROOT / "build" / "gpu_check" / "libkeras_ring_core.so"
+    if not library.exists():
+        subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True,
+                       env={**os.environ, "PYTHON": sys.executable, "BUILD_ONLY": "1",
+                            "OUT": str(tmp_path)}, capture_output=True, timeout=600)
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_RING_")}
+    child_env.update(env, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANKS, str(r), str(tmp_path),
+                               str(ROOT / "benchmarks"), str(library)], env=child_env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, out + err
+        described, timings = out.strip().rsplit("|", 1)
+        assert described.strip() == path
+        assert len(timings.split()) == gc.inflight.REPEATS
+        assert all(float(u) > 0 for u in timings.split()), timings
