@@ -444,9 +444,13 @@ def benchmark(core: Core, cp, rank: int, n: int, device: int, shared: str,
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", init_method=f"file://{shared}/torch_store", rank=rank,
                                 world_size=n)
-        v = torch.cuda.nccl.version()
+        v = torch.cuda.nccl.version()  # what torch was built against, not what it runs
         v = ".".join(map(str, v)) if isinstance(v, tuple) else v
         label = f"torch {torch.__version__.split('+')[0]} nccl {v}"
+        with open("/proc/self/maps") as maps:
+            if len(cases.mapped_libraries(maps.read())["libnccl"]) == 1:
+                # One libnccl mapped: torch runs the NCCL keras_ring loaded (same soname).
+                label = f"torch {torch.__version__.split('+')[0]} on that NCCL"
         for row in rows:
             x, _ = buffers[row["bytes"]]
             t = torch.as_tensor(x, device=f"cuda:{device}")  # the same memory, no copy
