@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "request.h"
 
@@ -21,9 +22,17 @@ struct ExecutionStats {
   bool deferred = false;
 };
 
+// The requests queued behind the one executing, oldest first: calls `visit` on each until it
+// returns false. The runtime's, run under its queue lock: `visit` reads, takes no lock of
+// the runtime, and keeps no reference.
+using QueuePeek = std::function<void(const std::function<bool(const Request&)>& visit)>;
+
 class Executor {
  public:
   virtual ~Executor() = default;
+  // How the executor may look at what is queued behind the request it runs (the runtime
+  // sets it once, before the first Execute). Only the executing thread calls it.
+  virtual void SetQueuePeek(QueuePeek /*peek*/) {}
   // Runs `request`, the `seq`-th collective of this runtime: agrees on signatures with the
   // peers, then moves the data. Returns the bare cause of a failure (the runtime labels it);
   // a fatal status means the data plane can no longer be trusted.

@@ -140,6 +140,23 @@ FastAgreement::Ride FastAgreement::Pack(const Request& r, int rank, int size, si
   return ride;
 }
 
+void FastAgreement::PackAhead(const FastLookahead& ahead, int size, uint64_t config,
+                              FastMessage* msg) const {
+  auto* slots = reinterpret_cast<FastAheadSlot*>(msg->payload);
+  size_t k = 0;
+  for (const Signature& s : ahead.next) {
+    if (k == kMaxAhead) break;
+    uint64_t digest[2];
+    uint32_t flags = 0;
+    DigestSignature(s, size, config, digest, &flags);
+    if (flags != 0) break;  // only the full exchange can agree on it: it gets its own round
+    for (int i = 0; i < 2; ++i) slots[k].lo[i] = slots[k].hi[i] = digest[i];
+    ++k;
+  }
+  msg->header.ahead = k;
+  msg->header.payload_bytes = static_cast<uint32_t>(k * sizeof(FastAheadSlot));
+}
+
 char* FastAgreement::Combine(Ride ride, const Request& r, char* mine, char* peer,
                              bool mine_is_lower, const Held& peer_holds) const {
   FastHeader& a = reinterpret_cast<FastMessage*>(mine)->header;
@@ -149,6 +166,23 @@ char* FastAgreement::Combine(Ride ride, const Request& r, char* mine, char* peer
     a.hi[i] = std::max(a.hi[i], b.hi[i]);
   }
   a.flags |= b.flags;
+  // The count first, whatever this rank's ride: the verdict reads it only where every rank
+  // submitted the same collective, hence took the same ride and merged the same slots.
+  a.ahead = std::min(a.ahead, b.ahead);
+  if (ride == Ride::kAhead) {
+    const size_t k = std::min<size_t>(a.ahead, kMaxAhead);
+    auto* mine_slots = reinterpret_cast<FastAheadSlot*>(reinterpret_cast<FastMessage*>(mine)->payload);
+    const auto* peer_slots =
+        reinterpret_cast<const FastAheadSlot*>(reinterpret_cast<FastMessage*>(peer)->payload);
+    for (size_t j = 0; j < k; ++j) {
+      for (int i = 0; i < 2; ++i) {
+        mine_slots[j].lo[i] = std::min(mine_slots[j].lo[i], peer_slots[j].lo[i]);
+        mine_slots[j].hi[i] = std::max(mine_slots[j].hi[i], peer_slots[j].hi[i]);
+      }
+    }
+    a.payload_bytes = static_cast<uint32_t>(k * sizeof(FastAheadSlot));
+    return mine;
+  }
   // Both ends of the pair decide alike: equal data combines, anything else stops the data
   // (a mismatch the digests will show, or a rank whose data did not ride).
   if (a.payload_bytes != b.payload_bytes) a.flags |= kFastNoData;
@@ -160,6 +194,7 @@ char* FastAgreement::Combine(Ride ride, const Request& r, char* mine, char* peer
   char* peer_data = reinterpret_cast<FastMessage*>(peer)->payload;
   switch (ride) {
     case Ride::kNone:
+    case Ride::kAhead:
       break;
     case Ride::kReduce: {
       // The lower ranks' partial first, on both ends of the pair: the same bits on both.
@@ -200,6 +235,7 @@ Status FastAgreement::Deliver(Ride ride, const Signature& mine, Request& r, int 
                               char* payload) {
   switch (ride) {
     case Ride::kNone:
+    case Ride::kAhead:
       return Status::OK();
     case Ride::kReduce: {
       if (r.kind == Kind::kReducescatter) {
@@ -246,15 +282,21 @@ Status FastAgreement::Deliver(Ride ride, const Signature& mine, Request& r, int 
 Status FastAgreement::Run(Transport& t, const AlgoConfig& cfg, uint64_t config,
                           const Request& request, Request* deliver, const Signature& mine,
                           bool* agreed, bool* delivered, std::atomic<int>* progress,
-                          int* waited_on) {
+                          int* waited_on, FastLookahead* ahead) {
   FastMessage& msg = buf_[0];
   uint64_t digest[2];
   DigestSignature(mine, t.size(), config, digest, &msg.header.flags);
   for (int i = 0; i < 2; ++i) msg.header.lo[i] = msg.header.hi[i] = digest[i];
   msg.header.payload_bytes = 0;
-  const Ride ride = deliver != nullptr
-                        ? Pack(request, t.rank(), t.size(), FastRideLimit(cfg, t), &msg)
-                        : Ride::kNone;
+  msg.header.ahead = 0;
+  Ride ride = Ride::kNone;
+  if (ahead != nullptr) {
+    ahead->agreed = 0;
+    PackAhead(*ahead, t.size(), config, &msg);
+    ride = Ride::kAhead;
+  } else if (deliver != nullptr) {
+    ride = Pack(request, t.rank(), t.size(), FastRideLimit(cfg, t), &msg);
+  }
   const DoublingCombine combine = [&](char* a, char* b, bool lower, const Held& held) {
     return Combine(ride, request, a, b, lower, held);
   };
@@ -268,6 +310,17 @@ Status FastAgreement::Run(Transport& t, const AlgoConfig& cfg, uint64_t config,
   const FastHeader& h = reinterpret_cast<const FastMessage*>(result)->header;
   *agreed = (h.flags & kFastNeedsTable) == 0 && h.lo[0] == h.hi[0] && h.lo[1] == h.hi[1];
   *delivered = false;
+  if (*agreed && ride == Ride::kAhead) {
+    // The leading slots equal on every rank: those collectives are agreed as this one is.
+    const auto* slots = reinterpret_cast<const FastAheadSlot*>(
+        reinterpret_cast<const FastMessage*>(result)->payload);
+    const size_t k = std::min<size_t>(h.ahead, kMaxAhead);
+    while (ahead->agreed < k && slots[ahead->agreed].lo[0] == slots[ahead->agreed].hi[0] &&
+           slots[ahead->agreed].lo[1] == slots[ahead->agreed].hi[1]) {
+      ++ahead->agreed;
+    }
+    return Status::OK();
+  }
   if (!*agreed || ride == Ride::kNone || (h.flags & kFastNoData) != 0) return Status::OK();
   KR_RETURN_IF_ERROR(Deliver(ride, mine, *deliver, t.rank(), t.size(),
                              reinterpret_cast<FastMessage*>(result)->payload));

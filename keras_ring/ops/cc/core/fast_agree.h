@@ -11,10 +11,17 @@
 // rounds (reduced, the root's copied, or gathered), and outputs are written only after the
 // verdict, so a mismatch never delivers anything. Messages are framed: a collective whose
 // data does not ride sends the 64-byte header alone.
+//
+// Device collectives look ahead instead: their data never rides, so the payload carries the
+// digests of the device collectives queued behind this one (FastLookahead), reduced the same
+// way with the least count of any rank. Where the collective agrees, the leading queued ones
+// whose digests are equal on every rank are agreed too, and run without a round of their
+// own: one round trip for a step's buckets instead of one per bucket.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "algorithms.h"
 #include "doubling.h"
@@ -36,13 +43,29 @@ struct FastHeader {
   uint64_t hi[2];  // the largest
   uint32_t flags;  // OR of every rank's flags
   uint32_t payload_bytes = 0;  // the data that follows (equal on every rank, or 0)
-  uint64_t reserved[3] = {};
+  uint64_t ahead = 0;  // the fewest queued collectives any rank digested in the payload
+  uint64_t reserved[2] = {};
 };
 static_assert(sizeof(FastHeader) == 64, "the fast header has one layout on every rank");
 
 struct FastMessage {
   FastHeader header;
   char payload[kFastPayloadBytes];
+};
+
+// One queued collective's digests in a lookahead payload, as (min, max) over the ranks.
+struct FastAheadSlot {
+  uint64_t lo[2];
+  uint64_t hi[2];
+};
+constexpr size_t kMaxAhead = 63;  // a round agrees on 64 at most (device_max_in_flight's default)
+static_assert(kMaxAhead * sizeof(FastAheadSlot) <= kFastPayloadBytes, "the slots fit");
+
+// A device collective's lookahead: the signatures of the collectives queued behind it (with
+// the seqs they will run as), and how many of them the round agreed.
+struct FastLookahead {
+  std::vector<Signature> next;
+  size_t agreed = 0;
 };
 
 enum FastFlag : uint32_t {
@@ -62,13 +85,16 @@ class FastAgreement {
   // collective; *delivered: its data rode along and the outputs of `deliver` (the request
   // itself, or null: no data rides) are written, the collective is complete. Not agreed:
   // the caller runs the full slot exchange, on every rank alike. *waited_on names the peer
-  // of a failed wait.
+  // of a failed wait. With `ahead` (device collectives, never with `deliver`), ahead->agreed
+  // says how many of ahead->next were agreed too (0 unless *agreed).
   Status Run(Transport& t, const AlgoConfig& cfg, uint64_t config, const Request& request,
              Request* deliver, const Signature& mine, bool* agreed, bool* delivered,
-             std::atomic<int>* progress, int* waited_on);
+             std::atomic<int>* progress, int* waited_on, FastLookahead* ahead = nullptr);
 
  private:
-  enum class Ride { kNone, kReduce, kBroadcast, kAllgather };
+  enum class Ride { kNone, kReduce, kBroadcast, kAllgather, kAhead };
+  // Puts the digests of ahead's leading collectives that could agree fast into the payload.
+  void PackAhead(const FastLookahead& ahead, int size, uint64_t config, FastMessage* msg) const;
   // Copies the data that rides into msg's payload and sets its length (left 0 if none).
   Ride Pack(const Request& r, int rank, int size, size_t limit, FastMessage* msg) const;
   char* Combine(Ride ride, const Request& r, char* mine, char* peer, bool mine_is_lower,

@@ -59,9 +59,9 @@ AlgoConfig HostExecutor::ConfigFor(const Request& request) const {
 }
 
 Status HostExecutor::Agree(const Request& request, uint64_t seq, std::vector<Signature>* sigs,
-                           bool* all_inlined) {
+                           bool* all_inlined, FastLookahead* ahead) {
   Agreement how;
-  KR_RETURN_IF_ERROR(AgreeOn(request, seq, nullptr, /*want_sigs=*/true, sigs, &how));
+  KR_RETURN_IF_ERROR(AgreeOn(request, seq, nullptr, /*want_sigs=*/true, sigs, &how, ahead));
   *all_inlined = how.inlined;
   return Status::OK();
 }
@@ -72,12 +72,12 @@ uint64_t HostExecutor::ConfigWord() const {
 }
 
 Status HostExecutor::FastAgree(const Request& request, uint64_t seq, Request* deliver,
-                               bool* agreed, bool* delivered) {
+                               bool* agreed, bool* delivered, FastLookahead* ahead) {
   const Signature mine = SignatureOf(request, seq);
   int waited_on = -1;
   fast_progress_.store(0);
   Status s = fast_.Run(transport_, ConfigFor(request), ConfigWord(), request, deliver, mine,
-                       agreed, delivered, &fast_progress_, &waited_on);
+                       agreed, delivered, &fast_progress_, &waited_on, ahead);
   if (!s.ok()) s = PassOnBlame(s, mine.Label());  // while the progress is still known
   fast_progress_.store(-1);
   if (s.code() == Code::kDeadlineExceeded && s.reporter() < 0 && waited_on >= 0) {
@@ -94,11 +94,13 @@ Status HostExecutor::FastAgree(const Request& request, uint64_t seq, Request* de
 }
 
 Status HostExecutor::AgreeOn(const Request& request, uint64_t seq, Request* deliver,
-                             bool want_sigs, std::vector<Signature>* sigs, Agreement* how) {
+                             bool want_sigs, std::vector<Signature>* sigs, Agreement* how,
+                             FastLookahead* ahead) {
+  if (ahead != nullptr) ahead->agreed = 0;
   if (algo_.fast_agree && size_ > 1) {
     bool agreed = false;
     bool delivered = false;
-    KR_RETURN_IF_ERROR(FastAgree(request, seq, deliver, &agreed, &delivered));
+    KR_RETURN_IF_ERROR(FastAgree(request, seq, deliver, &agreed, &delivered, ahead));
     if (agreed) {
       // Equal digests: every rank's signature is this one (up to what is shown, not compared).
       // Copied out only when wanted: n copies per collective would undo the O(log n).

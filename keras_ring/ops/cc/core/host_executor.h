@@ -23,9 +23,11 @@ class HostExecutor : public Executor {
 
   // Exchanges the signatures (with this rank's data when it fits and the request allows)
   // and checks them: every rank computes the same verdict. `sigs` gets every rank's
-  // signature; `all_inlined` whether every rank's data came along.
+  // signature; `all_inlined` whether every rank's data came along. With `ahead` (a device
+  // collective's lookahead, fast agreement only), ahead->agreed of the collectives queued
+  // behind it are agreed too (FastLookahead).
   Status Agree(const Request& request, uint64_t seq, std::vector<Signature>* sigs,
-               bool* all_inlined);
+               bool* all_inlined, FastLookahead* ahead = nullptr);
 
   // Ring steps of the slot exchange in progress, -1 when none runs (for the stall report).
   int exchange_steps() const { return exchange_steps_.load(); }
@@ -56,9 +58,9 @@ class HostExecutor : public Executor {
   // writes the outputs (how.fast && how.inlined: the collective is complete). After a fast
   // agreement `sigs` is filled only if `want_sigs`; after the full exchange, always.
   Status AgreeOn(const Request& request, uint64_t seq, Request* deliver, bool want_sigs,
-                 std::vector<Signature>* sigs, Agreement* how);
+                 std::vector<Signature>* sigs, Agreement* how, FastLookahead* ahead = nullptr);
   Status FastAgree(const Request& request, uint64_t seq, Request* deliver, bool* agreed,
-                   bool* delivered);
+                   bool* delivered, FastLookahead* ahead);
   // The settings that pick algorithms, digested into the fast agreement.
   uint64_t ConfigWord() const;
   bool PackInline(const Request& request, Slot* slot) const;

@@ -114,7 +114,19 @@ void Runtime::StopWith(const Status& cause) {
 Executor* Runtime::device_executor(
     const std::function<std::unique_ptr<Executor>(HostExecutor&)>& make) {
   std::lock_guard<std::mutex> lock(device_mu_);
-  if (!device_) device_ = make(*host_);
+  if (!device_) {
+    device_ = make(*host_);
+    if (device_) {
+      // Queued requests stay put while one executes: only the executing thread pops, and
+      // a deque's push_back moves no element.
+      device_->SetQueuePeek([this](const std::function<bool(const Request&)>& visit) {
+        std::lock_guard<std::mutex> queue_lock(mu_);
+        for (const Request& r : queue_) {
+          if (!visit(r)) break;
+        }
+      });
+    }
+  }
   return device_.get();
 }
 

@@ -5,6 +5,7 @@
 // runtime's structured error), shutdown ends them all, and a host collective or a barrier
 // does not overtake device collectives submitted before it.
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -310,6 +311,103 @@ TEST(NcclInFlight_HostCollectivesAndBarriersDoNotOvertakeDeviceOnes) {
     for (const auto& d : done) CHECK_OK(d.second);
     CHECK_EQ(At(host, r)[0], 21.0f);
     for (int i = 0; i < 3; ++i) CHECK(At(At(job.data, r), i) == Sum(2, i)) << r << " " << i;
+  }
+}
+
+// The lookahead (lookahead.cc) gets a world whose queues are full before a round peeks: one
+// collective in flight at most, the GPU holding the first, so the worker agrees on the
+// second and then waits for a slot while everything else is submitted.
+void SubmitBehindAHeldFirst(GpuWorld& w, const std::function<void()>& submit) {
+  w.fake->hold = true;
+  submit();
+  CHECK(AllLaunched(w, 1));
+  w.fake->hold = false;
+  w.fake->ReleaseHeld();
+}
+
+TEST(NcclLookahead_QueuedCollectivesAreAgreedInOneRoundWithTheirOwnResults) {
+  // 20 allreduces: the first makes the communicator (a round alone), the second's round
+  // peeks at what was queued by then, and the next round at all the rest. One round each
+  // without the lookahead.
+  const int n = 3, count = 20;
+  GpuWorld w(n, 10.0, /*max_in_flight=*/1);
+  Job job(n);
+  SubmitBehindAHeldFirst(w, [&] { SubmitAll(w, job, count); });
+  for (int r = 0; r < n; ++r) {
+    CHECK(job.Of(r).WaitFor(count)) << "rank " << r;
+    const auto done = job.Of(r).Get();
+    CheckInOrder(done, r);
+    for (const auto& d : done) CHECK_OK(d.second);
+    for (int i = 0; i < count; ++i) CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
+    CHECK(w.Backend(r)->agreement_rounds() <= 3) << w.Backend(r)->agreement_rounds();
+  }
+  w.Shutdown();
+  for (int r = 0; r < n; ++r) CHECK_EQ(w.fake->Count(r, "violation"), 0);
+}
+
+TEST(NcclLookahead_AMismatchBehindTheHeadGetsItsOwnRoundAndIsNamedOnEveryRank) {
+  // Rank 1's 8th allreduce has 3 elements where rank 0's has 2: the lookahead stops before
+  // it, its own round misses and the full exchange names the shape on both ranks; the
+  // collectives around it complete with their own results.
+  const int n = 2, count = 12, bad = 7;
+  GpuWorld w(n, 10.0, /*max_in_flight=*/1);
+  Job job(n);
+  SubmitBehindAHeldFirst(w, [&] {
+    for (int r = 0; r < n; ++r) {
+      auto& mine = At(job.data, r);
+      for (int i = 0; i < count; ++i) mine.push_back(Input(r, i));
+      if (r == 1) At(mine, bad).push_back(0.0f);
+      for (int i = 0; i < count; ++i) SubmitOnDevice(w, r, At(mine, i), i, job.Of(r));
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    CHECK(job.Of(r).WaitFor(count)) << "rank " << r;
+    const auto done = job.Of(r).Get();
+    CheckInOrder(done, r);
+    for (int i = 0; i < count; ++i) {
+      const Status& s = At(done, i).second;
+      if (i != bad) {
+        CHECK_OK(s);
+        CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
+        continue;
+      }
+      CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+      CHECK(s.message().find("'step7'") != std::string::npos) << s.message();
+      CHECK(s.message().find("mismatch") != std::string::npos) << s.message();
+      CHECK(At(At(job.data, r), i) == Input(r, i) || r == 1) << "written after a mismatch";
+    }
+  }
+}
+
+TEST(NcclLookahead_AHostCollectiveEndsTheLookaheadAndKeepsItsPlace) {
+  // Per rank: 5 device allreduces, a host allreduce, 5 device allreduces. The host one runs
+  // on the host executor with a round of its own: the lookahead must not reach past it (the
+  // device ones behind it would be agreed for seqs the host one takes).
+  const int n = 2, devices = 10;
+  GpuWorld w(n, 10.0, /*max_in_flight=*/1);
+  Job job(n);
+  std::vector<std::vector<float>> host(n);
+  SubmitBehindAHeldFirst(w, [&] {
+    for (int r = 0; r < n; ++r) {
+      auto& mine = At(job.data, r);
+      for (int i = 0; i < devices; ++i) mine.push_back(Input(r, i));
+      Completions& c = job.Of(r);
+      for (int i = 0; i < devices / 2; ++i) SubmitOnDevice(w, r, At(mine, i), i, c);
+      At(host, r) = {static_cast<float>(r + 10)};
+      Request on_host = InPlace(At(host, r));
+      on_host.done = c.For(devices / 2);
+      At(w.runtimes, r)->Submit(std::move(on_host));
+      for (int i = devices / 2; i < devices; ++i) SubmitOnDevice(w, r, At(mine, i), i + 1, c);
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    CHECK(job.Of(r).WaitFor(devices + 1)) << "rank " << r;
+    const auto done = job.Of(r).Get();
+    CheckInOrder(done, r);
+    for (const auto& d : done) CHECK_OK(d.second);
+    CHECK_EQ(At(host, r)[0], 21.0f);
+    for (int i = 0; i < devices; ++i) CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
+    CHECK(w.Backend(r)->agreement_rounds() < devices) << w.Backend(r)->agreement_rounds();
   }
 }
 

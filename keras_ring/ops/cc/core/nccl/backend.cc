@@ -244,8 +244,7 @@ Status NcclBackend::Execute(Request& request, uint64_t seq, ExecutionStats* stat
   // Which communicator this rank would use is agreed like the shape.
   request.device_comm = CommunicatorFor(ticket->device);
   std::vector<Signature> sigs;
-  bool inlined = false;  // never: device data does not ride in the slots
-  Status s = host_.Agree(request, seq, &sigs, &inlined);
+  Status s = AgreeAhead(request, seq, &sigs);
   if (s.ok()) {
     stats->agreed = Clock::now();
     s = Run(host_.transport(), sigs, request, *ticket, seq, stats);

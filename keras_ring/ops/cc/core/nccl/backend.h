@@ -97,12 +97,16 @@ class NcclBackend : public Executor {
 
   // On the worker, in submission order: agree on signatures (host executor), then run.
   Status Execute(Request& request, uint64_t seq, ExecutionStats* stats) override;
+  void SetQueuePeek(QueuePeek peek) override { peek_ = std::move(peek); }
 
   int communicator_count();
   int64_t events_made() const { return events_made_.load(); }  // each is reused once made
   void ReleaseEvent(int device, Event event);
   // The most collectives that were in flight at once (launched, not yet completed).
   int max_in_flight_seen();
+  // Rounds of agreement run with the peers; collectives agreed by an earlier round's
+  // lookahead run without one.
+  int64_t agreement_rounds() const { return agreement_rounds_.load(); }
 
  private:
   // A launched collective on its way to completion (inflight.cc).
@@ -126,6 +130,12 @@ class NcclBackend : public Executor {
 
   DeviceState& State(int device);
   DeviceComm CommunicatorFor(int device);
+  // lookahead.cc: `request`'s agreement, taken from an earlier round's lookahead, or a
+  // round of its own that also agrees the device collectives queued behind it.
+  Status AgreeAhead(const Request& request, uint64_t seq, std::vector<Signature>* sigs);
+  // The queued collectives that may be agreed with `request` (same GPU, its communicator
+  // made), with the seqs and communicator they will run with.
+  void PeekAhead(const Request& request, uint64_t seq, FastLookahead* ahead);
   // This rank can run NCCL on the ticket's device: communicator made (collectively) if new.
   Status Run(Transport& control, const std::vector<Signature>& sigs, Request& c,
              StreamTicket& ticket, uint64_t seq, ExecutionStats* stats);
@@ -189,6 +199,9 @@ class NcclBackend : public Executor {
   Status peer_failure_;                         // guarded by failure_mu_
   Clock::time_point next_liveness_poll_{};      // worker only
   int communicators_made_ = 0;                  // worker only
+  QueuePeek peek_;                              // set before the first Execute
+  std::deque<Signature> pre_agreed_;            // executing thread only; seq order
+  std::atomic<int64_t> agreement_rounds_{0};
   std::mutex mu_;
   std::map<int, DeviceState> devices_;  // node-based: references stay valid
   // Held around every call on a communicator once it exists (launches on the worker; async
