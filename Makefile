@@ -152,6 +152,7 @@ MPICH_TCP = MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
 bench: venv build/allreduce_floor build/nccl_host_cost build/agreement
 	./build/allreduce_floor
 	./build/nccl_host_cost
+	./build/nccl_host_cost 2 2000 1024 64 3 0 100
 	./build/agreement 32
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/agreement.py
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/agreement.py

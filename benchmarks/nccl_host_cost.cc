@@ -9,11 +9,18 @@
 // per collective: wall time / count on the slowest rank, and the process's CPU time /
 // (count * ranks), i.e. per collective per rank (less noisy on a shared machine).
 //
-//   make build/nccl_host_cost && ./build/nccl_host_cost [ranks count bytes depth repeat device_us]
+//   make build/nccl_host_cost && ./build/nccl_host_cost [ranks count bytes depth repeat device_us
+//                                                        control_us]
 //
 // The same measurement on a GPU, through the real NCCL: benchmarks/gpu_check.sh (in flight).
 // Built with -DKR_BENCH_BASELINE against an older core (one collective at a time), it measures
 // the code before collectives were kept in flight.
+//
+// `control_us` (7th argument, default 0) makes every framed message between the ranks (the
+// fast agreement's) leave that long after it was sent, a control path as slow as the GPU
+// machine's (docs/performance.md: 130-300 us a round trip under gVisor). Built against the
+// core before the lookahead, every collective pays it; with it, a round pays it for the
+// collectives queued behind one.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -35,6 +42,21 @@
 namespace {
 
 using keras_ring::Clock;
+
+// A local transport whose framed messages (the fast agreement's) take `delay_us` to leave.
+class SlowLocalTransport : public keras_ring::LocalTransport {
+ public:
+  SlowLocalTransport(std::shared_ptr<keras_ring::LocalFabric> fabric, int rank, int delay_us)
+      : LocalTransport(std::move(fabric), rank), delay_us_(delay_us) {}
+  keras_ring::Status SendFramed(int peer, const void* data, size_t bytes, size_t head,
+                                keras_ring::Deadline deadline) override {
+    if (delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
+    return LocalTransport::SendFramed(peer, data, bytes, head, deadline);
+  }
+
+ private:
+  const int delay_us_;
+};
 
 struct Outstanding {
   std::mutex mu;
@@ -95,7 +117,8 @@ struct Cost {
 
 // On a fresh world (its first collective, which makes the communicator, is run before the
 // clock starts).
-Cost Measure(int ranks, int count, size_t bytes, int window, int depth, int device_us) {
+Cost Measure(int ranks, int count, size_t bytes, int window, int depth, int device_us,
+             int control_us) {
   auto fake = std::make_shared<kr_test::FakeNcclWorld>(ranks);
   fake->device_us = device_us;
   auto fabric = std::make_shared<keras_ring::LocalFabric>(ranks);
@@ -113,7 +136,7 @@ Cost Measure(int ranks, int count, size_t bytes, int window, int depth, int devi
     (void)depth;
 #endif
     runtimes.push_back(std::make_unique<keras_ring::Runtime>(
-        options, std::make_unique<keras_ring::LocalTransport>(fabric, r)));
+        options, std::make_unique<SlowLocalTransport>(fabric, r, control_us)));
     apis.push_back(std::make_shared<kr_test::FakeDeviceApi>(fake, r));
   }
   std::vector<double> seconds(static_cast<size_t>(ranks));
@@ -154,19 +177,21 @@ int main(int argc, char** argv) {
   const int depth = argc > 4 ? std::atoi(argv[4]) : 64;
   const int repeat = argc > 5 ? std::atoi(argv[5]) : 3;
   const int device_us = argc > 6 ? std::atoi(argv[6]) : 0;
+  const int control_us = argc > 7 ? std::atoi(argv[7]) : 0;
 #ifdef KR_BENCH_BASELINE
   const char* build = "baseline (one collective at a time)";
 #else
   const char* build = "in flight";
 #endif
   std::printf("# NCCL host cost through the fake GPU: %s, %d ranks, %d allreduces of %zu B, "
-              "device_max_in_flight=%d, %d us on the fake GPU each\n"
+              "device_max_in_flight=%d, %d us on the fake GPU each, framed messages "
+              "leaving %d us late\n"
               "# window  wall/cpu us per collective (each repeat)\n",
-              build, ranks, count, bytes, depth, device_us);
+              build, ranks, count, bytes, depth, device_us, control_us);
   for (int window : {1, 64}) {
     std::printf("%8d ", window);
     for (int i = 0; i < repeat; ++i) {
-      const Cost c = Measure(ranks, count, bytes, window, depth, device_us);
+      const Cost c = Measure(ranks, count, bytes, window, depth, device_us, control_us);
       std::printf("  %6.1f/%-6.1f", c.wall_us, c.cpu_us);
       std::fflush(stdout);
     }
