@@ -4,6 +4,7 @@
 // runtime picks one by the request's placement; both agree on signatures the same way.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 
@@ -33,6 +34,9 @@ class Executor {
   // How the executor may look at what is queued behind the request it runs (the runtime
   // sets it once, before the first Execute). Only the executing thread calls it.
   virtual void SetQueuePeek(QueuePeek /*peek*/) {}
+  // Collectives this rank agreed with its peers to run (a lookahead) that have not reached
+  // Execute yet: the peers may already run theirs. Any thread.
+  virtual size_t Committed() const { return 0; }
   // Runs `request`, the `seq`-th collective of this runtime: agrees on signatures with the
   // peers, then moves the data. Returns the bare cause of a failure (the runtime labels it);
   // a fatal status means the data plane can no longer be trusted.

@@ -95,7 +95,22 @@ void Runtime::Abandon(const std::string& reason) {
   OnFatal(cause);  // its own exit must not hang either (MPI_Finalize, teardown)
 }
 
-void Runtime::StopWith(const Status& cause) {
+void Runtime::StopWith(const Status& requested) {
+  // A clean shutdown is no failure to the peers, unless this rank leaves collectives it
+  // agreed to run (the GPU lookahead's) for which they may already wait on the GPU.
+  Status cause = requested;
+  size_t owed = 0;
+  if (requested.code() == Code::kCancelled) {
+    std::lock_guard<std::mutex> lock(device_mu_);
+    if (device_) owed = device_->Committed();
+  }
+  if (owed > 0) {
+    cause = Status(Code::kAborted,
+                   requested.message() + ", leaving " + std::to_string(owed) +
+                       " collectives that every rank had agreed to run (their copies on the "
+                       "other ranks cannot complete)",
+                   options_.rank);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;

@@ -123,7 +123,7 @@ class Runtime {
   Timeline& timeline() { return timeline_; }
 
  private:
-  void StopWith(const Status& cause);
+  void StopWith(const Status& requested);
   void WorkerLoop();
   // Executes one request (the caller holds executing_) and returns its result; done is not
   // called here. *deferred: the device executor took it and will complete it itself.

@@ -346,17 +346,18 @@ TEST(NcclLookahead_QueuedCollectivesAreAgreedInOneRoundWithTheirOwnResults) {
 }
 
 TEST(NcclLookahead_AMismatchBehindTheHeadGetsItsOwnRoundAndIsNamedOnEveryRank) {
-  // Rank 1's 8th allreduce has 3 elements where rank 0's has 2: the lookahead stops before
-  // it, its own round misses and the full exchange names the shape on both ranks; the
-  // collectives around it complete with their own results.
-  const int n = 2, count = 12, bad = 7;
+  // At 3 ranks, rank 2 (folded into recursive doubling by rank 0) has 3 elements in its 8th
+  // allreduce where the others have 2: the lookahead stops before it, its own round misses
+  // and the full exchange names the shape on every rank; the collectives around it complete
+  // with their own results, in fewer rounds than collectives.
+  const int n = 3, count = 12, bad = 7;
   GpuWorld w(n, 10.0, /*max_in_flight=*/1);
   Job job(n);
   SubmitBehindAHeldFirst(w, [&] {
     for (int r = 0; r < n; ++r) {
       auto& mine = At(job.data, r);
       for (int i = 0; i < count; ++i) mine.push_back(Input(r, i));
-      if (r == 1) At(mine, bad).push_back(0.0f);
+      if (r == 2) At(mine, bad).push_back(0.0f);
       for (int i = 0; i < count; ++i) SubmitOnDevice(w, r, At(mine, i), i, job.Of(r));
     }
   });
@@ -374,9 +375,87 @@ TEST(NcclLookahead_AMismatchBehindTheHeadGetsItsOwnRoundAndIsNamedOnEveryRank) {
       CHECK(s.code() == Code::kFailedPrecondition) << s.message();
       CHECK(s.message().find("'step7'") != std::string::npos) << s.message();
       CHECK(s.message().find("mismatch") != std::string::npos) << s.message();
-      CHECK(At(At(job.data, r), i) == Input(r, i) || r == 1) << "written after a mismatch";
+      CHECK(At(At(job.data, r), i) == Input(r, i) || r == 2) << "written after a mismatch";
+    }
+    CHECK(w.Backend(r)->agreement_rounds() < count) << w.Backend(r)->agreement_rounds();
+  }
+}
+
+TEST(NcclLookahead_AHostCollectiveWhereThePeerHasADeviceOneIsAMismatchNotARide) {
+  // Rank 1's 5th collective is a host allreduce whose data rides its agreement; rank 0's is
+  // a device one whose agreement carries lookahead slots. The two messages must not be taken
+  // for each other: the placement mismatch is named on both ranks, the rest completes.
+  const int n = 2, count = 10, odd = 4;
+  GpuWorld w(n, 10.0, /*max_in_flight=*/1);
+  Job job(n);
+  std::vector<float> host = {1.0f, 2.0f};
+  SubmitBehindAHeldFirst(w, [&] {
+    for (int r = 0; r < n; ++r) {
+      auto& mine = At(job.data, r);
+      for (int i = 0; i < count; ++i) mine.push_back(Input(r, i));
+      for (int i = 0; i < count; ++i) {
+        if (r == 1 && i == odd) {
+          Request on_host = Allreduce(Tensor(DataType::kFloat32, {2}, host.data(), host.data()),
+                                      ReduceOp::kSum, 1.0, 1.0, "step" + std::to_string(i));
+          on_host.done = job.Of(r).For(i);
+          At(w.runtimes, r)->Submit(std::move(on_host));
+        } else {
+          SubmitOnDevice(w, r, At(mine, i), i, job.Of(r));
+        }
+      }
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    CHECK(job.Of(r).WaitFor(count)) << "rank " << r;
+    const auto done = job.Of(r).Get();
+    CheckInOrder(done, r);
+    for (int i = 0; i < count; ++i) {
+      const Status& s = At(done, i).second;
+      if (i == odd) {
+        CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+        CHECK(s.message().find("mismatch") != std::string::npos) << s.message();
+        continue;
+      }
+      CHECK_OK(s) << r << " " << i;
+      CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
     }
   }
+  CHECK(host == std::vector<float>({1.0f, 2.0f})) << "written after a mismatch";
+}
+
+TEST(NcclLookahead_AShutdownLeavingAgreedCollectivesIsAFailureToThePeers) {
+  // Rank 0 stops while collectives it agreed through the lookahead are still queued: its
+  // peers may already run theirs on the GPU, which can never complete. Its notice must be a
+  // failure (the peers' liveness polls end those at once), not the clean shutdown that only
+  // an agreement round would read, after the timeout.
+  const int n = 2, count = 20;
+  GpuWorld w(n, 3.0, /*max_in_flight=*/1);
+  Job job(n);
+  w.fake->hold = true;
+  SubmitAll(w, job, count);
+  CHECK(AllLaunched(w, 1));
+  w.fake->ReleaseHeld();  // the first completes; the worker then waits behind the next, held
+  CHECK(WaitUntil([&] { return w.Backend(0)->Committed() > 0 && w.Backend(1)->Committed() > 0; }));
+  const size_t owed = w.Backend(0)->Committed();
+  At(w.runtimes, 0)->Stop();
+  const Status cause = At(w.transports, 0)->AbortCause();
+  CHECK(cause.code() == Code::kAborted) << cause.message();
+  CHECK(cause.message().find("leaving " + std::to_string(owed) + " collectives") !=
+        std::string::npos)
+      << cause.message();
+  w.fake->hold = false;
+  w.fake->ReleaseHeld();
+  for (int r = 0; r < n; ++r) CHECK(job.Of(r).WaitFor(count)) << "rank " << r;
+}
+
+TEST(NcclLookahead_ACleanShutdownWithNothingAgreedAheadStaysClean) {
+  GpuWorld w(2);
+  std::vector<std::vector<float>> x = {{1.0f}, {2.0f}};
+  w.Each([&](int r) { CHECK_OK(w.Run(r, InPlace(At(x, r)))); });
+  CHECK_EQ(w.Backend(0)->Committed(), 0u);
+  At(w.runtimes, 0)->Stop();
+  const Status cause = At(w.transports, 0)->AbortCause();
+  CHECK(cause.code() == Code::kCancelled) << cause.message();
 }
 
 TEST(NcclLookahead_AHostCollectiveEndsTheLookaheadAndKeepsItsPlace) {

@@ -39,10 +39,25 @@ class WatchedLocalTransport : public keras_ring::LocalTransport {
     std::lock_guard<std::mutex> lock(mu_);
     failure_ = failure;
   }
+  // The first cause this rank gave its peers (a clean shutdown is kCancelled).
+  void AbortWith(const keras_ring::Status& cause) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!aborted_) abort_cause_ = cause;
+      aborted_ = true;
+    }
+    LocalTransport::AbortWith(cause);
+  }
+  keras_ring::Status AbortCause() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return abort_cause_;
+  }
 
  private:
   std::mutex mu_;
   keras_ring::Status failure_;
+  bool aborted_ = false;
+  keras_ring::Status abort_cause_;
 };
 
 class GpuWorld {

@@ -98,6 +98,7 @@ class NcclBackend : public Executor {
   // On the worker, in submission order: agree on signatures (host executor), then run.
   Status Execute(Request& request, uint64_t seq, ExecutionStats* stats) override;
   void SetQueuePeek(QueuePeek peek) override { peek_ = std::move(peek); }
+  size_t Committed() const override { return committed_.load(); }
 
   int communicator_count();
   int64_t events_made() const { return events_made_.load(); }  // each is reused once made
@@ -201,6 +202,7 @@ class NcclBackend : public Executor {
   int communicators_made_ = 0;                  // worker only
   QueuePeek peek_;                              // set before the first Execute
   std::deque<Signature> pre_agreed_;            // executing thread only; seq order
+  std::atomic<size_t> committed_{0};            // pre_agreed_.size(), for any thread
   std::atomic<int64_t> agreement_rounds_{0};
   std::mutex mu_;
   std::map<int, DeviceState> devices_;  // node-based: references stay valid

@@ -54,6 +54,7 @@ Status NcclBackend::AgreeAhead(const Request& request, uint64_t seq,
   if (!pre_agreed_.empty()) {
     const Signature agreed = pre_agreed_.front();
     pre_agreed_.pop_front();
+    committed_.store(pre_agreed_.size());
     if (agreed.seq == seq && SameSignature(agreed, mine, size_)) {
       sigs->assign(static_cast<size_t>(size_), mine);
       return Status::OK();
@@ -61,6 +62,7 @@ Status NcclBackend::AgreeAhead(const Request& request, uint64_t seq,
     // Cannot happen while the queue keeps its order; if it did, the peers run what was
     // agreed and this rank must not run anything else: fatal, so they learn it at once.
     pre_agreed_.clear();
+    committed_.store(0);
     return Status(Code::kInternal, "the lookahead agreed " + agreed.Label() +
                                        " for this place in the order, but this rank runs " +
                                        mine.Label());
@@ -71,6 +73,7 @@ Status NcclBackend::AgreeAhead(const Request& request, uint64_t seq,
   bool inlined = false;  // never: device data does not ride
   KR_RETURN_IF_ERROR(host_.Agree(request, seq, sigs, &inlined, &ahead));
   for (size_t i = 0; i < ahead.agreed; ++i) pre_agreed_.push_back(ahead.next[i]);
+  committed_.store(pre_agreed_.size());
   return Status::OK();
 }
 
