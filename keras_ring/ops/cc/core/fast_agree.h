@@ -43,7 +43,9 @@ struct FastHeader {
   uint64_t hi[2];  // the largest
   uint32_t flags;  // OR of every rank's flags
   uint32_t payload_bytes = 0;  // the data that follows (equal on every rank, or 0)
-  uint64_t ahead = 0;  // the fewest queued collectives any rank digested in the payload
+  // The fewest queued collectives any rank digested in the payload. Builds before the
+  // lookahead send 0 here (it was reserved, zeroed), so nothing is agreed ahead with them.
+  uint64_t ahead = 0;
   uint64_t reserved[2] = {};
 };
 static_assert(sizeof(FastHeader) == 64, "the fast header has one layout on every rank");
