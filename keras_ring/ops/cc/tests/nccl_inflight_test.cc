@@ -97,6 +97,35 @@ void CheckInOrder(const std::vector<std::pair<int, Status>>& done, int rank) {
   }
 }
 
+// Rank r completed `count` collectives in order: `odd` failed with its mismatch named, every
+// other one with its own sum over n ranks.
+void CheckOneMismatch(Job& job, int r, int n, int count, int odd) {
+  CHECK(job.Of(r).WaitFor(static_cast<size_t>(count))) << "rank " << r;
+  const auto done = job.Of(r).Get();
+  CheckInOrder(done, r);
+  for (int i = 0; i < count; ++i) {
+    const Status& s = At(done, i).second;
+    if (i == odd) {
+      CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+      CHECK(s.message().find("'step" + std::to_string(odd) + "'") != std::string::npos)
+          << s.message();
+      CHECK(s.message().find("mismatch") != std::string::npos) << s.message();
+      continue;
+    }
+    CHECK_OK(s) << r << " " << i;
+    CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
+  }
+}
+
+// Rank r completed the job's `count` allreduces in order, each with its own sum over n ranks.
+void CheckCompletedWithTheirSums(Job& job, int r, int n, int count) {
+  CHECK(job.Of(r).WaitFor(static_cast<size_t>(count))) << "rank " << r;
+  const auto done = job.Of(r).Get();
+  CheckInOrder(done, r);
+  for (const auto& d : done) CHECK_OK(d.second);
+  for (int i = 0; i < count; ++i) CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
+}
+
 TEST(NcclInFlight_SeveralCompleteInSubmissionOrderWithTheirOwnResults) {
   const int n = 3, count = 12;
   GpuWorld w(n);
@@ -117,11 +146,7 @@ TEST(NcclInFlight_SeveralCompleteInSubmissionOrderWithTheirOwnResults) {
   w.fake->hold = false;
   w.fake->ReleaseHeld();
   for (int r = 0; r < n; ++r) {
-    CHECK(job.Of(r).WaitFor(count)) << "rank " << r;
-    const auto done = job.Of(r).Get();
-    CheckInOrder(done, r);
-    for (const auto& d : done) CHECK_OK(d.second);
-    for (int i = 0; i < count; ++i) CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
+    CheckCompletedWithTheirSums(job, r, n, count);
     CHECK_EQ(w.Backend(r)->max_in_flight_seen(), count);
     CHECK_EQ(w.fake->MaxPending(r), count);
   }
@@ -334,11 +359,7 @@ TEST(NcclLookahead_QueuedCollectivesAreAgreedInOneRoundWithTheirOwnResults) {
   Job job(n);
   SubmitBehindAHeldFirst(w, [&] { SubmitAll(w, job, count); });
   for (int r = 0; r < n; ++r) {
-    CHECK(job.Of(r).WaitFor(count)) << "rank " << r;
-    const auto done = job.Of(r).Get();
-    CheckInOrder(done, r);
-    for (const auto& d : done) CHECK_OK(d.second);
-    for (int i = 0; i < count; ++i) CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
+    CheckCompletedWithTheirSums(job, r, n, count);
     CHECK(w.Backend(r)->agreement_rounds() <= 3) << w.Backend(r)->agreement_rounds();
   }
   w.Shutdown();
@@ -362,21 +383,8 @@ TEST(NcclLookahead_AMismatchBehindTheHeadGetsItsOwnRoundAndIsNamedOnEveryRank) {
     }
   });
   for (int r = 0; r < n; ++r) {
-    CHECK(job.Of(r).WaitFor(count)) << "rank " << r;
-    const auto done = job.Of(r).Get();
-    CheckInOrder(done, r);
-    for (int i = 0; i < count; ++i) {
-      const Status& s = At(done, i).second;
-      if (i != bad) {
-        CHECK_OK(s);
-        CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
-        continue;
-      }
-      CHECK(s.code() == Code::kFailedPrecondition) << s.message();
-      CHECK(s.message().find("'step7'") != std::string::npos) << s.message();
-      CHECK(s.message().find("mismatch") != std::string::npos) << s.message();
-      CHECK(At(At(job.data, r), i) == Input(r, i) || r == 2) << "written after a mismatch";
-    }
+    CheckOneMismatch(job, r, n, count, bad);
+    CHECK(At(At(job.data, r), bad) == Input(r, bad) || r == 2) << "written after a mismatch";
     CHECK(w.Backend(r)->agreement_rounds() < count) << w.Backend(r)->agreement_rounds();
   }
 }
@@ -405,21 +413,7 @@ TEST(NcclLookahead_AHostCollectiveWhereThePeerHasADeviceOneIsAMismatchNotARide) 
       }
     }
   });
-  for (int r = 0; r < n; ++r) {
-    CHECK(job.Of(r).WaitFor(count)) << "rank " << r;
-    const auto done = job.Of(r).Get();
-    CheckInOrder(done, r);
-    for (int i = 0; i < count; ++i) {
-      const Status& s = At(done, i).second;
-      if (i == odd) {
-        CHECK(s.code() == Code::kFailedPrecondition) << s.message();
-        CHECK(s.message().find("mismatch") != std::string::npos) << s.message();
-        continue;
-      }
-      CHECK_OK(s) << r << " " << i;
-      CHECK(At(At(job.data, r), i) == Sum(n, i)) << r << " " << i;
-    }
-  }
+  for (int r = 0; r < n; ++r) CheckOneMismatch(job, r, n, count, odd);
   CHECK(host == std::vector<float>({1.0f, 2.0f})) << "written after a mismatch";
 }
 
