@@ -47,7 +47,14 @@ def load(core_class) -> None:
             stream, ctypes.byref(seconds), self.err, len(self.err)))
         return seconds.value
 
+    def agreement_rounds(self) -> int:
+        rounds = ctypes.c_int64(0)
+        self.c.keras_ring_device_agreement_rounds.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        self.c.keras_ring_device_agreement_rounds(ctypes.byref(rounds))
+        return rounds.value
+
     core_class.allreduce_window = allreduce_window
+    core_class.agreement_rounds = agreement_rounds
 
 
 def control_round_trip_us(core, iterations: int = ALLREDUCES) -> list[float]:
@@ -64,7 +71,8 @@ def control_round_trip_us(core, iterations: int = ALLREDUCES) -> list[float]:
 
 
 def check_in_flight(gc, core, cp, checks, rank: int, n: int, device: int) -> dict:
-    """Results of 256 allreduces 64 in flight, then the timing table."""
+    """Results of 256 allreduces 64 in flight, then the timing table; at 2 ranks or more, that
+    collectives 64 in flight were agreed in at most half as many rounds (the lookahead)."""
     dtype, op = gc.DTYPES["float32"], gc.OPS["Max"]  # Max: buffers keep their value
     buffers = [cp.full(COUNT, rank + 1 + i, cp.float32) for i in range(64)]
     core.allreduce_window(buffers, COUNT, dtype, op, 256, 64, device)
@@ -72,17 +80,30 @@ def check_in_flight(gc, core, cp, checks, rank: int, n: int, device: int) -> dic
     checks.expect("256 allreduces 64 in flight: results",
                   all(float(b.min()) == float(b.max()) == n + i for i, b in enumerate(buffers)))
     results: dict[int, list[float]] = {}
+    rounds: dict[int, int] = {}
     for window in WINDOWS:
         results[window] = []
+        before = core.agreement_rounds()
         for _ in range(REPEATS):
             core.barrier()
             start = time.perf_counter()
             core.allreduce_window(buffers, COUNT, dtype, op, ALLREDUCES, window, device)
             cp.cuda.runtime.deviceSynchronize()
             results[window].append((time.perf_counter() - start) / ALLREDUCES * 1e6)
+        rounds[window] = core.agreement_rounds() - before
+    if n > 1:
+        # Queued collectives are agreed by one round's lookahead (lookahead.cc), not one each.
+        collectives = REPEATS * ALLREDUCES
+        checks.expect(f"{max(WINDOWS)} in flight: agreed in fewer rounds than collectives",
+                      rounds[max(WINDOWS)] <= collectives // 2,
+                      f"{rounds[max(WINDOWS)]} rounds for {collectives} collectives")
     barrier_us = control_round_trip_us(core)
     if rank == 0:
         print(in_flight_table(results, n), flush=True)
         print(f"# barrier, the control path alone (us, each repeat): "
               + " ".join(f"{us:.1f}" for us in barrier_us), flush=True)
-    return {"in_flight_us": {str(w): v for w, v in results.items()}, "barrier_us": barrier_us}
+        print("# agreement rounds for " + ", ".join(
+            f"{REPEATS * ALLREDUCES} collectives {w} in flight: {r}" for w, r in rounds.items()),
+            flush=True)
+    return {"in_flight_us": {str(w): v for w, v in results.items()}, "barrier_us": barrier_us,
+            "agreement_rounds": {str(w): r for w, r in rounds.items()}}

@@ -405,10 +405,11 @@ class _WindowWorld:
     """Ranks as threads for gpu_check_inflight: allreduce_window reduces each buffer across
     the ranks with Max in NumPy (`wrong`: one buffer gets the Min instead)."""
 
-    def __init__(self, n, wrong=False):
+    def __init__(self, n, wrong=False, lookahead=True):
         import threading
         self.n, self.wrong, self.slots = n, wrong, [None] * n
         self.fence = threading.Barrier(n)
+        self.lookahead, self.rounds = lookahead, {}
 
     def barrier(self):
         self.fence.wait()
@@ -417,6 +418,8 @@ class _WindowWorld:
         import threading
         assert op == gc.OPS["Max"] and 1 <= window <= 64 and n >= window
         rank = int(threading.current_thread().name)
+        # One round per window of queued collectives with the lookahead, else one each.
+        self.rounds[rank] = self.rounds.get(rank, 0) + (-(-n // window) if self.lookahead else n)
         self.slots[rank] = [np.array(b) for b in buffers]
         self.fence.wait()
         for i, b in enumerate(buffers):
@@ -424,6 +427,10 @@ class _WindowWorld:
             b[...] = reduce([s[i] for s in self.slots], axis=0)
         self.fence.wait()
         return 0.0
+
+    def agreement_rounds(self):
+        import threading
+        return self.rounds.get(int(threading.current_thread().name), 0)
 
 
 class _CupyWithFull(_NumpyAsCupy):
@@ -455,12 +462,18 @@ def test_in_flight_check_passes_on_right_results_and_fails_on_wrong_ones(n):
         return results, extra
 
     good, extra = run(_WindowWorld(n))
-    assert all(c.failed == [] and c.passed == 1 for c in good), [c.failed for c in good]
+    assert all(c.failed == [] and c.passed == 2 for c in good), [c.failed for c in good]
     assert sorted(extra[0]["in_flight_us"]) == ["1", "64"]
     assert all(len(v) == gc.inflight.REPEATS for v in extra[0]["in_flight_us"].values())
     assert len(extra[0]["barrier_us"]) == gc.inflight.REPEATS
+    collectives = gc.inflight.REPEATS * gc.inflight.ALLREDUCES
+    assert extra[0]["agreement_rounds"] == {
+        "1": collectives, "64": gc.inflight.REPEATS * -(-gc.inflight.ALLREDUCES // 64)}
     bad, _ = run(_WindowWorld(n, wrong=True))
     assert all(c.failed for c in bad)
+    one_each, _ = run(_WindowWorld(n, lookahead=False))  # a round per collective
+    assert all([f.split(":")[0] for f in c.failed] == ["64 in flight"] for c in one_each), \
+        [c.failed for c in one_each]
 
 
 # ---------------------------------------------------------------- the library the GPU run loads

@@ -59,6 +59,14 @@ int RunOnDevice(Request request, int device, void* stream, char* err, size_t err
   return Report(runtime->Run(std::move(request)), err, err_len);
 }
 
+// The runtime's GPU backend if it made one (asking does not make one), else null.
+keras_ring::nccl::NcclBackend* ExistingBackend(Runtime* runtime) {
+  if (runtime == nullptr) return nullptr;
+  keras_ring::Executor* executor = runtime->device_executor(
+      [](keras_ring::HostExecutor&) { return std::unique_ptr<keras_ring::Executor>(); });
+  return dynamic_cast<keras_ring::nccl::NcclBackend*>(executor);
+}
+
 }  // namespace
 
 extern "C" {
@@ -227,13 +235,18 @@ int keras_ring_device_objects(int64_t* events, int64_t* communicators) {
   *events = 0;
   *communicators = 0;
   std::shared_ptr<Runtime> runtime = Runtime::Get();
-  if (runtime == nullptr) return 0;
-  // Asks for the device executor without making one.
-  keras_ring::Executor* executor = runtime->device_executor(
-      [](keras_ring::HostExecutor&) { return std::unique_ptr<keras_ring::Executor>(); });
-  if (auto* backend = dynamic_cast<keras_ring::nccl::NcclBackend*>(executor)) {
+  if (keras_ring::nccl::NcclBackend* backend = ExistingBackend(runtime.get())) {
     *events = backend->events_made();
     *communicators = backend->communicator_count();
+  }
+  return 0;
+}
+
+int keras_ring_device_agreement_rounds(int64_t* rounds) {
+  *rounds = 0;
+  std::shared_ptr<Runtime> runtime = Runtime::Get();
+  if (keras_ring::nccl::NcclBackend* backend = ExistingBackend(runtime.get())) {
+    *rounds = backend->agreement_rounds();
   }
   return 0;
 }

@@ -69,6 +69,10 @@ int keras_ring_device_allreduce_window(void* const* buffers, int k, int64_t coun
 // reused), NCCL communicators. Zeros before the first GPU collective.
 int keras_ring_device_objects(int64_t* events, int64_t* communicators);
 
+// Rounds of agreement the GPU backend ran with its peers; collectives agreed by an earlier
+// round's lookahead ran without one. 0 before the first GPU collective.
+int keras_ring_device_agreement_rounds(int64_t* rounds);
+
 #ifdef __cplusplus
 }
 #endif
