@@ -10,8 +10,6 @@
 // Every rank reaches the same verdict from the same reduced message, so every rank takes the
 // same pre-agreed collectives next, in the same order, with the same seqs; a collective that
 // differs anywhere is not pre-agreed and gets its own round, whose miss names what differs.
-#include <deque>
-
 #include "../fast_agree.h"
 #include "backend.h"
 
@@ -50,8 +48,8 @@ void NcclBackend::PeekAhead(const Request& request, uint64_t seq, FastLookahead*
 
 Status NcclBackend::AgreeAhead(const Request& request, uint64_t seq,
                                std::vector<Signature>* sigs) {
-  const Signature mine = SignatureOf(request, seq);
   if (!pre_agreed_.empty()) {
+    const Signature mine = SignatureOf(request, seq);
     const Signature agreed = pre_agreed_.front();
     pre_agreed_.pop_front();
     committed_.store(pre_agreed_.size());
