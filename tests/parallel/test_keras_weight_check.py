@@ -396,3 +396,75 @@ def test_a_step_traced_on_equal_weights_gets_nothing_and_one_traced_apart_a_chec
         steps.append(_custom_step(model, optimizer, path, True, broadcast_first=False))
     assert _conditionals(steps[0], rank) == 0  # settled while tracing: nothing per step
     assert _conditionals(steps[1], rank) == 1  # compared each time it runs, until settled
+
+
+def _collectives_in_program_order(graph) -> list:
+    """The step's ops that run collectives (conditionals whose branches do included), in the
+    order they were made."""
+    library = {f.signature.name: {n.op for n in f.node_def}
+               for f in graph.as_graph_def().library.function}
+
+    def runs_collectives(op) -> bool:
+        if op.type in ("If", "StatelessIf"):
+            branches = (op.get_attr("then_branch").name, op.get_attr("else_branch").name)
+            return any(t.startswith("KerasRing") for b in branches for t in library.get(b, ()))
+        return op.type.startswith("KerasRing") and op.type != "KerasRingTimelineMark"
+
+    return [op for op in graph.get_operations() if runs_collectives(op)]
+
+
+def _runs_after(later, earlier) -> bool:
+    seen, todo = set(), [later]
+    while todo:
+        op = todo.pop()
+        for before in [t.op for t in op.inputs] + list(op.control_inputs):
+            if before is earlier:
+                return True
+            if before not in seen:
+                seen.add(before)
+                todo.append(before)
+    return False
+
+
+@pytest.mark.parametrize("path", ["tape", "optimizer", "accumulating_tape"])
+def test_two_reductions_in_one_step_keep_their_checks_in_program_order(world, path):
+    """A GAN's step as Horovod's TF2 example writes it: two lists of weights reduced in one
+    traced step, each with its own check (each rank's own weights, broadcast after the first
+    step). A check is a conditional that reads variables, which TensorFlow orders only against
+    those variables' users: the two checks ran in either order, and the ranks' allgathers
+    paired with each other's (a shape mismatch, 4 of 6 runs) until each was placed in the
+    collectives' program order."""
+    rank, _ = world
+    keras.utils.set_random_seed(ks.rank_seed(rank))
+    first = keras.Sequential([keras.Input((ks.FEATURES,)), keras.layers.Dense(3)])
+    second = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5), keras.layers.Dense(1)])
+    wrap = kr.wrap if path == "optimizer" else (lambda o: o)
+    optimizers = [wrap(keras.optimizers.SGD(0.1)), wrap(keras.optimizers.SGD(0.1))]
+    options = {"backward_passes_per_step": 2} if path == "accumulating_tape" else {}
+
+    @tf.function
+    def step(x, first_batch):
+        with tf.GradientTape() as tape_a, tf.GradientTape() as tape_b:
+            out = second(first(x))
+            losses = [tf.reduce_mean(out ** 2), tf.reduce_mean((out - 1) ** 2)]
+        for tape, loss, model, optimizer in zip((tape_a, tape_b), losses, (first, second),
+                                                optimizers):
+            if path != "optimizer":
+                tape = kr.DistributedGradientTape(tape, **options)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:
+            kr.broadcast_variables(first.variables + second.variables, root_rank=0)
+            for optimizer in optimizers:
+                kr.broadcast_variables(optimizer.variables, root_rank=0)
+        return losses[0]
+
+    x, _ = _data(rank)
+    graph = step.get_concrete_function(x[:BATCH], True).graph
+    ordered = _collectives_in_program_order(graph)
+    assert sum(op.type in ("If", "StatelessIf") for op in ordered) >= 2, ordered
+    for earlier, later in zip(ordered, ordered[1:]):
+        assert _runs_after(later, earlier), (earlier.name, later.name)
+    for b in range(4):
+        step(x[b * BATCH:(b + 1) * BATCH], b == 0)
+    ks.assert_same_on_all_ranks(ks.weights(first) + ks.weights(second))
