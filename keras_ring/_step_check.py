@@ -24,7 +24,6 @@ import tensorflow as tf
 
 from keras_ring import _weight_check
 from keras_ring._accumulation import SourcesState, state_for, state_variable
-from keras_ring._graph_order import ordered_cond
 from keras_ring._grouping import is_variable, variable_keys
 from keras_ring.collectives import allgather
 from keras_ring.process_sets import ProcessSet
@@ -131,8 +130,8 @@ def _compare_in_graph(check: _Check, variables: list[Any], ranks: list[int],
         with tf.control_dependencies([assertion]):
             return check.state.assign(tf.where(any_differ, state + 1, _PASSED))
 
-    return ordered_cond(tf.equal(check.state.read_value(), _PASSED),
-                        lambda: tf.constant(_PASSED), compare)
+    return tf.cond(tf.equal(check.state.read_value(), _PASSED),
+                   lambda: tf.constant(_PASSED), compare)
 
 
 def _message(variables: list[Any], ranks: list[int], differs: tf.Tensor, odd_ranks: tf.Tensor,

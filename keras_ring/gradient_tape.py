@@ -9,7 +9,6 @@ import tensorflow as tf
 
 from keras_ring import _step_check
 from keras_ring._accumulation import Passes, accumulator_for
-from keras_ring._graph_order import ordered_cond
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions
 from keras_ring._local import LocalSources, check_local_layers, check_scale, reduce_partially
 from keras_ring.collectives import Average, ReduceOp
@@ -191,7 +190,7 @@ class DistributedGradientTape:
 
         # Every rank counts the same passes, so every rank takes the same branch.
         out: list[Any] = [None] * len(grads)
-        for i, r in zip(live, ordered_cond(self._update_step, update, skip)):
+        for i, r in zip(live, tf.cond(self._update_step, update, skip)):
             out[i] = r
         return out
 

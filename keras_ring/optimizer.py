@@ -23,7 +23,6 @@ import tensorflow as tf
 
 from keras_ring import _keras_private, _rate_check, _step_check, _weight_check, _xla
 from keras_ring._accumulation import Passes
-from keras_ring._graph_order import ordered_cond
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions, map_gradient
 from keras_ring._local import (LocalSources, check_local_layers, check_scale, check_variable,
                                reduce_partially)
@@ -409,7 +408,7 @@ def _reduce_once_per_update(optimizer, reduce, grads: list, variables, steps: in
 
     micro_batch = tf.convert_to_tensor(_keras_private.raw_iterations(optimizer))
     is_update = tf.equal(tf.math.floormod(micro_batch + 1, steps), 0)
-    reduced = ordered_cond(is_update, update, lambda: dense)
+    reduced = tf.cond(is_update, update, lambda: dense)
     out = list(grads)
     for i, r in zip(live, reduced):
         out[i] = r

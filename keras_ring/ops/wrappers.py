@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -33,6 +34,37 @@ def _factor(op, attr: str) -> float:
     return float(value.decode() if isinstance(value, bytes) else value)
 
 
+# Inside tf.function every rank must run its collectives in program order. Automatic control
+# dependencies chain the stateful ops that take no resource (the collectives themselves), but
+# a conditional or loop whose body runs a collective (a custom step's weight check, an
+# accumulated update, a user's `if first_batch: broadcast_variables(...)`) also reads
+# variables, and TensorFlow orders an op with resource inputs only against those resources'
+# other users: such an If ran before or after its neighbours, differently on each rank, and
+# collectives paired with the wrong ones. So each collective in a function writes one
+# process-wide variable just before and just after it: writes to one resource run in program
+# order, and a body that runs a collective makes its If or While a writer too.
+_ORDER: list[tf.Variable] = []
+_ORDER_LOCK = threading.Lock()  # functions traced on two threads share the one variable
+
+
+def _call(op: Callable, *args, **attrs):
+    """``op(*args, **attrs)``: a collective op, run eagerly (in program order anyway) or, in a
+    function, made in order with every other collective made there, also where it or they
+    run inside a conditional or a loop."""
+    if attrs["eager"] or not tf.inside_function():  # eager, or a TF1 graph (no reordering)
+        return op(*args, **attrs)
+    with _ORDER_LOCK, tf.init_scope(), tf.device("/CPU:0"):
+        if not _ORDER:
+            _ORDER.append(tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name="keras_ring_collective_order"))
+    order = _ORDER[0]
+    with tf.control_dependencies([order.assign_add(1, read_value=False)]):
+        out = op(*args, **attrs)
+    with tf.control_dependencies(tf.nest.flatten(out)):
+        order.assign_add(1, read_value=False)
+    return out
+
+
 def _common(kind: str, tensor_name: str, process_set_id: int) -> dict:
     # `eager`: called eagerly, the waiting thread is the user's, so waits may yield the core
     # to the peers (the kernel's Request::may_yield); graphs' pool threads sleep at once.
@@ -47,7 +79,7 @@ def _attrs(kind: str, tensor_name: str, process_set_id: int, eager: bool) -> dic
 
 def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str,
               process_set_id: int = 0):
-    return library().ops.keras_ring_allreduce(
+    return _call(library().ops.keras_ring_allreduce,
         tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
         postscale_factor=_factor_attr(postscale),
         **_common("Allreduce", tensor_name, process_set_id))
@@ -55,26 +87,26 @@ def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_
 
 def grouped_allreduce(tensors, reduce_op: int, prescale: float, postscale: float,
                       tensor_name: str, process_set_id: int = 0):
-    return library().ops.keras_ring_grouped_allreduce(
+    return _call(library().ops.keras_ring_grouped_allreduce,
         tensors, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
         postscale_factor=_factor_attr(postscale),
         **_common("GroupedAllreduce", tensor_name, process_set_id))
 
 
 def allgather(tensor, tensor_name: str, process_set_id: int = 0):
-    return library().ops.keras_ring_allgather(
+    return _call(library().ops.keras_ring_allgather,
         tensor, **_common("Allgather", tensor_name, process_set_id))
 
 
 def broadcast(tensor, root_rank: int, tensor_name: str, process_set_id: int = 0):
     """``root_rank`` is the root's rank within the process set."""
-    return library().ops.keras_ring_broadcast(
+    return _call(library().ops.keras_ring_broadcast,
         tensor, root_rank=root_rank, **_common("Broadcast", tensor_name, process_set_id))
 
 
 def reducescatter(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str,
                   process_set_id: int = 0):
-    return library().ops.keras_ring_reducescatter(
+    return _call(library().ops.keras_ring_reducescatter,
         tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
         postscale_factor=_factor_attr(postscale),
         **_common("Reducescatter", tensor_name, process_set_id))
@@ -82,7 +114,7 @@ def reducescatter(tensor, reduce_op: int, prescale: float, postscale: float, ten
 
 def alltoall(tensor, splits, tensor_name: str, process_set_id: int = 0):
     """(output, received_splits); ``splits`` an int32 vector, empty for equal parts."""
-    return library().ops.keras_ring_alltoall(
+    return _call(library().ops.keras_ring_alltoall,
         tensor, splits, **_common("Alltoall", tensor_name, process_set_id))
 
 

@@ -432,8 +432,8 @@ def test_two_reductions_in_one_step_keep_their_checks_in_program_order(world, pa
     traced step, each with its own check (each rank's own weights, broadcast after the first
     step). A check is a conditional that reads variables, which TensorFlow orders only against
     those variables' users: the two checks ran in either order, and the ranks' allgathers
-    paired with each other's (a shape mismatch, 4 of 6 runs) until each was placed in the
-    collectives' program order."""
+    paired with each other's (a shape mismatch, 4 of 6 runs) until every collective in a
+    function wrote one variable before and after it (keras_ring/ops/wrappers.py)."""
     rank, _ = world
     keras.utils.set_random_seed(ks.rank_seed(rank))
     first = keras.Sequential([keras.Input((ks.FEATURES,)), keras.layers.Dense(3)])
@@ -468,3 +468,37 @@ def test_two_reductions_in_one_step_keep_their_checks_in_program_order(world, pa
     for b in range(4):
         step(x[b * BATCH:(b + 1) * BATCH], b == 0)
     ks.assert_same_on_all_ranks(ks.weights(first) + ks.weights(second))
+
+
+def test_a_users_conditional_broadcast_keeps_its_place_before_a_later_allreduce(world):
+    """Horovod's TF2 step with the first-batch flag as a tensor (autograph makes the broadcast
+    a conditional, which reads and writes the weights) and the loss averaged after it, as
+    programs log it. The allreduce of the loss has no path to the conditional but the
+    collectives' order: ranks ran the two in either order (a broadcast against an allreduce,
+    2 of 4 runs)."""
+    rank, _ = world
+    model = ks.mlp(ks.rank_seed(rank))
+    optimizer = keras.optimizers.SGD(0.1)
+    loss_fn = ks.loss()
+
+    @tf.function
+    def step(x, y, first_batch):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = kr.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:
+            kr.broadcast_variables(model.variables, root_rank=0)
+            kr.broadcast_variables(optimizer.variables, root_rank=0)
+        return kr.allreduce(loss, name="loss")
+
+    x, y = _data(rank)
+    graph = step.get_concrete_function(x[:BATCH], y[:BATCH], tf.constant(True)).graph
+    ordered = _collectives_in_program_order(graph)
+    assert [op.type for op in ordered][-2:] == ["If", "KerasRingAllreduce"], ordered
+    for earlier, later in zip(ordered, ordered[1:]):
+        assert _runs_after(later, earlier), (earlier.name, later.name)
+    losses = [step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH],
+                   tf.constant(b == 0)).numpy() for b in range(4)]
+    ks.assert_same_on_all_ranks(ks.weights(model) + [np.array(losses)])
