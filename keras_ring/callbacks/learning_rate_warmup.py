@@ -35,7 +35,8 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     ``LearningRateScheduleCallback`` with ``start_epoch=warmup_epochs`` can take over).
 
     The rate is set before each batch (with ``steps_per_execution=k``, before each group of
-    k batches). The optimizer's learning rate must be a float (a variable), not a
+    k batches, at the rate of the group's last batch, so the warmup still ends at exactly
+    ``initial_lr``). The optimizer's learning rate must be a float (a variable), not a
     ``LearningRateSchedule``; a schedule raises a ``ValueError`` at the start of training.
 
     Args:
@@ -71,6 +72,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.verbose = verbose
         self._epoch = 0
         self._steps = 1
+        self._per_call = 1  # batches one on_train_batch_begin covers (steps_per_execution)
         self._finished = False
         self._announce = False  # the warmup ended in this epoch: say so at its end
 
@@ -81,23 +83,26 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             self.initial_lr = lr_util.current_rate(optimizer)
         self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                               "LearningRateWarmupCallback")
+        self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._say_finished()
         self._epoch = epoch
 
-    def learning_rate_at(self, epoch: int, batch: int) -> float | None:
-        """The rate batch ``batch`` of epoch ``epoch`` runs at, or None once warmup is over."""
+    def learning_rate_at(self, epoch: int, batch: int, batches: int = 1) -> float | None:
+        """The rate batch ``batch`` of epoch ``epoch`` runs at, with the ``batches - 1`` after
+        it (one call of a ``steps_per_execution`` model's step runs them all at one rate: the
+        rate of the last), or None once warmup is over."""
         if epoch + batch / self._steps >= self.warmup_epochs:
             return None
-        e = epoch + (batch + 1) / self._steps
+        e = epoch + min(batch + batches, self._steps) / self._steps
         if e >= self.warmup_epochs:
             return self.initial_lr  # exactly, not a rounding away from it
         n = size()
         return self.initial_lr / n * (e * (n - 1) / self.warmup_epochs + 1)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        rate = self.learning_rate_at(self._epoch, batch)
+        rate = self.learning_rate_at(self._epoch, batch, self._per_call)
         if rate is None:
             return
         lr_util.set_rate(self.model.optimizer, rate, self.momentum_correction)

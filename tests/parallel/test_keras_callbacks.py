@@ -156,6 +156,28 @@ def test_warmup_rates_and_momentum_correction(world):
     assert any(probe.rates[cur] != probe.rates[prev] for prev, cur in zip(order, order[1:]))
 
 
+def test_warmup_ends_at_its_rate_when_one_step_runs_several_batches(world):
+    """With steps_per_execution=2 the callback runs before batches 0 and 2 only, each rate
+    covering its group. Set for the group's first batch, the last warmup group began before
+    the warmup's end, so the rate stopped one group short of initial_lr for the rest of
+    training (0.0193 for 0.02 in 14 batches)."""
+    rank, size = world
+    initial = 0.05 * size
+    probe = Probe()
+    model = ks.mlp(ks.rank_seed(rank))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(initial, momentum=0.9)),
+                  loss=ks.loss(), steps_per_execution=2)
+    x, y = ks.classification_data(size * BATCH * STEPS, seed=0)
+    model.fit(ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH), batch_size=BATCH,
+              epochs=2, shuffle=False, verbose=0,
+              callbacks=[BroadcastGlobalVariablesCallback(0),
+                         LearningRateWarmupCallback(warmup_epochs=1), probe])
+    assert sorted(probe.rates) == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    np.testing.assert_allclose(probe.rates[0, 0], _warmup_rate(initial, size, 1, 0, 1), rtol=1e-6)
+    assert probe.rates[0, 0] < np.float32(initial)
+    assert [probe.rates[k] for k in [(0, 2), (1, 0), (1, 2)]] == [np.float32(initial)] * 3
+
+
 def test_warmup_refuses_a_learning_rate_schedule(world):
     rank, size = world
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
