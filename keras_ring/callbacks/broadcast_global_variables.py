@@ -103,14 +103,7 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
     """
     unbuilt = _keras_private.unbuilt_layers(model)
     if unbuilt:
-        what = ("it is" if unbuilt[0] is model else
-                f"its layer '{unbuilt[0].name}'{' (and more)' if len(unbuilt) > 1 else ''} is")
-        raise ValueError(
-            f"keras_ring: cannot broadcast the variables of model '{model.name}': {what} not "
-            "built yet, so some variables do not exist (Keras builds a layer without an Input "
-            "when it first runs). Build it first: model.build(input_shape), call it on a "
-            "batch, give it a keras.Input, or compile it with keras_ring.wrap(optimizer), "
-            "which makes fit() build it before the first step")
+        raise ValueError(_unbuilt_message(model, unbuilt))
     optimizer = getattr(model, "optimizer", None)
     weights = list(model.weights)  # not its variables: those add the layers' random seeds
     slots: list[Any] = []
@@ -125,6 +118,24 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
     _check_same_variables(model, len(_shared_variables(weights)), len(_shared_variables(slots)),
                           process_set)
     broadcast_variables(weights + slots, root_rank=root_rank, process_set=process_set)
+
+
+def _unbuilt_message(model: keras.Model, unbuilt: list) -> str:
+    start = f"keras_ring: cannot broadcast the variables of model '{model.name}': "
+    layer = f"its layer '{unbuilt[0].name}'{' (and more)' if len(unbuilt) > 1 else ''}"
+    if model.built:  # the model ran, and its call() never reached these layers
+        # Skipping them would leave each rank its own initial values wherever a custom
+        # train_step builds them later, and the weight check settled before they existed.
+        return (start + f"{layer} did not run when the model was built, so its variables do "
+                "not exist yet (the model's call() never reaches it). If something uses it "
+                "outside call() (a custom train_step), build it with the model: "
+                "layer.build(input_shape) in the model's build() or __init__; if nothing uses "
+                "it, remove it from the model")
+    what = "it is" if unbuilt[0] is model else f"{layer} is"
+    return (start + f"{what} not built yet, so some variables do not exist (Keras builds a "
+            "layer without an Input when it first runs). Build it first: "
+            "model.build(input_shape), call it on a batch, give it a keras.Input, or compile it "
+            "with keras_ring.wrap(optimizer), which makes fit() build it before the first step")
 
 
 def _check_same_variables(model: keras.Model, weights: int, slots: int,

@@ -125,3 +125,28 @@ def test_a_model_that_cannot_be_built_yet_gets_an_error_that_says_what_to_do(wor
     with pytest.raises(ValueError, match=r"not built yet.*model\.build\("):
         keras_ring.callbacks.broadcast_model(model, 0)
     assert not model.optimizer.built  # and nothing was built on an empty variable list
+
+
+class WithUnusedLayer(Subclassed):
+    """A layer its call() never reaches (an option switched off): fit builds the model, and
+    that layer stays without variables."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = keras.layers.Dense(4)
+
+
+def test_a_layer_the_model_never_runs_is_named_as_such_not_as_unbuilt(world):
+    # The model was built (by fit, through wrap), so "build it first" was wrong advice.
+    # Broadcasting without it is no way out: a custom train_step that builds it later would
+    # leave each rank its own initial values there, after the weight check settled.
+    rank, size = world
+    x, y = ks.classification_data(size * BATCH * STEPS, seed=7)
+    model = WithUnusedLayer()
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss=ks.loss())
+    with pytest.raises(ValueError, match=r"layer 'dense_\d+' did not run when the model was "
+                                         r"built.*call\(\) never reaches it.*remove it"):
+        model.fit(ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH),
+                  batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[BroadcastGlobalVariablesCallback(0)])
+    assert model.built and not model.unused.built
