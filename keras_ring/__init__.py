@@ -46,7 +46,7 @@ _EXPORTS = {
         ["KerasRingError", "NotInitializedError", "InitError", "CollectiveMismatchError",
          "CollectiveArgumentError", "CollectiveTimeoutError", "PeerFailureError",
          "CollectiveAbortedError", "WeightMismatchError", "LearningRateMismatchError",
-         "EpochMismatchError"],
+         "OptimizerMismatchError", "EpochMismatchError"],
         "keras_ring.errors"),
     # Keras integration: wrap(optimizer), DistributedGradientTape, compression and callbacks.
     "wrap": "keras_ring.optimizer",
@@ -117,7 +117,7 @@ if TYPE_CHECKING:
     from keras_ring.errors import (CollectiveAbortedError, CollectiveArgumentError,
                                    CollectiveMismatchError, CollectiveTimeoutError,
                                    EpochMismatchError, InitError, KerasRingError,
-                                   LearningRateMismatchError,
+                                   LearningRateMismatchError, OptimizerMismatchError,
                                    NotInitializedError, PeerFailureError, WeightMismatchError)
     from keras_ring.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
     from keras_ring.ops.loader import Library

@@ -9,7 +9,8 @@ them once, at the start. The rates are compared after every callback's ``on_epoc
 allgather of a float64 per optimizer per epoch. A rank that stopped instead (``EarlyStopping``)
 has left ``fit``: its peers' check fails on its shutdown notice, as their next step would.
 The same allgather carries the epoch: ranks that resume at different epochs (a backup
-restored on rank 0 alone) would run different numbers of steps.
+restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
+digest of each optimizer's other settings (``_optimizer_settings``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ring import _optimizer_settings
 from keras_ring.collectives import allgather
 from keras_ring.errors import EpochMismatchError, LearningRateMismatchError
 from keras_ring.process_sets import ProcessSet
@@ -39,8 +41,9 @@ def current_rate(optimizer: Any) -> float:
 
 
 class RateCheck(keras.callbacks.Callback):
-    """Compares the epoch and (after the first: the broadcast callback may still set them)
-    the optimizers' learning rates over ``process_set`` as each epoch of a ``fit`` begins."""
+    """Compares the epoch, the optimizers' settings and (after the first epoch: the broadcast
+    callback may still set them) their learning rates over ``process_set`` as each epoch of a
+    ``fit`` begins."""
 
     def __init__(self, optimizers: list[Any], process_set: ProcessSet) -> None:
         super().__init__()
@@ -56,14 +59,19 @@ class RateCheck(keras.callbacks.Callback):
         first, self._first = self._first, False
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
-        mine = np.array([epoch] + [current_rate(o) for o in self.optimizers], np.float64)
+        count = len(self.optimizers)
+        mine = np.array([epoch] + [current_rate(o) for o in self.optimizers] +
+                        [_optimizer_settings.digest(_optimizer_settings.settings(o))
+                         for o in self.optimizers], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
                              process_set=self.process_set).numpy()
         if (everyone[:, 0] != epoch).any():
             raise _epoch_mismatch(ranks, everyone[:, 0])
+        if (everyone[:, 1 + count:] != everyone[0, 1 + count:]).any():
+            raise _optimizer_settings.mismatch(self.optimizers, ranks, epoch, self.process_set)
         if first:  # the rates: the broadcast callback may still set them
             return
-        rates = everyone[:, 1:]
+        rates = everyone[:, 1:1 + count]
         bits = np.ascontiguousarray(rates).view(np.int64)
         if (bits == bits[0]).all():
             return

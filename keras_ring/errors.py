@@ -57,6 +57,11 @@ class LearningRateMismatchError(KerasRingError, ValueError):
     rank's own metrics (``ReduceLROnPlateau`` without ``MetricAverageCallback``)."""
 
 
+class OptimizerMismatchError(KerasRingError, ValueError):
+    """The ranks' optimizers differ in a setting other than the learning rate (momentum,
+    clipnorm, weight_decay, ...): they would apply the same averaged gradients differently."""
+
+
 class EpochMismatchError(KerasRingError, ValueError):
     """The ranks begin ``fit`` at different epochs: a checkpoint restored on some ranks only
     (``BackupAndRestore`` on rank 0 alone), or ``initial_epoch`` passed differently."""

@@ -292,6 +292,52 @@ def test_averaged_metrics_keep_the_rates_equal_and_the_epochs_run(world):
     ks.assert_same_on_all_ranks(ks.weights(model) + [model.optimizer.learning_rate.numpy()])
 
 
+@pytest.mark.parametrize("setting", ["momentum", "clipnorm", "inner"])
+def test_optimizers_built_apart_fail_every_rank_before_the_first_epoch_trains(world, setting):
+    """Momentum, clipnorm and the like are Python numbers, not variables: no broadcast makes
+    them equal, the averaged metrics stayed equal, and the ranks' weights silently went
+    apart (fit returned on every rank)."""
+    rank, size = world
+    last = rank == size - 1
+    if setting == "inner":  # a loss-scale optimizer's inner one differs
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01, beta_1=0.8 if last else 0.9))
+        shown = "inner_optimizer: rank 0"
+    else:
+        options = {"momentum": {"momentum": 0.5 if last else 0.9},
+                   "clipnorm": {"clipnorm": 1.0} if last else {}}[setting]
+        optimizer = keras.optimizers.SGD(0.05, **options)
+        shown = {"momentum": f"momentum: rank 0 0.9, rank {size - 1} 0.5",
+                 "clipnorm": f"clipnorm: rank 0 None, rank {size - 1} 1.0"}[setting]
+    model = ks.mlp(ks.rank_seed(rank))
+    model.compile(optimizer=keras_ring.wrap(optimizer), loss=ks.loss())
+    steps = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: steps.append(b))
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    with pytest.raises(keras_ring.OptimizerMismatchError) as info:
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                  callbacks=[BroadcastGlobalVariablesCallback(0), counter])
+    message = str(info.value)
+    assert "settings other than the learning rate as epoch 0 begins" in message, message
+    assert shown in message and info.value.rank == size - 1, message
+    assert steps == []
+
+
+def test_optimizers_alike_but_for_their_names_and_rates_train(world):
+    # Keras numbers unnamed optimizers as they are made; the rates are the broadcast's.
+    rank, _ = world
+    for _ in range(rank):
+        keras.optimizers.SGD()
+    model = ks.mlp(ks.rank_seed(rank))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05 * (rank + 1),
+                                                                 momentum=0.9)),
+                  loss=ks.loss())
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+              callbacks=[BroadcastGlobalVariablesCallback(0)])
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
 def test_ranks_that_resume_at_different_epochs_fail_before_training(world, tmp_path):
     # BackupAndRestore under on_rank_zero: rank 0 resumes at epoch 2, the others start at 0
     # and would run two more epochs' steps than it. keras_ring's error, not a lost peer.

@@ -1,0 +1,75 @@
+"""What ``fit``'s epoch check compares of each optimizer besides its learning rate: the rest of
+its configuration (momentum, clipnorm, weight_decay, a loss-scale optimizer's inner one, ...).
+
+These are Python numbers, not variables, so no broadcast makes them equal: ranks that build
+their optimizers differently apply the same averaged gradients differently and train apart,
+silently. Each rank sends a 48-bit digest of its settings in the check's allgather; where the
+digests differ, one more allgather of the settings themselves names what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from keras_ring.errors import OptimizerMismatchError
+from keras_ring.objects import allgather_object
+from keras_ring.process_sets import ProcessSet
+
+# Names may differ by rank (Keras numbers them as they are made); rates are compared as values.
+_LEFT_OUT = frozenset({"name", "learning_rate"})
+
+
+def settings(optimizer: Any) -> Any:
+    """The optimizer's configuration without its name and learning rate (also those of an
+    optimizer inside it), in a form whose ``repr`` is the same on every rank; None where the
+    optimizer cannot say (a custom one without ``get_config``)."""
+    try:
+        config = optimizer.get_config()
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+    return _canonical(config)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+                if k not in _LEFT_OUT}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    text = repr(value)  # an object: its address would differ by rank, its type does not
+    return type(value).__qualname__ if " at 0x" in text else text
+
+
+def digest(value: Any) -> float:
+    """48 bits of the settings' hash, exact in the check's float64 row."""
+    raw = hashlib.blake2b(repr(value).encode(), digest_size=6).digest()
+    return float(int.from_bytes(raw, "little"))
+
+
+def mismatch(optimizers: list[Any], ranks: list[int], epoch: int,
+             process_set: ProcessSet) -> OptimizerMismatchError:
+    """The error for digests that differ (every rank calls this alike: one allgather)."""
+    mine = [settings(o) for o in optimizers]
+    everyone = allgather_object(mine, name="keras_ring.optimizer_settings",
+                                process_set=process_set)
+    odd = next(i for i in range(1, len(everyone)) if everyone[i] != everyone[0])
+    which = next(j for j in range(len(mine)) if everyone[odd][j] != everyone[0][j])
+    first, other = everyone[0][which], everyone[odd][which]
+    if isinstance(first, dict) and isinstance(other, dict):
+        keys = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+        shown = "; ".join(f"{k}: rank {ranks[0]} {first.get(k)!r}, rank {ranks[odd]} "
+                          f"{other.get(k)!r}" for k in keys[:4])
+        shown += ", ..." if len(keys) > 4 else ""
+    else:
+        shown = f"rank {ranks[0]} {first!r}, rank {ranks[odd]} {other!r}"
+    error = OptimizerMismatchError(
+        f"keras_ring: the ranks' optimizers differ in settings other than the learning rate as "
+        f"epoch {epoch} begins (optimizer '{getattr(optimizers[which], 'name', which)}'; "
+        f"{shown}): they would apply the same averaged gradients differently and train apart. "
+        "Build the optimizer alike on every rank. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) "
+        "turns this check off.")
+    error.rank, error.reason = ranks[odd], str(error).removeprefix("keras_ring: ")
+    return error
