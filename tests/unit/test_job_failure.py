@@ -221,6 +221,59 @@ def test_a_program_that_handles_sigterm_itself_stops_together_in_good_order(job_
         proc.stdout[-2000:] + proc.stderr[-3000:])
 
 
+_SHUTDOWN_UNDER_A_WAITING_THREAD = """
+import os, sys, threading, time
+from pathlib import Path
+import tensorflow as tf
+import keras_ring as kr
+kr.init()
+flag = Path(sys.argv[1])
+if kr.rank() == 1:
+    log = Path(sys.argv[1] + ".stderr")
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT), 2)  # the runtime's stall warnings
+
+    def background():
+        try:
+            kr.allreduce(tf.ones([4]), op=kr.Sum, name="bg")
+        except kr.KerasRingError as e:
+            sys.stdout.write(f"BG {type(e).__name__}: {e}\\n")
+    thread = threading.Thread(target=background)
+    thread.start()
+    while "has waited 1 s in allreduce 'bg'" not in log.read_text():
+        time.sleep(0.05)  # until the runtime says the thread waits in it
+    kr.shutdown()  # while the thread waits for rank 0, which never joins 'bg'
+    thread.join()
+    flag.write_text("down")
+    time.sleep(float(sys.argv[2]))  # the program goes on working, past the failure grace
+    sys.stdout.write("RANK1 DONE\\n")
+else:
+    while not flag.exists():
+        time.sleep(0.05)
+    try:
+        kr.allreduce(tf.ones([4]), name="other")
+    except kr.KerasRingError as e:
+        sys.stdout.write(f"RANK0 {type(e).__name__}: {e}\\n")
+"""
+
+
+def test_shutdown_while_another_thread_waits_in_a_collective_fails_no_process(job_env, tmp_path):
+    # The stop cut the waiting collective short, and that was taken for a failure of the
+    # job: the process armed its failure exit and ended itself with 70 while it went on
+    # working, and its peer could hear "aborted, which gave up" instead of the shutdown.
+    proc = subprocess.run([str(VENV_BIN / "mpirun"), "-np", "2", sys.executable, "-c",
+                           _SHUTDOWN_UNDER_A_WAITING_THREAD, str(tmp_path / "down"),
+                           str(GRACE + 3)],
+                          env=dict(job_env, KERAS_RING_TIMEOUT_SECONDS="60",
+                                   KERAS_RING_STALL_WARNING_SECONDS="1"),
+                          capture_output=True, text=True, timeout=GUARD)
+    out = proc.stdout + proc.stderr[-3000:] + (tmp_path / "down.stderr").read_text()[-3000:]
+    assert proc.returncode == 0 and "RANK1 DONE" in proc.stdout, out
+    assert ("BG CollectiveAbortedError: keras_ring: allreduce 'bg' failed on rank 1: this rank "
+            "shut keras_ring down (keras_ring.shutdown(), on another thread") in proc.stdout, out
+    assert "RANK0 PeerFailureError" in proc.stdout and "rank 1 has shut down" in proc.stdout, out
+    assert "allreduce 'bg'" in proc.stdout.split("RANK0", 1)[1] and "gave up" not in out, out
+
+
 def test_peers_hear_the_cause_of_an_error_that_tensorflow_wrapped():
     # What a rank's uncaught error tells its peers: the Python error raised in a tf.data
     # generator, or the failing op's message, not TensorFlow's "Graph execution error:".

@@ -137,10 +137,19 @@ size_t RoutedTransport::BufferedSendBytes() const {
 }
 
 void RoutedTransport::AbortWith(const Status& cause) {
+  // The first cause goes to both halves: a second caller (a wait that the first abort of
+  // the shm half ended, reporting it) must not reach the TCP half first with its own,
+  // or peers would hear two different reasons, one per half.
+  Status first;
+  {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (abort_cause_.ok()) abort_cause_ = cause;
+    first = abort_cause_;
+  }
   // shm first: its segment records the cause before the TCP sockets (its liveness
   // signal) close.
-  if (shm_ != nullptr) shm_->AbortWith(cause);
-  tcp_->AbortWith(cause);
+  if (shm_ != nullptr) shm_->AbortWith(first);
+  tcp_->AbortWith(first);
 }
 
 }  // namespace keras_ring

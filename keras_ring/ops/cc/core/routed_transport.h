@@ -77,6 +77,8 @@ class RoutedTransport : public Transport {
 
   std::unique_ptr<TcpTransport> tcp_;
   std::unique_ptr<ShmTransport> shm_;
+  std::mutex abort_mu_;
+  Status abort_cause_;  // the first AbortWith's, passed to both halves
 
   std::mutex mu_;
   std::condition_variable cv_;

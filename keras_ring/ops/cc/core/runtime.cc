@@ -314,6 +314,19 @@ Status Runtime::Execute(Request& request, uint64_t seq, const std::string& label
 }
 
 Status Runtime::Failed(const std::string& label, const Status& bare, bool executing) {
+  {
+    // This rank is shutting down cleanly (another of its threads called shutdown) and the
+    // stop cut this collective short: that is no failure of the job. Reporting it as one
+    // sent peers "aborted, which gave up" where the shutdown notice had not yet reached
+    // them all, and armed this process's failure exit, which then ended a program that
+    // went on working after shutdown() with exit code 70.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && stop_cause_.code() == Code::kCancelled && bare.code() == Code::kAborted &&
+        bare.reporter() < 0) {
+      return bare.InCollective(label, "keras_ring: " + label + " failed on rank " +
+                                          std::to_string(options_.rank) + ": " + bare.message());
+    }
+  }
   Status s = bare;
   if (executing && bare.fatal()) {
     transport_->AbortWith(bare);  // first: the blamed peer's answer may say more (AskWhy)

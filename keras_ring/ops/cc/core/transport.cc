@@ -42,9 +42,12 @@ bool AbortState::Set(const Status& cause) {
 
 Status AbortState::WaitError() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (cause_.ok() || cause_.code() == Code::kCancelled) {
-    return Status(Code::kAborted, "keras_ring runtime was aborted");
+  if (cause_.code() == Code::kCancelled) {  // this rank's own clean shutdown
+    return Status(Code::kAborted,
+                  "this rank shut keras_ring down (keras_ring.shutdown(), on another thread "
+                  "or at exit) while the collective was running");
   }
+  if (cause_.ok()) return Status(Code::kAborted, "keras_ring runtime was aborted");
   return cause_;
 }
 
