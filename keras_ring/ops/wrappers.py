@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 from collections.abc import Callable
 
 import tensorflow as tf
+# The bodies of tf.cond and tf.while_loop: TensorFlow has no public name for them.
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from keras_ring.ops.loader import library
 from keras_ring.ops.reduce_op import ReduceOp
@@ -40,11 +41,33 @@ def _factor(op, attr: str) -> float:
 # accumulated update, a user's `if first_batch: broadcast_variables(...)`) also reads
 # variables, and TensorFlow orders an op with resource inputs only against those resources'
 # other users: such an If ran before or after its neighbours, differently on each rank, and
-# collectives paired with the wrong ones. So each collective in a function writes one
-# process-wide variable just before and just after it: writes to one resource run in program
-# order, and a body that runs a collective makes its If or While a writer too.
-_ORDER: list[tf.Variable] = []
-_ORDER_LOCK = threading.Lock()  # functions traced on two threads share the one variable
+# collectives paired with the wrong ones. So each collective in a function writes one resource
+# variable just before and just after it: writes to one resource run in program order, and a
+# body that runs a collective makes its If or While a writer too. The variable's handle is an
+# op of the function itself (captured by its conditionals' and loops' bodies), not a captured
+# tf.Variable: a function that captured one could no longer be saved (tf.saved_model.save
+# refuses untracked resources).
+_ORDER = "keras_ring_collective_order"
+
+
+def _function_graph() -> tf.Graph:
+    """The function being traced, above the bodies of its conditionals and loops."""
+    graph = tf.compat.v1.get_default_graph()
+    while isinstance(graph, ControlFlowFuncGraph) and graph.outer_graph is not None:
+        graph = graph.outer_graph
+    return graph
+
+
+def _order_write(graph: tf.Graph) -> tf.Operation:
+    made = getattr(graph, "_keras_ring_order", None)
+    if made is None:
+        with graph.as_default(), tf.control_dependencies(None), tf.device("/CPU:0"):
+            made = (tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], shared_name=_ORDER,
+                                           name=_ORDER), tf.constant(0, tf.int64))
+        graph._keras_ring_order = made
+    handle, zero = made
+    # Assigning makes the variable where it does not exist yet (no initializer to run).
+    return tf.raw_ops.AssignVariableOp(resource=handle, value=zero)
 
 
 def _call(op: Callable, *args, **attrs):
@@ -53,15 +76,11 @@ def _call(op: Callable, *args, **attrs):
     run inside a conditional or a loop."""
     if attrs["eager"] or not tf.inside_function():  # eager, or a TF1 graph (no reordering)
         return op(*args, **attrs)
-    with _ORDER_LOCK, tf.init_scope(), tf.device("/CPU:0"):
-        if not _ORDER:
-            _ORDER.append(tf.Variable(0, dtype=tf.int64, trainable=False,
-                                      name="keras_ring_collective_order"))
-    order = _ORDER[0]
-    with tf.control_dependencies([order.assign_add(1, read_value=False)]):
+    graph = _function_graph()
+    with tf.control_dependencies([_order_write(graph)]):
         out = op(*args, **attrs)
     with tf.control_dependencies(tf.nest.flatten(out)):
-        order.assign_add(1, read_value=False)
+        _order_write(graph)
     return out
 
 

@@ -502,3 +502,22 @@ def test_a_users_conditional_broadcast_keeps_its_place_before_a_later_allreduce(
     losses = [step(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH],
                    tf.constant(b == 0)).numpy() for b in range(4)]
     ks.assert_same_on_all_ranks(ks.weights(model) + [np.array(losses)])
+
+
+def test_a_function_with_ordered_collectives_can_still_be_saved(world, tmp_path):
+    # The order is kept through a variable whose handle is the function's own op: a captured
+    # tf.Variable (untracked by the user's module) made tf.saved_model.save refuse it.
+    rank, _ = world
+
+    @tf.function(input_signature=[tf.TensorSpec([3], tf.float32), tf.TensorSpec([], tf.bool)])
+    def step(x, flag):
+        if flag:
+            x = kr.broadcast(x, root_rank=0, name="saved.broadcast")
+        return kr.allreduce(x, name="saved.allreduce")
+
+    module = tf.Module()
+    module.step = step
+    x = tf.constant([1.0, 2.0, 3.0]) * (rank + 1)
+    assert step(x, tf.constant(True)).numpy().tolist() == [1.0, 2.0, 3.0]
+    tf.saved_model.save(module, str(tmp_path / f"rank{rank}"))
+    assert (tmp_path / f"rank{rank}" / "saved_model.pb").exists()
