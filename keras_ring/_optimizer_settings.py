@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import numpy as np
+
 from keras_ring.errors import OptimizerMismatchError
 from keras_ring.objects import allgather_object
 from keras_ring.process_sets import ProcessSet
@@ -26,8 +28,8 @@ def settings(optimizer: Any) -> Any:
     optimizer cannot say (a custom one without ``get_config``)."""
     try:
         config = optimizer.get_config()
-    except (NotImplementedError, AttributeError, TypeError):
-        return None
+    except Exception as e:  # noqa: BLE001 - every rank must still take part in the check
+        return f"no get_config ({type(e).__name__})"
     return _canonical(config)
 
 
@@ -37,8 +39,10 @@ def _canonical(value: Any) -> Any:
                 if k not in _LEFT_OUT}
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, str)):
         return value
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        return float(value)  # 1, 1.0 and np.float64(1.0) are one setting, alike in digest too
     text = repr(value)  # an object: its address would differ by rank, its type does not
     return type(value).__qualname__ if " at 0x" in text else text
 
@@ -55,8 +59,8 @@ def mismatch(optimizers: list[Any], ranks: list[int], epoch: int,
     mine = [settings(o) for o in optimizers]
     everyone = allgather_object(mine, name="keras_ring.optimizer_settings",
                                 process_set=process_set)
-    odd = next(i for i in range(1, len(everyone)) if everyone[i] != everyone[0])
-    which = next(j for j in range(len(mine)) if everyone[odd][j] != everyone[0][j])
+    odd = next((i for i in range(1, len(everyone)) if everyone[i] != everyone[0]), 1)
+    which = next((j for j in range(len(mine)) if everyone[odd][j] != everyone[0][j]), 0)
     first, other = everyone[0][which], everyone[odd][which]
     if isinstance(first, dict) and isinstance(other, dict):
         keys = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))

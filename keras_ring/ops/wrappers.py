@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -37,37 +38,41 @@ def _factor(op, attr: str) -> float:
 
 # Inside tf.function every rank must run its collectives in program order. Automatic control
 # dependencies chain the stateful ops that take no resource (the collectives themselves), but
-# a conditional or loop whose body runs a collective (a custom step's weight check, an
-# accumulated update, a user's `if first_batch: broadcast_variables(...)`) also reads
+# a conditional, loop or nested function whose body runs a collective (a custom step's weight
+# check, an accumulated update, a user's `if first_batch: broadcast_variables(...)`) also reads
 # variables, and TensorFlow orders an op with resource inputs only against those resources'
-# other users: such an If ran before or after its neighbours, differently on each rank, and
-# collectives paired with the wrong ones. So each collective in a function writes one resource
-# variable just before and just after it: writes to one resource run in program order, and a
-# body that runs a collective makes its If or While a writer too. The variable's handle is an
-# op of the function itself (captured by its conditionals' and loops' bodies), not a captured
-# tf.Variable: a function that captured one could no longer be saved (tf.saved_model.save
-# refuses untracked resources).
-_ORDER = "keras_ring_collective_order"
+# other users: such an op ran before or after its neighbours, differently on each rank, and
+# collectives paired with the wrong ones. So each collective in a function writes one
+# process-wide variable just before and just after it: writes to one resource run in program
+# order, and a body that runs a collective makes its If, While or call op a writer too.
+# (A function that holds a collective therefore captures a variable that no user's object
+# tracks, and tf.saved_model.save refuses it; a handle made inside each function instead
+# could not order a nested function's call, whose function may be called from anywhere.)
+_ORDER: list[tf.Variable] = []
+_ORDER_NAME = "keras_ring_collective_order"
+_ORDER_LOCK = threading.Lock()  # functions traced on two threads share the one variable
 
 
-def _function_graph() -> tf.Graph:
-    """The function being traced, above the bodies of its conditionals and loops."""
-    graph = tf.compat.v1.get_default_graph()
-    while isinstance(graph, ControlFlowFuncGraph) and graph.outer_graph is not None:
-        graph = graph.outer_graph
-    return graph
+def _order_handle() -> tf.Tensor:
+    """The variable's handle as the graph being built sees it."""
+    with _ORDER_LOCK, tf.init_scope(), tf.device("/CPU:0"):
+        if not _ORDER:
+            _ORDER.append(tf.Variable(0, dtype=tf.int64, trainable=False, name=_ORDER_NAME))
+    bodies = [tf.compat.v1.get_default_graph()]  # innermost first, up to the function's graph
+    while isinstance(bodies[-1], ControlFlowFuncGraph) and bodies[-1].outer_graph is not None:
+        bodies.append(bodies[-1].outer_graph)
+    # The function (also a nested one) captures the variable itself, so its call op writes it
+    # wherever it is called from; then each body takes it from the graph just outside (cond's
+    # gradient expects captures from there, never from further out).
+    handle = bodies.pop().capture(_ORDER[0].handle)
+    for body in reversed(bodies):
+        handle = body.capture(handle)
+    return handle
 
 
-def _order_write(graph: tf.Graph) -> tf.Operation:
-    made = getattr(graph, "_keras_ring_order", None)
-    if made is None:
-        with graph.as_default(), tf.control_dependencies(None), tf.device("/CPU:0"):
-            made = (tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], shared_name=_ORDER,
-                                           name=_ORDER), tf.constant(0, tf.int64))
-        graph._keras_ring_order = made
-    handle, zero = made
-    # Assigning makes the variable where it does not exist yet (no initializer to run).
-    return tf.raw_ops.AssignVariableOp(resource=handle, value=zero)
+def _order_write() -> tf.Operation:
+    return tf.raw_ops.AssignAddVariableOp(resource=_order_handle(),
+                                          value=tf.constant(1, tf.int64))
 
 
 def _call(op: Callable, *args, **attrs):
@@ -76,11 +81,10 @@ def _call(op: Callable, *args, **attrs):
     run inside a conditional or a loop."""
     if attrs["eager"] or not tf.inside_function():  # eager, or a TF1 graph (no reordering)
         return op(*args, **attrs)
-    graph = _function_graph()
-    with tf.control_dependencies([_order_write(graph)]):
+    with tf.control_dependencies([_order_write()]):
         out = op(*args, **attrs)
     with tf.control_dependencies(tf.nest.flatten(out)):
-        _order_write(graph)
+        _order_write()
     return out
 
 

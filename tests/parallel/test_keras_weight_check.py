@@ -504,20 +504,64 @@ def test_a_users_conditional_broadcast_keeps_its_place_before_a_later_allreduce(
     ks.assert_same_on_all_ranks(ks.weights(model) + [np.array(losses)])
 
 
-def test_a_function_with_ordered_collectives_can_still_be_saved(world, tmp_path):
-    # The order is kept through a variable whose handle is the function's own op: a captured
-    # tf.Variable (untracked by the user's module) made tf.saved_model.save refuse it.
-    rank, _ = world
+def test_a_nested_functions_call_keeps_its_place_before_a_later_allreduce(world):
+    """A helper decorated with tf.function that broadcasts variables, called inside a step:
+    its call op reads and writes those variables, so TensorFlow ordered it only against
+    their users, not against the allreduce after it. The helper stays callable on its own
+    (eagerly, or from another function): it captures the process's order variable, not the
+    step's."""
+    rank, size = world
+    v = tf.Variable(np.array([1.0, 2.0], np.float32) * (rank + 1))
 
-    @tf.function(input_signature=[tf.TensorSpec([3], tf.float32), tf.TensorSpec([], tf.bool)])
-    def step(x, flag):
-        if flag:
-            x = kr.broadcast(x, root_rank=0, name="saved.broadcast")
-        return kr.allreduce(x, name="saved.allreduce")
+    @tf.function
+    def sync():
+        kr.broadcast_variables([v], root_rank=0)
+        return tf.constant(0)
 
-    module = tf.Module()
-    module.step = step
-    x = tf.constant([1.0, 2.0, 3.0]) * (rank + 1)
-    assert step(x, tf.constant(True)).numpy().tolist() == [1.0, 2.0, 3.0]
-    tf.saved_model.save(module, str(tmp_path / f"rank{rank}"))
-    assert (tmp_path / f"rank{rank}" / "saved_model.pb").exists()
+    @tf.function
+    def step(x):
+        loss = tf.reduce_sum(v * x)
+        sync()
+        return kr.allreduce(loss, name="nested.loss")
+
+    graph = step.get_concrete_function(tf.constant([1.0, 1.0])).graph
+    calls = [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
+    ordered = _collectives_in_program_order(graph)
+    assert len(calls) == 1 and [op.type for op in ordered] == ["KerasRingAllreduce"], ordered
+    assert _runs_after(ordered[0], calls[0])
+    # The loss read each rank's own v before the broadcast: the mean of 3 * (rank + 1).
+    assert step(tf.constant([1.0, 1.0])).numpy() == np.float32(3.0 * (size + 1) / 2)
+    sync()  # on its own, eagerly
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    assert step(tf.constant([1.0, 1.0])).numpy() == np.float32(3.0)
+
+
+def test_a_gradient_through_a_conditional_inside_another_or_a_loop(world):
+    # The order variable reaches a nested body one graph at a time: cond's gradient expects a
+    # body's captures from the graph just outside it (an AssertionError while tracing).
+    rank, size = world
+    v = tf.Variable(2.0)
+
+    @tf.function(autograph=False)
+    def nested(p, q):
+        with tf.GradientTape() as tape:
+            y = tf.cond(p, lambda: tf.cond(q, lambda: kr.allreduce(v * 3.0, op=kr.Sum,
+                                                                   name="nested.cond"),
+                                           lambda: v + 0.0),
+                        lambda: v * 1.0)
+        return y, tape.gradient(y, v)
+
+    @tf.function(autograph=False)
+    def looped():
+        with tf.GradientTape() as tape:
+            def body(i, x):
+                return i + 1, tf.cond(i < 2, lambda: kr.allreduce(x * v, op=kr.Sum,
+                                                                  name="looped"),
+                                      lambda: x)
+            _, y = tf.while_loop(lambda i, x: i < 3, body, [tf.constant(0), tf.constant(1.0)])
+        return y, tape.gradient(y, v)
+
+    y, grad = nested(tf.constant(True), tf.constant(True))
+    assert (y.numpy(), grad.numpy()) == (6.0 * size, 3.0 * size)
+    y, grad = looped()  # y = (size * v)^2 after two rounds: d/dv = 2 size^2 v
+    assert (y.numpy(), grad.numpy()) == ((2.0 * size) ** 2, 2.0 * size ** 2 * 2.0)

@@ -160,3 +160,25 @@ def test_horovods_device_argument_is_accepted_and_ignored():
 def test_callback_arguments_of_the_wrong_kind_fail_when_made(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+def test_optimizer_settings_compare_by_value_and_never_fail_to_be_read():
+    # fit's epoch check compares digests of the settings: equal values of other types (a
+    # user's 1 for 1.0, NumPy's float64) must not differ there, and an optimizer whose
+    # get_config raises must still give every rank something to send.
+    from keras_ring import _optimizer_settings as settings
+
+    def digest(optimizer):
+        return settings.digest(settings.settings(optimizer))
+
+    assert digest(keras.optimizers.SGD(0.1, clipnorm=1)) == digest(
+        keras.optimizers.SGD(0.5, clipnorm=1.0, name="other"))  # rate and name left out
+    assert digest(keras.optimizers.SGD(momentum=np.float64(0.9))) == digest(
+        keras.optimizers.SGD(momentum=0.9))
+    assert digest(keras.optimizers.SGD(momentum=0.9)) != digest(keras.optimizers.SGD(momentum=0.5))
+
+    class Unreadable(keras.optimizers.SGD):
+        def get_config(self):
+            raise RuntimeError("no config")
+
+    assert settings.settings(Unreadable()) == "no get_config (RuntimeError)"
