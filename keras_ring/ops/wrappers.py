@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 
 import tensorflow as tf
-# The bodies of tf.cond and tf.while_loop: TensorFlow has no public name for them.
+# A function's graph and the bodies of tf.cond and tf.while_loop: no public names.
+from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from keras_ring.ops.loader import library
@@ -53,14 +54,29 @@ _ORDER_NAME = "keras_ring_collective_order"
 _ORDER_LOCK = threading.Lock()  # functions traced on two threads share the one variable
 
 
-def _order_handle() -> tf.Tensor:
-    """The variable's handle as the graph being built sees it."""
+def _bodies() -> list[tf.Graph] | None:
+    """The graphs from the one being built (a body of tf.cond or tf.while_loop, or a
+    function's) up to its function's, innermost first; None where the functions are not
+    traced from eager code (inside a TF1 graph: no automatic control dependencies there, and
+    the variable would be that graph's) or where a registered gradient is built into a
+    function's backward function (see _unordered)."""
+    bodies = [tf.compat.v1.get_default_graph()]
+    while isinstance(bodies[-1], ControlFlowFuncGraph) and bodies[-1].outer_graph is not None:
+        bodies.append(bodies[-1].outer_graph)
+    if not isinstance(bodies[-1], FuncGraph) or (
+            getattr(_IN_GRADIENT, "depth", 0) and bodies[-1].name.startswith("__backward_")):
+        return None
+    with tf.init_scope():  # the outermost context: eager, unless inside a TF1 graph
+        from_eager = tf.executing_eagerly()
+    return bodies if from_eager else None
+
+
+def _order_handle(bodies: list[tf.Graph]) -> tf.Tensor:
+    """The variable's handle as the innermost of ``bodies`` sees it."""
     with _ORDER_LOCK, tf.init_scope(), tf.device("/CPU:0"):
         if not _ORDER:
             _ORDER.append(tf.Variable(0, dtype=tf.int64, trainable=False, name=_ORDER_NAME))
-    bodies = [tf.compat.v1.get_default_graph()]  # innermost first, up to the function's graph
-    while isinstance(bodies[-1], ControlFlowFuncGraph) and bodies[-1].outer_graph is not None:
-        bodies.append(bodies[-1].outer_graph)
+    bodies = list(bodies)
     # The function (also a nested one) captures the variable itself, so its call op writes it
     # wherever it is called from; then each body takes it from the graph just outside (cond's
     # gradient expects captures from there, never from further out).
@@ -70,8 +86,8 @@ def _order_handle() -> tf.Tensor:
     return handle
 
 
-def _order_write() -> tf.Operation:
-    return tf.raw_ops.AssignAddVariableOp(resource=_order_handle(),
+def _order_write(bodies: list[tf.Graph]) -> tf.Operation:
+    return tf.raw_ops.AssignAddVariableOp(resource=_order_handle(bodies),
                                           value=tf.constant(1, tf.int64))
 
 
@@ -79,13 +95,35 @@ def _call(op: Callable, *args, **attrs):
     """``op(*args, **attrs)``: a collective op, run eagerly (in program order anyway) or, in a
     function, made in order with every other collective made there, also where it or they
     run inside a conditional or a loop."""
-    if attrs["eager"] or not tf.inside_function():  # eager, or a TF1 graph (no reordering)
+    bodies = None if attrs["eager"] or not tf.inside_function() else _bodies()
+    if bodies is None:  # eager (program order anyway), a TF1 graph, or a gradient
         return op(*args, **attrs)
-    with tf.control_dependencies([_order_write()]):
+    with tf.control_dependencies([_order_write(bodies)]):
         out = op(*args, **attrs)
     with tf.control_dependencies(tf.nest.flatten(out)):
-        _order_write()
+        _order_write(bodies)
     return out
+
+
+_IN_GRADIENT = threading.local()  # depth: registered gradients being built on this thread
+
+
+def _unordered(gradient: Callable) -> Callable:
+    """A registered gradient, marked while it is built: in a function's backward function
+    (TensorFlow's ``__backward_*``, made where a tape differentiates a call of a function)
+    its collectives take no part in the order variable, since a write of the captured
+    variable there trips TensorFlow inside a loop's gradient (while_v2 finds a capture it did
+    not make). They stay stateful ops of that graph, chained there in program order.
+    Gradients built in the step's own graph and its conditionals' gradient bodies keep it."""
+    @functools.wraps(gradient)
+    def build(*args, **kwargs):
+        _IN_GRADIENT.depth = getattr(_IN_GRADIENT, "depth", 0) + 1
+        try:
+            return gradient(*args, **kwargs)
+        finally:
+            _IN_GRADIENT.depth -= 1
+
+    return build
 
 
 def _common(kind: str, tensor_name: str, process_set_id: int) -> dict:
@@ -221,11 +259,13 @@ def register_gradients(rank: Callable[[int], int], size: Callable[[int], int]) -
     global _registered
     if _registered:
         return  # TensorFlow refuses a second gradient for an op type
-    tf.RegisterGradient("KerasRingAllreduce")(_allreduce_grad)
-    tf.RegisterGradient("KerasRingGroupedAllreduce")(_grouped_allreduce_grad)
-    tf.RegisterGradient("KerasRingAllgather")(functools.partial(_allgather_grad, rank=rank))
-    tf.RegisterGradient("KerasRingBroadcast")(functools.partial(_broadcast_grad, rank=rank))
+    tf.RegisterGradient("KerasRingAllreduce")(_unordered(_allreduce_grad))
+    tf.RegisterGradient("KerasRingGroupedAllreduce")(_unordered(_grouped_allreduce_grad))
+    tf.RegisterGradient("KerasRingAllgather")(
+        _unordered(functools.partial(_allgather_grad, rank=rank)))
+    tf.RegisterGradient("KerasRingBroadcast")(
+        _unordered(functools.partial(_broadcast_grad, rank=rank)))
     tf.RegisterGradient("KerasRingReducescatter")(
-        functools.partial(_reducescatter_grad, size=size))
-    tf.RegisterGradient("KerasRingAlltoall")(_alltoall_grad)
+        _unordered(functools.partial(_reducescatter_grad, size=size)))
+    tf.RegisterGradient("KerasRingAlltoall")(_unordered(_alltoall_grad))
     _registered = True

@@ -401,14 +401,20 @@ def test_a_step_traced_on_equal_weights_gets_nothing_and_one_traced_apart_a_chec
 def _collectives_in_program_order(graph) -> list:
     """The step's ops that run collectives (conditionals whose branches do included), in the
     order they were made."""
-    library = {f.signature.name: {n.op for n in f.node_def}
-               for f in graph.as_graph_def().library.function}
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+
+    def called(attrs) -> list[str]:  # the functions a node or op runs (branches, bodies)
+        return [a.func.name for a in attrs if a.func.name]
+
+    def in_function(name: str) -> bool:
+        nodes = library[name].node_def if name in library else []
+        return any(n.op.startswith("KerasRing") and n.op != "KerasRingTimelineMark"
+                   or any(in_function(f) for f in called(n.attr.values())) for n in nodes)
 
     def runs_collectives(op) -> bool:
-        if op.type in ("If", "StatelessIf"):
-            branches = (op.get_attr("then_branch").name, op.get_attr("else_branch").name)
-            return any(t.startswith("KerasRing") for b in branches for t in library.get(b, ()))
-        return op.type.startswith("KerasRing") and op.type != "KerasRingTimelineMark"
+        if op.type.startswith("KerasRing"):
+            return op.type != "KerasRingTimelineMark"
+        return any(in_function(f) for f in called(op.node_def.attr.values()))
 
     return [op for op in graph.get_operations() if runs_collectives(op)]
 
@@ -525,10 +531,9 @@ def test_a_nested_functions_call_keeps_its_place_before_a_later_allreduce(world)
         return kr.allreduce(loss, name="nested.loss")
 
     graph = step.get_concrete_function(tf.constant([1.0, 1.0])).graph
-    calls = [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
     ordered = _collectives_in_program_order(graph)
-    assert len(calls) == 1 and [op.type for op in ordered] == ["KerasRingAllreduce"], ordered
-    assert _runs_after(ordered[0], calls[0])
+    assert [op.type for op in ordered] == ["StatefulPartitionedCall", "KerasRingAllreduce"]
+    assert _runs_after(ordered[1], ordered[0])
     # The loss read each rank's own v before the broadcast: the mean of 3 * (rank + 1).
     assert step(tf.constant([1.0, 1.0])).numpy() == np.float32(3.0 * (size + 1) / 2)
     sync()  # on its own, eagerly
@@ -561,7 +566,31 @@ def test_a_gradient_through_a_conditional_inside_another_or_a_loop(world):
             _, y = tf.while_loop(lambda i, x: i < 3, body, [tf.constant(0), tf.constant(1.0)])
         return y, tape.gradient(y, v)
 
+    @tf.function
+    def summed(x):
+        return kr.allreduce(x, op=kr.Sum, name="summed") * 2.0
+
+    @tf.function
+    def calls_in_a_loop(x):  # a nested function's gradient inside a loop's gradient
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, summed(y)),
+                              [tf.constant(0), x])[1]
+        return tape.gradient(y, x)
+
+    graph = nested.get_concrete_function(tf.constant(True), tf.constant(True)).graph
+    ordered = _collectives_in_program_order(graph)  # the conditional, then its gradient's
+    assert [op.type for op in ordered] == ["If", "If"], ordered
+    assert _runs_after(ordered[1], ordered[0])
+    # Both write the order variable: the gradient's conditional is ordered by it, not by
+    # chance of data (its collective needs nothing of the forward one's; ranks once ran the
+    # two in either order when gradients were left out of the chain).
+    from keras_ring.ops import wrappers
+    order = [inner for outer, inner in graph.captures if outer is wrappers._ORDER[0].handle]
+    assert len(order) == 1, order
+    assert all(any(t is order[0] for t in op.inputs) for op in ordered)
     y, grad = nested(tf.constant(True), tf.constant(True))
     assert (y.numpy(), grad.numpy()) == (6.0 * size, 3.0 * size)
+    assert calls_in_a_loop(tf.constant(1.0)).numpy() == (2.0 * size) ** 3
     y, grad = looped()  # y = (size * v)^2 after two rounds: d/dv = 2 size^2 v
     assert (y.numpy(), grad.numpy()) == ((2.0 * size) ** 2, 2.0 * size ** 2 * 2.0)

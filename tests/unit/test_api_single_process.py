@@ -361,3 +361,23 @@ def test_large_fresh_outputs_are_advised_to_use_huge_pages(clean_env):
     assert cases == {"0": ["False", "False", "False", "True"],
                      "64000000": ["False", "False", "False", "True"],
                      "default": ["True", "True", "False", "True"]}, out.stdout + out.stderr[-3000:]
+
+
+def test_a_tf1_graph_runs_collectives_in_conditionals_and_functions_and_leaves_eager_alone(
+        initialized):
+    # Inside a TF1 graph keras_ring keeps no order variable (no automatic control
+    # dependencies there to order): made there, it belonged to that graph, and every eager
+    # function holding a collective failed afterwards ("out of scope").
+    with tf.Graph().as_default() as graph:
+        x = tf.constant([1.0, 2.0])
+        chosen = tf.cond(tf.constant(True), lambda: kr.allreduce(x, op=kr.Sum),
+                         lambda: x)
+        called = tf.function(lambda v: kr.allreduce(v, op=kr.Sum))(x)
+        with tf.compat.v1.Session(graph=graph) as session:
+            assert [a.tolist() for a in session.run([chosen, called])] == [[1.0, 2.0]] * 2
+
+    @tf.function
+    def eager_traced(v):
+        return kr.allreduce(v, op=kr.Sum)
+
+    assert eager_traced(tf.constant([3.0])).numpy().tolist() == [3.0]
