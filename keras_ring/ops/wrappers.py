@@ -76,12 +76,11 @@ def _order_handle(bodies: list[tf.Graph]) -> tf.Tensor:
     with _ORDER_LOCK, tf.init_scope(), tf.device("/CPU:0"):
         if not _ORDER:
             _ORDER.append(tf.Variable(0, dtype=tf.int64, trainable=False, name=_ORDER_NAME))
-    bodies = list(bodies)
     # The function (also a nested one) captures the variable itself, so its call op writes it
     # wherever it is called from; then each body takes it from the graph just outside (cond's
     # gradient expects captures from there, never from further out).
-    handle = bodies.pop().capture(_ORDER[0].handle)
-    for body in reversed(bodies):
+    handle = bodies[-1].capture(_ORDER[0].handle)
+    for body in reversed(bodies[:-1]):
         handle = body.capture(handle)
     return handle
 
@@ -96,7 +95,7 @@ def _call(op: Callable, *args, **attrs):
     function, made in order with every other collective made there, also where it or they
     run inside a conditional or a loop."""
     bodies = None if attrs["eager"] or not tf.inside_function() else _bodies()
-    if bodies is None:  # eager (program order anyway), a TF1 graph, or a gradient
+    if bodies is None:  # eager (program order anyway), a TF1 graph, a backward function
         return op(*args, **attrs)
     with tf.control_dependencies([_order_write(bodies)]):
         out = op(*args, **attrs)
