@@ -314,6 +314,8 @@ Status Runtime::Execute(Request& request, uint64_t seq, const std::string& label
 }
 
 Status Runtime::Failed(const std::string& label, const Status& bare, bool executing) {
+  const std::string headline =
+      "keras_ring: " + label + " failed on rank " + std::to_string(options_.rank) + ": ";
   {
     // This rank is shutting down cleanly (another of its threads called shutdown) and the
     // stop cut this collective short: that is no failure of the job. Reporting it as one
@@ -323,8 +325,7 @@ Status Runtime::Failed(const std::string& label, const Status& bare, bool execut
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ && stop_cause_.code() == Code::kCancelled && bare.code() == Code::kAborted &&
         bare.reporter() < 0) {
-      return bare.InCollective(label, "keras_ring: " + label + " failed on rank " +
-                                          std::to_string(options_.rank) + ": " + bare.message());
+      return bare.InCollective(label, headline + bare.message());
     }
   }
   Status s = bare;
@@ -332,8 +333,7 @@ Status Runtime::Failed(const std::string& label, const Status& bare, bool execut
     transport_->AbortWith(bare);  // first: the blamed peer's answer may say more (AskWhy)
     s = AskWhy(bare, label);
   }
-  std::string message = "keras_ring: " + label + " failed on rank " +
-                         std::to_string(options_.rank) + ": " + s.message();
+  std::string message = headline + s.message();
   if (s.code() == Code::kDeadlineExceeded) {
     message += " (KERAS_RING_TIMEOUT_SECONDS=" +
                std::to_string(static_cast<int>(options_.timeout_seconds)) + ")";
