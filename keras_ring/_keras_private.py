@@ -121,7 +121,12 @@ def unbuilt_layers(model: Any) -> list:
     """The layers of the model (itself and nested ones) that have no variables yet because
     they have not run. Those without a ``call`` are left out: what they hold are other
     layers, listed on their own, and variables made in ``__init__``, which exist."""
-    return [layer for layer in model._flatten_layers() if not layer.built and has_call(layer)]
+    return [layer for layer in nested_layers(model) if not layer.built and has_call(layer)]
+
+
+def nested_layers(model: Any) -> list:
+    """The model itself and every layer inside it, nested ones too (Keras's own walk)."""
+    return list(model._flatten_layers())
 
 
 def forget_traced_functions(model: Any) -> None:

@@ -10,7 +10,8 @@ allgather of a float64 per optimizer per epoch. A rank that stopped instead (``E
 has left ``fit``: its peers' check fails on its shutdown notice, as their next step would.
 The same allgather carries the epoch: ranks that resume at different epochs (a backup
 restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
-digest of each optimizer's other settings (``_optimizer_settings``).
+digest of each optimizer's other settings (``_optimizer_settings``), and at the first epoch
+one of the model's adapted preprocessing state (``_adapted_state``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import _optimizer_settings
+from keras_ring import _adapted_state, _optimizer_settings
 from keras_ring.collectives import allgather
 from keras_ring.errors import EpochMismatchError, LearningRateMismatchError
 from keras_ring.process_sets import ProcessSet
@@ -53,6 +54,9 @@ class RateCheck(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._first = True
+        # Variables assigned since the layers last read them (a broadcast_variables before
+        # fit) reach the Normalization layers' copies before the step is traced.
+        _adapted_state.refresh(self.model)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))
@@ -62,13 +66,16 @@ class RateCheck(keras.callbacks.Callback):
         count = len(self.optimizers)
         mine = np.array([epoch] + [current_rate(o) for o in self.optimizers] +
                         [_optimizer_settings.digest(_optimizer_settings.settings(o))
-                         for o in self.optimizers], np.float64)
+                         for o in self.optimizers] +
+                        [_adapted_state.digest(self.model) if first else 0.0], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
                              process_set=self.process_set).numpy()
         if (everyone[:, 0] != epoch).any():
             raise _epoch_mismatch(ranks, everyone[:, 0])
-        if (everyone[:, 1 + count:] != everyone[0, 1 + count:]).any():
+        if (everyone[:, 1 + count:-1] != everyone[0, 1 + count:-1]).any():
             raise _optimizer_settings.mismatch(self.optimizers, ranks, epoch, self.process_set)
+        if (everyone[:, -1] != everyone[0, -1]).any():
+            raise _adapted_state.mismatch(self.model, ranks, self.process_set)
         if first:  # the rates: the broadcast callback may still set them
             return
         rates = everyone[:, 1:1 + count]

@@ -447,7 +447,9 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     ``model.variables`` but not in ``model.weights``) are left out: each rank keeps drawing
     its own dropout masks and augmentations; so are an optimizer's gradient accumulators
     (each rank's own passes, not yet reduced). To give every rank the root's seeds anyway,
-    ``v.assign(keras_ring.broadcast(v.value, root_rank))`` them one by one.
+    ``v.assign(keras_ring.broadcast(v.value, root_rank))`` them one by one. A Keras
+    ``Normalization`` layer reads a copy of its statistics: call its ``finalize_state()``
+    after this (``fit`` and ``broadcast_model`` do).
 
     Example:
 

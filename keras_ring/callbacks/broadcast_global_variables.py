@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_ring import _keras_private
+from keras_ring import _adapted_state, _keras_private
 from keras_ring._grouping import is_variable, variable_keys
 from keras_ring._local import check_variable
 from keras_ring.basics import size
@@ -95,7 +95,8 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
     """Assigns the root rank's model and optimizer variables on every rank (eagerly).
 
     The optimizer's variables are built first when needed, so slots such as Adam's moments
-    exist on every rank and are broadcast too. ``local_variables`` are left out.
+    exist on every rank and are broadcast too. ``local_variables`` are left out. Adapted
+    ``Normalization`` layers then use the root's statistics (their copy is refreshed).
 
     Raises:
         ValueError: the model is not built yet (it has no variables to send); the message
@@ -118,6 +119,7 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
     _check_same_variables(model, len(_shared_variables(weights)), len(_shared_variables(slots)),
                           process_set)
     broadcast_variables(weights + slots, root_rank=root_rank, process_set=process_set)
+    _adapted_state.refresh(model)  # Normalization's copy of its statistics, as Keras's loader
 
 
 def _unbuilt_message(model: keras.Model, unbuilt: list) -> str:

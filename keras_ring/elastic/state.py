@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import _keras_private
+from keras_ring import _adapted_state, _keras_private
 from keras_ring.basics import rank
 from keras_ring.collectives import broadcast, broadcast_variables
 from keras_ring.objects import allgather_object, broadcast_object
@@ -212,6 +212,14 @@ class KerasState(TensorFlowState):
                     "training (give it a keras.Input, or call model.build(input_shape)), so "
                     "a new worker can receive the weights")
         return super()._count_problem(counts)
+
+    def sync(self) -> None:
+        super().sync()
+        _adapted_state.refresh(self.model)  # Normalization's copy of the synced statistics
+
+    def restore(self) -> None:
+        super().restore()
+        _adapted_state.refresh(self.model)
 
     def reset(self) -> None:
         # Traced steps may hold what the old world decided (its size, say): trace anew.

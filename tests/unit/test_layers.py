@@ -72,6 +72,7 @@ LAYERS = {
     "keras_ring._step_check": 7,
     "keras_ring._rate_check": 7,
     "keras_ring._optimizer_settings": 7,
+    "keras_ring._adapted_state": 7,  # preprocessing layers' state, refreshed and compared
     "keras_ring.sync_batch_normalization": 7,
     "keras_ring.optimizer": 7,
     "keras_ring.gradient_tape": 7,
