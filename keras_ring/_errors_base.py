@@ -85,14 +85,14 @@ class KerasRingError(Exception):
 
 
 class NotInitializedError(KerasRingError, ValueError):
-    """A keras_ring function was called before ``keras_ring.init()`` or after ``shutdown()``."""
+    """A keras_ring function was called before ``keras_ring.init()``, after ``shutdown()``,
+    or in a process forked from a rank (whose runtime is its parent's)."""
 
     __module__ = _PUBLIC_MODULE
 
-    def __init__(self, what: str = "this function"):
-        super().__init__(
-            f"keras_ring has not been initialized: call keras_ring.init() before {what}"
-        )
+    def __init__(self, what: str = "this function", *, message: str | None = None):
+        super().__init__(message or
+                         f"keras_ring has not been initialized: call keras_ring.init() before {what}")
 
 
 class InitError(KerasRingError, RuntimeError):

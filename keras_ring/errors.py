@@ -30,6 +30,8 @@ _OURS = re.compile(r"keras_ring(?:: | has not been initialized)")
 # TensorFlow's function runtime replaces some codes: "... originally returned UnavailableError,
 # and was replaced by InternalError ...": the original tells what happened.
 _REPLACED = re.compile(r"originally returned (?P<name>\w+Error)")
+# In the core's error for a collective in a process forked from a rank (runtime.cc).
+FORKED = "after keras_ring.init(), e.g. by a multiprocessing pool"
 
 
 class CollectiveMismatchError(KerasRingError, tf.errors.FailedPreconditionError):
@@ -105,6 +107,8 @@ def translate(error: tf.errors.OpError) -> Exception:
     message = _TF_SUFFIX.sub("", error.message[start.start():]).strip()
     if "has not been initialized" in message:
         return NotInitializedError("running a collective")
+    if FORKED in message:
+        return NotInitializedError(message=message)
     if WEIGHTS_DIFFER in message:
         return _weight_mismatch(message)
     info = error_info(message)

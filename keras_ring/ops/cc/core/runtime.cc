@@ -1,5 +1,9 @@
 #include "runtime.h"
 
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -10,14 +14,54 @@
 namespace keras_ring {
 namespace {
 
-std::mutex g_instance_mu;
+
+// In a child forked from a rank after init(), the runtimes it copied are the parent's: their
+// threads did not come along, and their connections and shared memory are the parent's. A
+// collective there paired with a peer's collective of the parent's (a silent wrong result)
+// or corrupted the parent's streams; stopping them would tell the peers the parent left.
+// So a forked child sees no runtime, and the copies are never used, stopped or destroyed.
+std::atomic<bool> g_forked{false};
+std::atomic<int> g_parent_pid{0};
+std::atomic<int> g_global_rank{-1};
+std::once_flag g_fork_handler_once;
+
 // This process's runtimes by process set: 0 is the global one, the others run collectives
 // among a subset of the ranks over transports of their own.
-std::map<int, std::shared_ptr<Runtime>> g_instances;
+struct Instances : std::map<int, std::shared_ptr<Runtime>> {
+  ~Instances() {
+    // A forked child's exit must not destroy the parent's runtimes: that stops them, telling
+    // the peers over the parent's connections that this rank shut down, and joins threads
+    // this process does not have. Their references are left to the exit.
+    if (!g_forked.load()) return;
+    for (auto& entry : *this) new std::shared_ptr<Runtime>(std::move(entry.second));
+  }
+};
+std::mutex g_instance_mu;
+Instances g_instances;
+
+void OnForkInChild() {  // async-signal-safe only: another thread may have held any lock
+  g_forked.store(true);
+  g_parent_pid.store(static_cast<int>(getppid()));
+}
 
 }  // namespace
 
+Status ForkedChildError() {
+  return Status(Code::kFailedPrecondition,
+                "keras_ring: this process (pid " + std::to_string(getpid()) +
+                    ") was forked from rank " + std::to_string(g_global_rank.load()) +
+                    "'s process (pid " + std::to_string(g_parent_pid.load()) +
+                    ") after keras_ring.init(), e.g. by a multiprocessing pool or a data "
+                    "loader's workers with the 'fork' start method: keras_ring's runtime and "
+                    "connections belong to that process, so collectives (and init()) run only "
+                    "there. Run them in the process that called init(), or start workers with "
+                    "the 'spawn' or 'forkserver' start method");
+}
+
+bool InForkedChild() { return g_forked.load(); }
+
 Status NoRuntimeError(int process_set) {
+  if (InForkedChild()) return ForkedChildError();
   if (process_set == 0) {
     return Status(Code::kFailedPrecondition,
                   "keras_ring has not been initialized; call keras_ring.init() first");
@@ -29,17 +73,21 @@ Status NoRuntimeError(int process_set) {
 }
 
 std::shared_ptr<Runtime> Runtime::Get(int process_set) {
+  if (InForkedChild()) return nullptr;  // before the lock: the parent may have held it
   std::lock_guard<std::mutex> lock(g_instance_mu);
   auto it = g_instances.find(process_set);
   return it == g_instances.end() ? nullptr : it->second;
 }
 
 void Runtime::Install(std::shared_ptr<Runtime> runtime, int process_set) {
+  std::call_once(g_fork_handler_once, [] { pthread_atfork(nullptr, nullptr, OnForkInChild); });
+  if (process_set == 0) g_global_rank.store(runtime->rank());
   std::lock_guard<std::mutex> lock(g_instance_mu);
   g_instances[process_set] = std::move(runtime);
 }
 
 std::shared_ptr<Runtime> Runtime::Uninstall(int process_set) {
+  if (InForkedChild()) return nullptr;  // the parent's: left alone (see g_forked)
   std::lock_guard<std::mutex> lock(g_instance_mu);
   auto it = g_instances.find(process_set);
   if (it == g_instances.end()) return nullptr;
@@ -49,6 +97,7 @@ std::shared_ptr<Runtime> Runtime::Uninstall(int process_set) {
 }
 
 std::vector<std::shared_ptr<Runtime>> Runtime::UninstallAll() {
+  if (InForkedChild()) return {};
   std::lock_guard<std::mutex> lock(g_instance_mu);
   std::vector<std::shared_ptr<Runtime>> all;
   // Process sets first, the global runtime last.

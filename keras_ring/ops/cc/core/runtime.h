@@ -60,6 +60,11 @@ struct RuntimeOptions {
 // The error of a collective on a process set this rank runs no runtime for.
 Status NoRuntimeError(int process_set);
 
+// Whether this process was forked from a rank after init() (its runtimes are the parent's:
+// it sees none), and the error that says so.
+bool InForkedChild();
+Status ForkedChildError();
+
 class Runtime {
  public:
   Runtime(const RuntimeOptions& options, std::unique_ptr<Transport> transport);

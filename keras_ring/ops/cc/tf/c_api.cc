@@ -60,6 +60,7 @@ extern "C" {
 
 int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
   const int set = cfg->process_set_id;
+  if (keras_ring::InForkedChild()) return Report(keras_ring::ForkedChildError(), err, err_len);
   if (Runtime::Get(set) != nullptr) return 0;  // init() twice is harmless
   if (set == 0) keras_ring::ClearInterrupt();  // a signal the program survived is history
   const int rank = cfg->rank;
