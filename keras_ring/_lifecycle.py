@@ -22,5 +22,6 @@ AFTER_INIT: list[Callable[[], None]] = []
 # Run by keras_ring.init(process_sets=[...]) after AFTER_INIT, with that list.
 ADD_PROCESS_SETS: list[Callable[[list], None]] = []
 # Run by Runtime.shutdown() while the peers are still connected, with the runtime's config,
-# topology and library.
+# topology and library. A step that raises does not stop the others nor the shutdown: its
+# error becomes a warning once the runtime is down.
 BEFORE_SHUTDOWN: list[Callable[[Config, Topology, Library], None]] = []

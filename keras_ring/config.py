@@ -8,6 +8,7 @@ every layer may use it.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -45,11 +46,21 @@ MPI_VARIABLE_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_")
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", RANK_VARIABLE, "SLURM_PROCID")
 
 
+# The longest any seconds variable may ask for. Every wait must end (KERAS_RING_TIMEOUT_SECONDS
+# bounds them all), so inf is no "never"; and the C++ core turns these values into nanosecond
+# deadlines (int64: ~292 years from the clock's epoch) and prints them as int, where a value
+# too large is undefined behaviour. A week is far longer than any wait a job means and far
+# below those limits. Larger values are refused, not clamped: a clamp would quietly run with a
+# bound the user never chose.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
 def seconds_from_env(name: str, default: float, minimum: float = 0.0) -> float:
-    """Variable ``name`` as seconds greater than ``minimum``; ``default`` when unset or empty.
+    """Variable ``name`` as seconds greater than ``minimum``, at most ``MAX_SECONDS``;
+    ``default`` when unset or empty.
 
     Raises:
-        ValueError: the value is no number or too small; the message names the variable.
+        ValueError: the value is no number or out of range; the message names the variable.
     """
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -58,13 +69,14 @@ def seconds_from_env(name: str, default: float, minimum: float = 0.0) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not value > minimum:
-        raise ValueError(f"{name} must be greater than {minimum:g}, got {raw!r}")
+    if not minimum < value <= MAX_SECONDS:  # also refuses nan and inf
+        raise ValueError(f"{name} must be a number of seconds greater than {minimum:g} and at "
+                         f"most {MAX_SECONDS:g} (a week), got {raw!r}")
     return value
 
 
 def _seconds_or_off(name: str, default: float) -> float:
-    """Seconds >= 0, where 0 switches the behaviour off."""
+    """Seconds in [0, MAX_SECONDS], where 0 switches the behaviour off."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -72,8 +84,9 @@ def _seconds_or_off(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds (0: off), got {raw!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name} must be 0 (off) or a positive number of seconds, got {raw!r}")
+    if not 0 <= value <= MAX_SECONDS:  # also refuses nan and inf
+        raise ValueError(f"{name} must be 0 (off) or a number of seconds of at most "
+                         f"{MAX_SECONDS:g} (a week), got {raw!r}")
     return value
 
 
@@ -122,6 +135,36 @@ def _power_of_two(name: str, default: int) -> int:
     return value
 
 
+def _absolute_or_none(name: str) -> str | None:
+    raw = os.environ.get(name)
+    return os.path.abspath(raw) if raw else None
+
+
+def check_timeline_path(path: str) -> None:
+    """Raises ValueError unless this process can write the timeline at ``path``.
+
+    Run by init() before the ranks connect: found only at shutdown(), a bad path used to cost
+    the whole run's trace, and the write failing there must not keep the runtime up. The
+    writer (keras_ring.timeline) creates a file beside ``path`` and renames it to ``path``
+    (or, where a peer is gone, to ``<path less .json>.rank<N>.json``), on any rank: so every
+    rank checks that it can create a file in that directory, and that ``path`` is no directory.
+    """
+    if os.path.isdir(path):
+        raise ValueError(f"KERAS_RING_TIMELINE={path!r} is a directory; it must name the file "
+                         "the trace is written to at shutdown()")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        # A name of its own: the ranks of a host check the same directory at once.
+        fd, probe = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".check",
+                                     dir=directory)
+    except OSError as e:
+        raise ValueError(f"KERAS_RING_TIMELINE={path!r}: the trace (written at shutdown()) "
+                         f"cannot be written: cannot create a file in {directory!r}: "
+                         f"{e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 @dataclass(frozen=True)
 class Config:
     """What the environment asks for; see the README's table of variables."""
@@ -159,7 +202,9 @@ class Config:
             socket_ifname=os.environ.get("KERAS_RING_SOCKET_IFNAME", "").strip() or None,
             use_shm=_bool("KERAS_RING_SHM", True),
             shm_channel_bytes=_power_of_two("KERAS_RING_SHM_CHANNEL_BYTES", 1 << 20),
-            timeline_path=os.environ.get("KERAS_RING_TIMELINE") or None,
+            # Absolute: the trace goes where the path pointed at init() (where it was
+            # checked), even if the program changes its working directory later.
+            timeline_path=_absolute_or_none("KERAS_RING_TIMELINE"),
             intra_op_threads=(
                 int_from_env("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
                 if os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip() else None

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Any
 
 from keras_ring import _lifecycle, errors, gpu, interfaces, rendezvous, threads
 from keras_ring.bootstrap import bootstrap, launched_by_mpi
 from keras_ring.mpi_exchange import comm_bootstrap, whole_world
-from keras_ring.config import Config
+from keras_ring.config import Config, check_timeline_path
 from keras_ring.elastic import client as elastic_client
 from keras_ring.errors import InitError, NotInitializedError
 from keras_ring.ops.loader import Library, NativeConfig, library
@@ -45,6 +47,7 @@ class Runtime:
         # first init() and kept until exit; every init() then joins the next world through it.
         self._elastic: elastic_client.ElasticClient | None = None
         self._generation = 0  # counts init()s: what is checked once per job starts again
+        self._pid = os.getpid()  # of the process whose runtime this is (init() sets it)
 
     @property
     def generation(self) -> int:
@@ -98,6 +101,8 @@ class Runtime:
             if self._topology is not None:
                 return
             config = Config.from_env()
+            if config.timeline_path is not None:  # before any peer waits for this rank
+                check_timeline_path(config.timeline_path)
             lib = library()
             world = None  # a table of one world of an elastic job, closed once connected
             if table is None and comm is not None:
@@ -128,6 +133,7 @@ class Runtime:
             self._config = config
             self._leaving_with = None
             self._generation += 1
+            self._pid = os.getpid()
             if not self._atexit_registered:
                 atexit.register(self._at_exit)
                 _chain_excepthook(self)
@@ -260,15 +266,35 @@ class Runtime:
         with self._lock:
             if self._topology is None:
                 return
-            if self._config is not None:
-                for step in _lifecycle.BEFORE_SHUTDOWN:  # the timeline's, say: see there
-                    step(self._config, self._topology, library())
-            if error is None:
-                library().c.keras_ring_shutdown()  # process sets' runtimes too
-            else:
-                library().c.keras_ring_shutdown_with_error(error.encode(errors="replace")[:300])
-            self._topology = None
-            self._sets = {}
+            if os.getpid() != self._pid:
+                # A child forked from this rank (its exit runs atexit too): the runtime is the
+                # parent's, and the core ignores it here; writing the parent's timeline or
+                # telling peers anything from here would be wrong.
+                self._topology, self._sets = None, {}
+                return
+            failed: list[str] = []
+            try:
+                if self._config is not None:
+                    for step in _lifecycle.BEFORE_SHUTDOWN:  # the timeline's, say: see there
+                        try:
+                            step(self._config, self._topology, library())
+                        except Exception as e:  # the other steps still run
+                            failed.append(f"{type(e).__name__}: {e}")
+            finally:
+                # Whatever a step did, the runtime goes down: one left up (on this rank only)
+                # fails the next init() and the peers with errors that name nothing of it.
+                if error is None:
+                    library().c.keras_ring_shutdown()  # process sets' runtimes too
+                else:
+                    library().c.keras_ring_shutdown_with_error(
+                        error.encode(errors="replace")[:300])
+                self._topology = None
+                self._sets = {}
+        for reason in failed:
+            # A warning, not an exception: the steps only save diagnostics (the timeline)
+            # or forget state, and raising here would cost the program what it does after
+            # shutdown() (saving its model, say), or print as an ignored error at exit.
+            warnings.warn(f"keras_ring.shutdown(): {reason}", RuntimeWarning, stacklevel=3)
 
     def _at_exit(self) -> None:
         leaving_with = self._leaving_with

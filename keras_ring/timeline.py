@@ -4,7 +4,9 @@ One row per rank; per collective its phases — queued (submitted by the kernel,
 worker), waiting for peers (the signature exchange: until every rank has submitted it),
 transfer/reduce (the data moving) — and an instant "done" event, with byte counts. At
 ``shutdown()`` every rank sends its events to rank 0, which writes the file; if that is
-impossible (a peer died) each rank writes ``path.rank<N>.json`` instead.
+impossible (a peer died) each rank writes ``path.rank<N>.json`` instead. ``init()`` checks that
+the file can be written; where it no longer can at shutdown (the directory removed, the disk
+full), the trace goes to the temp directory, with a warning naming the file.
 
 ``mark(tensor, label)`` puts a point of the program on the same clock (an instant event named
 ``label`` when ``tensor`` is computed: a gradient, say, to see which collectives overlap
@@ -14,9 +16,12 @@ the file, from inside a program.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -110,14 +115,45 @@ def write(path: str, topology: Topology, lib: Library) -> None:
         try:
             gathered = allgather_object(events)
         except Exception:  # a peer is gone: keep what this rank has
-            _dump(Path(f"{os.path.splitext(path)[0]}.rank{topology.rank}.json"), events)
+            _save(Path(f"{os.path.splitext(path)[0]}.rank{topology.rank}.json"), events)
             return
         events = [e for rank_events in gathered for e in rank_events]
     if topology.rank == 0:
-        _dump(Path(path), events)
+        _save(Path(path), events)
+
+
+def _save(path: Path, events: list[dict[str, Any]]) -> None:
+    """Writes the trace to ``path``, else to a new file in the temp directory: init() found
+    ``path`` writable, so failing now (directory removed, disk full) must not lose the run's
+    trace, which exists nowhere else once read from the runtime."""
+    try:
+        _dump(path, events)
+        return
+    except OSError as e:
+        first = e
+    fallback = None
+    try:
+        fd, fallback = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=path.suffix or ".json")
+        os.close(fd)
+        _dump(Path(fallback), events)
+    except OSError as e:
+        if fallback is not None:
+            with contextlib.suppress(OSError):  # an empty file is no trace either
+                os.unlink(fallback)
+        raise OSError(f"KERAS_RING_TIMELINE: the trace could not be written to {str(path)!r} "
+                      f"({first.strerror or first}) nor to the temp directory "
+                      f"({e.strerror or e}); it is lost") from first
+    warnings.warn(f"keras_ring: KERAS_RING_TIMELINE: the trace could not be written to "
+                  f"{str(path)!r} ({first.strerror or first}); it was written to "
+                  f"{fallback!r} instead", RuntimeWarning, stacklevel=2)
 
 
 def _dump(path: Path, events: list[dict[str, Any]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a partial file (disk full) is no trace
+            tmp.unlink()
+        raise

@@ -208,6 +208,51 @@ def test_bad_environment_values_name_the_variable(monkeypatch):
     assert not kr.is_initialized()
 
 
+# Every wait is bounded, and the C++ core turns these into integer deadlines: inf, nan and
+# values past a week are refused (1e300 used to reach undefined float-to-int conversions).
+SECONDS_VARIABLES = ["KERAS_RING_TIMEOUT_SECONDS", "KERAS_RING_STALL_WARNING_SECONDS",
+                     "KERAS_RING_FAILURE_EXIT_SECONDS"]
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "1e300", "604801"])
+@pytest.mark.parametrize("variable", SECONDS_VARIABLES)
+def test_seconds_variables_refuse_unbounded_values(monkeypatch, variable, raw):
+    from keras_ring.config import Config
+
+    monkeypatch.setenv(variable, raw)
+    with pytest.raises(ValueError, match=rf"{variable} must be .* at most 604800 .*got '{raw}'"):
+        Config.from_env()
+    try:
+        with pytest.raises(ValueError, match=variable):
+            kr.init()
+    finally:
+        if kr.is_initialized():  # a failed test must not leave its runtime to the next one
+            kr.shutdown()
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "1e300"])
+@pytest.mark.parametrize("variable", ["KERAS_RING_START_TIMEOUT_SECONDS",
+                                      "KERAS_RING_ELASTIC_TIMEOUT_SECONDS",
+                                      "KERAS_RING_ELASTIC_JOIN_SECONDS"])
+def test_launch_seconds_variables_refuse_unbounded_values(monkeypatch, variable, raw):
+    from keras_ring.config import seconds_from_env  # what the rendezvous and elastic read with
+
+    monkeypatch.setenv(variable, raw)
+    with pytest.raises(ValueError, match=rf"{variable} must be .* at most 604800 .*got '{raw}'"):
+        seconds_from_env(variable, 60.0)
+
+
+def test_seconds_variables_take_up_to_a_week_and_failure_exit_takes_zero(monkeypatch):
+    from keras_ring.config import Config
+
+    monkeypatch.setenv("KERAS_RING_TIMEOUT_SECONDS", "604800")
+    monkeypatch.setenv("KERAS_RING_STALL_WARNING_SECONDS", "0.5")
+    monkeypatch.setenv("KERAS_RING_FAILURE_EXIT_SECONDS", "0")  # 0: never ends the process
+    config = Config.from_env()
+    assert (config.timeout_seconds, config.stall_warning_seconds,
+            config.failure_exit_seconds) == (604800.0, 0.5, 0.0)
+
+
 def test_thread_default_respects_the_users_choice(monkeypatch):
     from keras_ring import threads
 
