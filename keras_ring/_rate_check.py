@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import _adapted_state, _optimizer_settings
+from keras_ring import _adapted_state, _optimizer_settings, _weight_check
 from keras_ring.collectives import allgather
 from keras_ring.errors import EpochMismatchError, LearningRateMismatchError
 from keras_ring.process_sets import ProcessSet
@@ -57,6 +57,7 @@ class RateCheck(keras.callbacks.Callback):
         # Variables assigned since the layers last read them (a broadcast_variables before
         # fit) reach the Normalization layers' copies before the step is traced.
         _adapted_state.refresh(self.model)
+        _weight_check.new_fit(self.model)  # weights changed between fits, on some ranks only
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))

@@ -11,10 +11,15 @@ weights are equal to the bit: per-weight fingerprints (the sum of the weight's b
 as unsigned integers, exact in any order, so equal weights give equal fingerprints whatever
 the thread count, host or kernel that sums them). Where they differ, the verdict waits for
 the second step: a program that broadcasts after its first batch (Horovod's older callback
-did) has mended them by then, to the bit again. Ranks that started equal are not compared
-later: updates need not be bit-identical across ranks (a GPU's atomic scatter-adds, a
-gradient norm summed by a different number of threads). One allgather of one int64 per
-weight, rarely two; nothing is added to the training step's graph.
+did) has mended them by then, to the bit again. One allgather of one int64 per weight, rarely
+two; nothing is added to the training step's graph.
+
+Each later ``fit`` compares again as it begins: between fits a program may change the weights
+on some ranks only (a checkpoint loaded on rank 0, ``EarlyStopping(restore_best_weights=True)``
+restoring each rank's own best epoch). Updates need not be bit-identical across ranks (a GPU's
+atomic scatter-adds), so there weights whose fingerprints differ are compared by value: the
+root broadcasts them, and a difference beyond ``LATER_TOLERANCE`` of the weight's scale fails.
+The ranks apply the same averaged gradients, so rounding differences do not grow by training.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_ring import _keras_private
 from keras_ring._grouping import variable_keys
-from keras_ring.collectives import allgather
+from keras_ring.collectives import allgather, broadcast
 from keras_ring.errors import WEIGHTS_DIFFER, WeightMismatchError
 from keras_ring.process_sets import ProcessSet, global_process_set
 from keras_ring.runtime import RUNTIME
@@ -36,6 +42,10 @@ from keras_ring.runtime import RUNTIME
 _INSTALLED = "_keras_ring_weight_check"
 NAME = "keras_ring.weight_check"  # the collective's name, seen in errors beside the other side's
 SHOWN = 3  # weights named in the error
+# Largest difference, relative to the weight's largest magnitude, that a later fit tolerates:
+# rounding differences of updates grow like the square root of the steps, about 1e-4 after
+# a million; weights restored from another epoch differ by far more.
+LATER_TOLERANCE = 1e-3
 
 _UNKNOWN = object()
 _fit_step = threading.local()
@@ -59,7 +69,13 @@ class _Checker:
         self.steps_done = 0
         self.differed_at: int | None = None  # steps done when a comparison first differed
         self.passed = False
+        self.later = False  # the weights compared equal and trained since: compare by value
         self.current: Any = _UNKNOWN  # settings() for the present training function
+
+    def new_fit(self) -> None:
+        """A ``fit`` begins: compare again before its first step (see above)."""
+        if self.passed and self.generation == RUNTIME.generation:
+            self.passed, self.differed_at, self.later = False, None, True
 
     def new_function(self) -> None:
         """Keras made a new training function (compile, or fit after it): the optimizers
@@ -69,7 +85,7 @@ class _Checker:
     def before_step(self) -> None:
         if self.generation != RUNTIME.generation:
             self.generation, self.steps_done = RUNTIME.generation, 0
-            self.differed_at, self.passed = None, False
+            self.differed_at, self.passed, self.later = None, False, False
         if self.passed or not RUNTIME.config.check_weights:
             return
         if self.current is _UNKNOWN:
@@ -78,7 +94,7 @@ class _Checker:
             return
         if _keras_private.unbuilt_layers(self.model):
             return  # weights still to be made: compare when the first step has made them
-        mismatch = compare_weights(self.model, *self.current)
+        mismatch = compare_weights(self.model, *self.current, later=self.later)
         if mismatch is None:
             self.passed = True
         elif self.differed_at is None:
@@ -122,7 +138,7 @@ def install(model: Any, settings: Settings) -> None:
     weights differ by design) and the process set that trains, or None when the model's
     optimizer no longer communicates.
     """
-    if getattr(model, _INSTALLED, False) or not hasattr(model, "make_train_function"):
+    if getattr(model, _INSTALLED, None) is not None or not hasattr(model, "make_train_function"):
         return
     original = model.make_train_function
     checker = _Checker(model, settings)
@@ -136,7 +152,14 @@ def install(model: Any, settings: Settings) -> None:
         return model.train_function if result is not None else result
 
     model.make_train_function = make_train_function
-    setattr(model, _INSTALLED, True)
+    setattr(model, _INSTALLED, checker)
+
+
+def new_fit(model: Any) -> None:
+    """Tells the check of ``model`` (where installed) that a ``fit`` begins."""
+    checker = getattr(model, _INSTALLED, None)
+    if isinstance(checker, _Checker):
+        checker.new_fit()
 
 
 _UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32, 8: tf.uint32}
@@ -178,10 +201,12 @@ FIT_ADVICE = (
 
 
 def compare_variables(variables: list[Any], text: dict[str, Any],
-                      process_set: ProcessSet = global_process_set) -> WeightMismatchError | None:
+                      process_set: ProcessSet = global_process_set,
+                      tolerance: float | None = None) -> WeightMismatchError | None:
     """The error to raise on every rank of ``process_set`` when their ``variables`` differ,
     else None; a collective: every rank calls it. ``text`` fills TEMPLATE's ``where``,
-    ``advice`` and ``partial``."""
+    ``advice`` and ``partial``. With a ``tolerance``, weights whose bits differ are compared
+    by value (relative to their largest magnitude) too."""
     ranks = process_set.ranks or list(range(RUNTIME.topology().size))
     if len(ranks) < 2:
         return None
@@ -189,10 +214,13 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
         mine = tf.stack([fingerprint(value_of(v)) for v in variables]
                         or [tf.constant(0, tf.int64)])
         everyone = allgather(mine[tf.newaxis], name=NAME, process_set=process_set).numpy()
-    differs = (everyone != everyone[0]).any(axis=0)
+    apart = everyone != everyone[0]  # by rank and weight
+    if tolerance is not None and apart.any():
+        apart = _beyond(variables, apart, tolerance, ranks[0], process_set)
+    differs = apart.any(axis=0)
     if not differs.any():
         return None
-    odd = [ranks[i] for i in range(1, len(ranks)) if (everyone[i] != everyone[0]).any()]
+    odd = [ranks[i] for i in range(1, len(ranks)) if apart[i].any()]
     names = [label(v) for v, d in zip(variables, differs) if d]
     shown = ", ".join(f"'{n}'" for n in names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
     error = WeightMismatchError(TEMPLATE.format(
@@ -202,15 +230,42 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
     return error
 
 
+def _beyond(variables: list[Any], apart: np.ndarray, tolerance: float, root: int,
+            process_set: ProcessSet) -> np.ndarray:
+    """Of the (rank, weight) pairs whose bits differ, those whose values differ by more than
+    ``tolerance`` of the weight's largest magnitude from the root's (every rank alike)."""
+    which = [j for j in range(len(variables)) if apart[:, j].any()]
+    with tf.init_scope():
+        relative = []
+        for j in which:
+            value = tf.cast(value_of(variables[j]), tf.float64)
+            roots = broadcast(value, root, name=f"{NAME}.values.{j}", process_set=process_set)
+            scale = tf.maximum(tf.reduce_max(tf.abs(roots)), tf.reduce_max(tf.abs(value)))
+            relative.append(tf.reduce_max(tf.abs(value - roots)) / tf.maximum(scale, 1e-30))
+        everyone = allgather(tf.stack(relative)[tf.newaxis], name=f"{NAME}.relative",
+                             process_set=process_set).numpy()
+    beyond = np.zeros_like(apart)
+    beyond[:, which] = everyone > tolerance
+    return beyond
+
+
 def value_of(variable: Any) -> Any:
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-def compare_weights(model: Any, local: set[int],
-                    process_set: ProcessSet = global_process_set) -> WeightMismatchError | None:
+def compare_weights(model: Any, local: set[int], process_set: ProcessSet = global_process_set,
+                    later: bool = False) -> WeightMismatchError | None:
     """The error to raise on every rank of ``process_set`` when their trainable weights
-    (except those with ids in ``local``) differ, else None; a collective: every rank calls it."""
+    (except those with ids in ``local``) differ, else None; a collective: every rank calls it.
+    ``later``: they compared equal at an earlier fit and trained since."""
+    where = f"at the start of training model '{model.name}'"
+    if later:
+        where = (f"as a later fit of model '{model.name}' begins (they were equal when it began "
+                 "training: since then something changed them on some ranks only, such as a "
+                 "checkpoint loaded on one rank, or EarlyStopping(restore_best_weights=True) "
+                 "restoring each rank's own best epoch, which MetricAverageCallback first in "
+                 "fit's callbacks makes the same)")
     return compare_variables(
         trained_variables(model, local),
-        {"where": f"at the start of training model '{model.name}'", "advice": FIT_ADVICE,
-         "partial": "PartialDistributedOptimizer"}, process_set)
+        {"where": where, "advice": FIT_ADVICE, "partial": "PartialDistributedOptimizer"},
+        process_set, tolerance=LATER_TOLERANCE if later else None)
