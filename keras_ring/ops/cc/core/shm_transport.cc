@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -72,7 +73,7 @@ bool PeerSocketClosed(int fd) {
 struct SetupReport {
   int32_t pid;
   int32_t ok;
-  char error[120];
+  char error[440];  // the whole of an error that says what to do (a full /dev/shm's)
 };
 
 }  // namespace
@@ -232,17 +233,60 @@ void ShmTransport::RemoveStaleRegions() {
   closedir(dir);
 }
 
-std::string ShmTransport::CreateOwnRegion(size_t header_bytes) {
+namespace {
+
+// Reserves the pages of the region that will be written: the header and the channels of the
+// local peers (a remote peer's channel is never touched). ftruncate reserves nothing on
+// tmpfs: a full /dev/shm (Docker's default is 64 MiB) then killed the rank with SIGBUS at its
+// first write to a missing page, mid-collective, with no message. An error here is told to
+// every rank at start-up instead. 0, or the errno.
+int Reserve(int fd, size_t header_bytes, size_t channel_bytes, const std::vector<int>& local) {
+  int rc = posix_fallocate(fd, 0, static_cast<off_t>(header_bytes));
+  for (size_t i = 0; rc == 0 && i < local.size(); ++i) {
+    rc = posix_fallocate(fd, static_cast<off_t>(header_bytes + local[i] * channel_bytes),
+                         static_cast<off_t>(channel_bytes));
+  }
+  return rc == EOPNOTSUPP || rc == EINVAL ? 0 : rc;  // a filesystem that cannot: as before
+}
+
+std::string NoSpaceMessage(size_t needed, size_t ranks_here) {
+  const double mib = 1024.0 * 1024.0;
+  struct statvfs fs {};
+  char free_text[64] = "free space unknown";
+  if (statvfs("/dev/shm", &fs) == 0) {
+    std::snprintf(free_text, sizeof free_text, "%.1f MiB free",
+                  static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) / mib);
+  }
+  char text[512];
+  std::snprintf(text, sizeof text,
+                "/dev/shm has too little free space for the shared-memory channels (each of "
+                "the %zu ranks on this host needs %.1f MiB; %s): enlarge it (docker run "
+                "--shm-size=1g), lower KERAS_RING_SHM_CHANNEL_BYTES (needed per other rank on "
+                "the host), or set KERAS_RING_SHM=0 (TCP)",
+                ranks_here, static_cast<double>(needed) / mib, free_text);
+  return text;
+}
+
+}  // namespace
+
+std::string ShmTransport::CreateOwnRegion(size_t header_bytes, const std::vector<int>& local) {
   own_name_ = RegionName(options_.job_token, rank_, getpid());
   int fd = shm_open(own_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   void* mem = MAP_FAILED;
-  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(region_bytes_)) == 0) {
+  int err = 0;
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(region_bytes_)) != 0) {
+    err = errno;
+  } else if ((err = Reserve(fd, header_bytes, options_.channel_bytes, local)) == 0) {
     mem = mmap(nullptr, region_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mem == MAP_FAILED) err = errno;
   }
-  const int err = errno;
   if (fd >= 0) close(fd);
   if (mem == MAP_FAILED) {
     if (fd >= 0) shm_unlink(own_name_.c_str());
+    if (err == ENOSPC) {
+      return NoSpaceMessage(header_bytes + local.size() * options_.channel_bytes,
+                            local.size() + 1);
+    }
     return "creating shared memory " + own_name_ + " failed: " + std::strerror(err);
   }
   own_ = new (mem) Region();  // ftruncate zero-filled the rest
@@ -316,7 +360,7 @@ Status ShmTransport::Create(Transport& control, const std::vector<int>& local,
   };
 
   RemoveStaleRegions();
-  Status s = round(t->CreateOwnRegion(header));  // also tells everyone our pid
+  Status s = round(t->CreateOwnRegion(header, local));  // also tells everyone our pid
   std::string error;
   for (int peer : local) {
     if (!s.ok() || !error.empty()) break;

@@ -71,7 +71,8 @@ class ShmTransport : public Transport {
   Status Transfer(Job& job, Deadline deadline);
   Status Sleep(const Job& job, Deadline deadline);
   // Setup steps; each returns an error message, empty on success.
-  std::string CreateOwnRegion(size_t header_bytes);
+  // `local`: the peers that write into it (their channels are reserved up front).
+  std::string CreateOwnRegion(size_t header_bytes, const std::vector<int>& local);
   std::string MapPeer(int peer, int pid, int liveness_fd);
   // Errors for the peers `job` waits on: gone, failed, or (unless `starting`) shut down.
   Status CheckPeers(const Job& job, bool starting) const;
