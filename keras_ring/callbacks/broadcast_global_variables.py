@@ -144,13 +144,21 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int,
                           process_set: ProcessSet) -> None:
     """Every rank raises, naming the counts, where the ranks' models or optimizers differ."""
     optimizer = type(getattr(model, "optimizer", None)).__name__
-    counts = allgather_object((weights, slots, optimizer), name="keras_ring.broadcast_counts",
-                              process_set=process_set)
+    trainable = len(model.trainable_weights)
+    counts = allgather_object((weights, slots, optimizer, trainable),
+                              name="keras_ring.broadcast_counts", process_set=process_set)
     if len(set(counts)) == 1:
         return
     ranks = process_set.ranks or range(len(counts))
+    if len({c[3] for c in counts}) > 1:  # the slots follow the trainable weights
+        listed = "; ".join(f"rank {r}: {t} of {w}" for r, (w, _, _, t) in zip(ranks, counts))
+        raise ValueError(
+            f"keras_ring: cannot broadcast model '{model.name}': the ranks train different "
+            f"sets of its weights (trainable weights by rank: {listed}): a layer is frozen "
+            "(trainable=False) on some ranks only. Set the layers' trainable flags alike on "
+            "every rank, then compile")
     listed = "; ".join(f"rank {r}: {w} model weights, {s} variables of its {o}"
-                       for r, (w, s, o) in zip(ranks, counts))
+                       for r, (w, s, o, _) in zip(ranks, counts))
     raise ValueError(
         f"keras_ring: cannot broadcast model '{model.name}': the ranks hold different variables "
         f"({listed}). A model loaded from a legacy .h5 file comes back with an optimizer "
