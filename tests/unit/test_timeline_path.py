@@ -15,9 +15,16 @@ from keras_ring import _lifecycle
 
 
 @pytest.fixture(autouse=True)
-def _shut_down_after():
+def _shut_down_around():
+    # init() of a running runtime returns at once, before any check: start from none (an
+    # earlier module may leave its runtime up), and leave none to the next test.
+    _shut_down()
     yield
-    if kr.is_initialized():  # a failed test must not leave its runtime to the next one
+    _shut_down()
+
+
+def _shut_down():
+    if kr.is_initialized():
         with contextlib.suppress(Exception):
             kr.shutdown()
 
