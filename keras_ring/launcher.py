@@ -3,7 +3,6 @@
 ```
 keras-ring-run -np 4 python train.py --epochs 10
 keras-ring-run -np 4 -H host1:2,host2:2 python train.py
-keras-ring-run -np 4 --hostfile hosts python train.py   # lines of "host1 slots=2"
 keras-ring-run -np 2 --mpirun /opt/mpich/bin/mpirun python train.py
 ```
 
@@ -11,8 +10,8 @@ It finds ``mpirun`` (the one next to this Python, i.e. the ``mpich`` wheel's, el
 ``PATH``, or ``--mpirun``), runs every rank under a small wrapper that prefixes each line
 the rank prints with ``[rank] `` and reports how the rank ended, stops every rank as soon as
 one fails and exits with that first failing rank's exit code, and on Ctrl-C stops every rank
-and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0 (the others read none); when
-the reader of its output goes away (``| head``) it ends the job and exits with 141. Plain
+and exits with 130. Its stdin goes to rank 0 (the others read none); when the reader of its
+output goes away (``| head``) it ends the job and exits with 141. Plain
 ``mpirun -np 4 python train.py`` keeps working without it.
 
 This module imports nothing but the standard library: the per-rank wrapper runs it as a
@@ -38,8 +37,7 @@ WRAPPER_FLAG = "--keras-ring-rank-wrapper"
 _TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
 # Each rank's wrapper sends its output to the launcher in frames, so the launcher knows
 # whose bytes it holds even in partial lines: b"\x1eKR <token> <rank> <sink> <n>\n" and n
-# bytes (sink 1 or 2: stdout or stderr), b"\x1eKR <token> <rank> exit <code>\n", and
-# b"\x1eKR <token> <rank> start\n" first (a rank that never sent it was never launched).
+# bytes (sink 1 or 2: stdout or stderr), or b"\x1eKR <token> <rank> exit <code>\n".
 _FRAME = b"\x1eKR "
 _FRAME_PAYLOAD = 3072  # header + payload stay below PIPE_BUF: one atomic write per frame
 # A partial line (a progress bar's state after "\r") is forwarded once the stream has been
@@ -73,10 +71,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "elastic job, the initial number of workers (default --min-np)")
     parser.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
                         help="hosts and their slots, e.g. host1:2,host2:2 (default: this host)")
-    # Both spellings are horovodrun's; without "-hostfile" argparse reads it as "-h ostfile".
-    parser.add_argument("-hostfile", "--hostfile", default=None, metavar="FILE",
-                        help="hosts and their slots, one 'hostname slots=N' line each "
-                        "(horovodrun's format; instead of -H)")
     parser.add_argument("--mpirun", default=None, metavar="PATH",
                         help="the mpirun to use (default: next to this Python, else on PATH)")
     elastic = parser.add_argument_group(
@@ -111,57 +105,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("-np is required: e.g. keras-ring-run -np 2 python train.py")
     if args.np < 1:
         parser.error(f"-np must be at least 1, got {args.np}")
-    if args.hostfile is not None:
-        if args.hosts:
-            parser.error("-H and --hostfile exclude each other: both name the hosts")
-        try:
-            args.hosts = read_hostfile(args.hostfile)
-        except (OSError, ValueError) as e:
-            parser.error(str(e))
-    if args.hosts and not args.elastic:
-        try:
-            slots = count_slots(args.hosts)
-        except ValueError as e:
-            parser.error(str(e))
-        if args.np > slots:  # Hydra would start the extra ranks on the hosts again
-            origin = f"--hostfile {args.hostfile}" if args.hostfile else f"-H {args.hosts}"
-            parser.error(f"-np {args.np} is more than the {slots} slot(s) of {origin}: give "
-                         f"-np {slots} or fewer, or more slots")
     return args
-
-
-def read_hostfile(path: str) -> str:
-    """horovodrun's hostfile (``hostname slots=N`` lines; blank lines and ``#`` comments
-    skipped) as a ``-H`` value: ``host1:2,host2:2``."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    hosts = []
-    for number, line in enumerate(lines, 1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
-        match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", text)
-        if match is None or int(match[2]) < 1:
-            raise ValueError(f"--hostfile {path}, line {number}: expected 'hostname slots=N' "
-                             f"(N at least 1), got {line!r}")
-        hosts.append(f"{match[1]}:{int(match[2])}")
-    if not hosts:
-        raise ValueError(f"--hostfile {path} names no host: expected 'hostname slots=N' lines")
-    return ",".join(hosts)
-
-
-def count_slots(hosts: str) -> int:
-    """The slots of a ``-H`` value (``host1:2,host2``: a host without a count has one)."""
-    total = 0
-    for entry in hosts.split(","):
-        name, colon, slots = entry.strip().rpartition(":")
-        if not colon:
-            name, slots = slots, "1"
-        if not name or not slots.isdigit() or int(slots) < 1:
-            raise ValueError(f"-H {hosts}: expected host:slots entries (slots at least 1) "
-                             f"separated by commas, got {entry!r}")
-        total += int(slots)
-    return total
 
 
 def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -171,9 +115,9 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if missing:
         parser.error(f"an elastic job needs {', '.join(missing)} too (with --min-np, "
                      "--max-np and --host-discovery-script)")
-    if args.hosts or args.hostfile:
-        parser.error(f"{'-H' if args.hosts else '--hostfile'} and --host-discovery-script "
-                     "exclude each other: the script names the hosts of an elastic job")
+    if args.hosts:
+        parser.error("-H and --host-discovery-script exclude each other: the script names "
+                     "the hosts of an elastic job")
     args.np = args.min_np if args.np is None else args.np
     if not 1 <= args.min_np <= args.np <= args.max_np:
         parser.error(f"need 1 <= --min-np <= -np <= --max-np, got --min-np {args.min_np}, "
@@ -230,10 +174,9 @@ class _Job:
     def __init__(self, cmd: list[str], env: dict[str, str], token: bytes, ranks: int) -> None:
         self.token = token
         self.ranks = ranks
-        self.started = 0  # ranks whose wrapper began
         self.reported = 0  # ranks whose wrapper told how they ended
         self.first_failure: tuple[int, int] | None = None  # (rank, exit code)
-        self.signalled: int | None = None  # SIGINT or SIGTERM that ended the job
+        self.interrupted = False
         self.reader_gone = False  # a broken pipe: whoever read our output stopped reading
         self._stopping = threading.Lock()
         self._stop_requested = False
@@ -252,8 +195,7 @@ class _Job:
 
     def _pump(self, source, sink, screen: _Screen | None) -> None:
         out = _Sink(sink, self._on_reader_gone)
-        reader = _FrameReader(self.token, Renderer(out, screen), self._on_exit,
-                              self._on_start)
+        reader = _FrameReader(self.token, Renderer(out, screen), self._on_exit)
         fd = source.fileno()
         # Read to the end even after a broken pipe: mpirun must never block writing to us.
         while chunk := os.read(fd, 65536):
@@ -265,9 +207,6 @@ class _Job:
         SIGPIPE ends a plain mpirun."""
         self.reader_gone = True
         self.stop(signal.SIGTERM)
-
-    def _on_start(self, rank: int) -> None:
-        self.started += 1
 
     def _on_exit(self, rank: int, code: int) -> None:
         self.reported += 1
@@ -300,24 +239,13 @@ class _Job:
         code = self.proc.wait()
         for t in self._pumps:
             t.join()
-        if self.signalled == signal.SIGINT:
+        if self.interrupted:
             return 130
         if self.reader_gone:
             return _BROKEN_PIPE_EXIT
-        if self.signalled is not None:
-            # The ranks' own exit codes (143, or none where they were killed) only echo it.
-            name = signal.Signals(self.signalled).name
-            print(f"keras-ring-run: terminated by {name}; the job was stopped",
-                  file=sys.stderr)
-            return 128 + self.signalled
         if self.first_failure is not None:
             return self.first_failure[1]
         code = code if code >= 0 else 128 - code
-        if self.started < self.ranks:
-            print(f"keras-ring-run: {self.ranks - self.started} of {self.ranks} ranks never "
-                  "started: mpirun could not launch them (its message above says why, e.g. a "
-                  "host it cannot reach); the job failed", file=sys.stderr)
-            return code or 1
         if self.reported < self.ranks:
             # Killed before its wrapper could tell: MPICH's mpirun kills every rank when one
             # that started MPI leaves without finalizing it (os._exit), and may exit 0.
@@ -345,14 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     job = _Job(cmd, env, token.encode(), args.np)
 
     def on_signal(signum, frame):
-        # A SIGTERM after a rank failed leaves that rank's exit code; Ctrl-C is always 130.
-        if job.signalled != signal.SIGINT and (signum == signal.SIGINT
-                                               or job.first_failure is None):
-            job.signalled = signum
-        # A second Ctrl-C: no more patience. Not a second SIGTERM: one to our process group
-        # often comes twice (``timeout`` passes its own on), and the ranks, killed, could
-        # neither report nor clean up; the grace period bounds the wait.
-        if signum == signal.SIGINT and job._stop_requested:
+        job.interrupted = job.interrupted or signum == signal.SIGINT
+        if job._stop_requested:  # a second Ctrl-C: no more patience
             try:
                 os.killpg(job.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -459,163 +381,22 @@ def _wrapper_main(argv: list[str]) -> int:
     command = argv[1:] if argv[:1] == ["--"] else argv
     rank = _rank()
     _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
-    # Three processes: this one, whose process group mpirun signals, passes signals on to a
-    # keeper in a group of its own, which runs the rank in a third. Once a rank has ended
-    # after a stop request, MPICH's mpirun kills our group with SIGKILL; the keeper, out of
-    # its reach, still sees what the rank holds before it stops it, and tells how it ended.
-    wrapper = os.getpid()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _KEEPER_SIGNALS)
-    keeper = os.fork()
-    if keeper == 0:
-        code = 1
-        try:
-            code = _keeper(command, rank, wrapper, blocked)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    reaped = False
-
-    def forward(signum, frame) -> None:
-        if not reaped:  # else its pid may be another's by now
-            os.kill(keeper, signum)
-
-    for sig in _FORWARDED_SIGNALS:
-        signal.signal(sig, forward)
-    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    status = os.waitpid(keeper, 0)[1]
-    reaped = True
-    code = os.waitstatus_to_exitcode(status)
-    return code if code >= 0 else 128 - code
-
-
-# The keeper's death signal: the process mpirun started is gone (killed with its group).
-_PARENT_GONE = signal.SIGUSR1
-_KEEPER_SIGNALS = {*_FORWARDED_SIGNALS, _PARENT_GONE}
-
-
-def _keeper(command: list[str], rank: str, wrapper: int, mask: set) -> int:
-    os.setpgid(0, 0)
-    _die_with_parent(_PARENT_GONE)
-    _announce(rank)
-
-    def in_own_group() -> None:
-        # The rank is stopped only through us, after we have seen what it holds.
-        os.setpgid(0, 0)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        _die_with_parent(signal.SIGKILL)
-
     # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
     try:
         # mpirun forwards the launcher's stdin to rank 0; the other ranks read nothing (under
         # plain mpirun, a read there waits forever).
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  stdin=None if rank == "0" else subprocess.DEVNULL,
-                                 close_fds=False, preexec_fn=in_own_group)
+                                 close_fds=False,
+                                 preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
     except OSError as e:
         _write_all(2, f"[{rank}] keras-ring-run: cannot run {command[0]!r}: {e}\n".encode())
         return _report(rank, 127)
-    held: set[tuple[str, int, int]] = set()
-    parent_gone = False
-
-    def forward(signum, frame) -> None:
-        nonlocal parent_gone
-        if signum == _PARENT_GONE:  # mpirun killed the wrapper: kill the rank, as it meant
-            parent_gone, signum = True, signal.SIGKILL
-        if child.returncode is None:  # else its group id may be another's by now
-            held.update(_mpich_segments(child.pid))
-            try:
-                os.killpg(child.pid, signum)
-            except ProcessLookupError:
-                pass
-
-    for sig in _KEEPER_SIGNALS:
-        signal.signal(sig, forward)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    if os.getppid() != wrapper:  # gone before its death could signal us
-        forward(_PARENT_GONE, None)
+    for sig in _FORWARDED_SIGNALS:
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     _forward_output(child, rank, os.environ.get(_TOKEN_ENV, "").encode())
     code = child.wait()
-    _remove(held)
-    code = code if code >= 0 else 128 - code
-    # Killed by mpirun, the rank reports nothing, as without the keeper: the launcher counts
-    # it among the ranks that ended without an exit status.
-    return code if parent_gone else _report(rank, code)
-
-
-# MPICH's shared-memory segment (/dev/shm/mpich_shm_<hash of the job's PMI name>_<node>) is
-# removed by MPI_Finalize; a rank stopped inside MPI_Init (its peer failed before init())
-# leaves it behind for good, 2 MiB each time. The name has a random part, so only what the
-# rank itself held identifies its job's segment: its processes' open files and mappings in
-# /dev/shm named mpich_*, read while it still runs (a stop request reaches it only through
-# the keeper), with each file's inode. After the rank has ended, a path that still names that
-# very inode is removed; other jobs' segments, never held by this rank, are never touched (a
-# name MPICH had removed and another job had taken since has another inode). Unlinking a name
-# a dying peer of this job still maps is harmless: its mapping stays until it exits.
-_MPICH_SHM = "/dev/shm/mpich_"
-
-
-def _mpich_segments(pid: int) -> set[tuple[str, int, int]]:
-    """(path, st_dev, st_ino) of every MPICH segment that ``pid`` or a descendant holds."""
-    held = set()
-    for p in _descendants(pid):
-        found = []  # (path, inode) pairs
-        try:
-            with open(f"/proc/{p}/maps", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and fields[5].startswith(_MPICH_SHM):
-                        found.append((fields[5].rstrip("\n"), int(fields[4])))
-            for fd in os.listdir(f"/proc/{p}/fd"):
-                target = os.readlink(f"/proc/{p}/fd/{fd}")
-                if target.startswith(_MPICH_SHM):
-                    found.append((target, os.stat(f"/proc/{p}/fd/{fd}").st_ino))
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
-        for path, inode in found:
-            try:
-                st = os.lstat(path)  # " (deleted)" paths: no such file, or another one
-            except OSError:
-                continue
-            if st.st_ino == inode:
-                held.add((path, st.st_dev, st.st_ino))
-    return held
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found = [pid]
-    for p in found:
-        found.extend(children.get(p, ()))
-    return found
-
-
-def _remove(held: set[tuple[str, int, int]]) -> None:
-    for path, dev, inode in held:
-        try:
-            st = os.lstat(path)
-            if (st.st_dev, st.st_ino) == (dev, inode):
-                os.unlink(path)
-        except OSError:
-            pass
-
-
-def _announce(rank: str) -> None:
-    """Tells the launcher this rank began (a frame it consumes)."""
-    token = os.environ.get(_TOKEN_ENV)
-    if token:
-        _write_all(2, b"%s%s %s start\n" % (_FRAME, token.encode(), rank.encode()))
+    return _report(rank, code if code >= 0 else 128 - code)
 
 
 def _report(rank: str, code: int) -> int:
@@ -727,9 +508,8 @@ def _same_file(a, b) -> bool:
 class _FrameReader:
     """Splits the merged output of mpirun into the ranks' frames (see ``_FRAME``)."""
 
-    def __init__(self, token: bytes, renderer: Renderer, on_exit, on_start=None) -> None:
+    def __init__(self, token: bytes, renderer: Renderer, on_exit) -> None:
         self.token, self.renderer, self.on_exit = token, renderer, on_exit
-        self.on_start = on_start or (lambda rank: None)
         self.buffer = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -747,10 +527,6 @@ class _FrameReader:
             if end < 0:
                 return  # the header is still arriving
             fields = self.buffer[len(_FRAME):end].split()
-            if fields[:1] == [self.token] and fields[2:] == [b"start"]:
-                self.buffer = self.buffer[end + 1:]
-                self.on_start(int(fields[1]) if fields[1].isdigit() else -1)
-                continue
             if len(fields) == 4 and fields[0] == self.token and fields[2] == b"exit":
                 self.buffer = self.buffer[end + 1:]
                 self.on_exit(int(fields[1]) if fields[1].isdigit() else -1, int(fields[3]))
