@@ -18,12 +18,12 @@ N ranks they often adapt it on each rank's shard. Two kinds of state come out of
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import keras
 
 from keras_ring import _keras_private
+from keras_ring._optimizer_settings import digest as _digest
 from keras_ring.errors import WeightMismatchError
 from keras_ring.objects import allgather_object
 from keras_ring.process_sets import ProcessSet
@@ -53,21 +53,16 @@ def _states(model: Any) -> list[tuple[str, str, list]]:
     return found
 
 
-def _hash(values: Any) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=6).digest(),
-                          "little")
-
-
 def digest(model: Any) -> float:
     """48 bits of the hash of the adapted state outside variables (exact in a float64);
     0.0 for a model without any."""
     states = _states(model)
-    return float(_hash([values for _, _, values in states])) if states else 0.0
+    return _digest([values for _, _, values in states]) if states else 0.0
 
 
 def mismatch(model: Any, ranks: list[int], process_set: ProcessSet) -> WeightMismatchError:
     """The error for digests that differ (every rank calls this alike: one allgather)."""
-    mine = [(name, what, len(values), _hash(values), values[:_SHOWN])
+    mine = [(name, what, len(values), _digest(values), values[:_SHOWN])
             for name, what, values in _states(model)]
     everyone = allgather_object(mine, name="keras_ring.adapted_state", process_set=process_set)
     odd = next((i for i in range(1, len(everyone)) if everyone[i] != everyone[0]), 1)
