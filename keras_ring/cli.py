@@ -13,8 +13,6 @@ from keras_ring.elastic.driver import ElasticDriver, ElasticOptions
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``keras-ring-run``; returns the job's exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == [launcher.WRAPPER_FLAG]:
-        return launcher.main(argv)
     args = launcher.parse_args(argv)
     if not args.elastic:
         return launcher.main(argv)

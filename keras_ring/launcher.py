@@ -3,6 +3,7 @@
 ```
 keras-ring-run -np 4 python train.py --epochs 10
 keras-ring-run -np 4 -H host1:2,host2:2 python train.py
+keras-ring-run -np 4 --hostfile hosts python train.py   # lines of "host1 slots=2"
 keras-ring-run -np 2 --mpirun /opt/mpich/bin/mpirun python train.py
 ```
 
@@ -10,12 +11,12 @@ It finds ``mpirun`` (the one next to this Python, i.e. the ``mpich`` wheel's, el
 ``PATH``, or ``--mpirun``), runs every rank under a small wrapper that prefixes each line
 the rank prints with ``[rank] `` and reports how the rank ended, stops every rank as soon as
 one fails and exits with that first failing rank's exit code, and on Ctrl-C stops every rank
-and exits with 130. Its stdin goes to rank 0 (the others read none); when the reader of its
-output goes away (``| head``) it ends the job and exits with 141. Plain
+and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0 (the others read none); when
+the reader of its output goes away (``| head``) it ends the job and exits with 141. After
+the job, it removes the MPICH shared memory its stopped ranks left (``_mpich_shm``). Plain
 ``mpirun -np 4 python train.py`` keeps working without it.
 
-This module imports nothing but the standard library: the per-rank wrapper runs it as a
-script (``python -I launcher.py``), which must start fast and must not load TensorFlow.
+The wrapper is ``_rank_wrapper``; the launcher's side of its frames is ``_launch_output``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import argparse
 import os
 import re
 import secrets
-import selectors
 import shutil
 import signal
 import subprocess
@@ -33,23 +33,13 @@ import threading
 import time
 from pathlib import Path
 
-WRAPPER_FLAG = "--keras-ring-rank-wrapper"
-_TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
-# Each rank's wrapper sends its output to the launcher in frames, so the launcher knows
-# whose bytes it holds even in partial lines: b"\x1eKR <token> <rank> <sink> <n>\n" and n
-# bytes (sink 1 or 2: stdout or stderr), or b"\x1eKR <token> <rank> exit <code>\n".
-_FRAME = b"\x1eKR "
-_FRAME_PAYLOAD = 3072  # header + payload stay below PIPE_BUF: one atomic write per frame
-# A partial line (a progress bar's state after "\r") is forwarded once the stream has been
-# quiet this long, so pieces written together still travel together, and at the latest this
-# long after it began, so a line that grows without pause still shows.
-_QUIET_SECONDS = 0.05
-_PARTIAL_MAX_SECONDS = 1.0
+from keras_ring import _mpich_shm, _rank_wrapper
+from keras_ring._launch_output import FrameReader, Renderer, Screen, Sink, same_file
+
+_WRAPPER = str(Path(_rank_wrapper.__file__).resolve())
 # The exit status of a program that wrote to a pipe whose reader had gone (128 + SIGPIPE),
 # as a shell reports it.
 _BROKEN_PIPE_EXIT = 141
-_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "KERAS_RING_RANK", "SLURM_PROCID")
-_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # How long mpirun may take to wind the ranks down after a stop request before it is killed.
 _STOP_GRACE_SECONDS = 15.0
 
@@ -71,6 +61,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "elastic job, the initial number of workers (default --min-np)")
     parser.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
                         help="hosts and their slots, e.g. host1:2,host2:2 (default: this host)")
+    # Both spellings are horovodrun's; without "-hostfile" argparse reads it as "-h ostfile".
+    parser.add_argument("-hostfile", "--hostfile", default=None, metavar="FILE",
+                        help="hosts and their slots, one 'hostname slots=N' line each "
+                        "(horovodrun's format; instead of -H)")
     parser.add_argument("--mpirun", default=None, metavar="PATH",
                         help="the mpirun to use (default: next to this Python, else on PATH)")
     elastic = parser.add_argument_group(
@@ -105,7 +99,65 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("-np is required: e.g. keras-ring-run -np 2 python train.py")
     if args.np < 1:
         parser.error(f"-np must be at least 1, got {args.np}")
+    if not args.elastic:
+        _check_hosts(parser, args)
     return args
+
+
+def _check_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reads ``--hostfile`` into ``args.hosts``; refuses ``-np`` beyond the hosts' slots
+    (Hydra would start the extra ranks on the same hosts again)."""
+    if args.hostfile is not None:
+        if args.hosts:
+            parser.error("-H and --hostfile exclude each other: both name the hosts")
+        try:
+            args.hosts = read_hostfile(args.hostfile)
+        except (OSError, ValueError) as e:
+            parser.error(str(e))
+    if not args.hosts:
+        return
+    try:
+        slots = count_slots(args.hosts)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.np > slots:
+        origin = f"--hostfile {args.hostfile}" if args.hostfile else f"-H {args.hosts}"
+        parser.error(f"-np {args.np} is more than the {slots} slot(s) of {origin}: give "
+                     f"-np {slots} or fewer, or more slots")
+
+
+def read_hostfile(path: str) -> str:
+    """horovodrun's hostfile (``hostname slots=N`` lines; blank lines and ``#`` comments
+    skipped) as a ``-H`` value: ``host1:2,host2:2``."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", text)
+        if match is None or int(match[2]) < 1:
+            raise ValueError(f"--hostfile {path}, line {number}: expected 'hostname slots=N' "
+                             f"(N at least 1), got {line!r}")
+        hosts.append(f"{match[1]}:{int(match[2])}")
+    if not hosts:
+        raise ValueError(f"--hostfile {path} names no host: expected 'hostname slots=N' lines")
+    return ",".join(hosts)
+
+
+def count_slots(hosts: str) -> int:
+    """The slots of a ``-H`` value (``host1:2,host2``: a host without a count has one)."""
+    total = 0
+    for entry in hosts.split(","):
+        name, colon, slots = entry.strip().rpartition(":")
+        if not colon:
+            name, slots = slots, "1"
+        if not name or not slots.isdigit() or int(slots) < 1:
+            raise ValueError(f"-H {hosts}: expected host:slots entries (slots at least 1) "
+                             f"separated by commas, got {entry!r}")
+        total += int(slots)
+    return total
 
 
 def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -115,9 +167,9 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if missing:
         parser.error(f"an elastic job needs {', '.join(missing)} too (with --min-np, "
                      "--max-np and --host-discovery-script)")
-    if args.hosts:
-        parser.error("-H and --host-discovery-script exclude each other: the script names "
-                     "the hosts of an elastic job")
+    if args.hosts or args.hostfile:
+        parser.error(f"{'-H' if args.hosts else '--hostfile'} and --host-discovery-script "
+                     "exclude each other: the script names the hosts of an elastic job")
     args.np = args.min_np if args.np is None else args.np
     if not 1 <= args.min_np <= args.np <= args.max_np:
         parser.error(f"need 1 <= --min-np <= -np <= --max-np, got --min-np {args.min_np}, "
@@ -155,10 +207,11 @@ def mpi_flavour(mpirun: str) -> str:
 def mpirun_command(mpirun: str, flavour: str, np: int, hosts: str | None,
                    command: list[str]) -> list[str]:
     """The full mpirun command line: every rank runs ``command`` under the wrapper."""
-    wrapper = [sys.executable, "-I", str(Path(__file__).resolve()), WRAPPER_FLAG, "--", *command]
+    wrapper = [sys.executable, "-I", _WRAPPER, "--", *command]
     if flavour == "openmpi":
         # Open MPI refuses more ranks than cores unless told; Hydra never refuses.
-        cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "-x", _TOKEN_ENV]
+        cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "-x",
+               _rank_wrapper.TOKEN_ENV]
         if hosts:
             cmd += ["-H", hosts]
     else:
@@ -174,18 +227,21 @@ class _Job:
     def __init__(self, cmd: list[str], env: dict[str, str], token: bytes, ranks: int) -> None:
         self.token = token
         self.ranks = ranks
+        self.started = 0  # ranks whose wrapper began
         self.reported = 0  # ranks whose wrapper told how they ended
         self.first_failure: tuple[int, int] | None = None  # (rank, exit code)
-        self.interrupted = False
+        self.signalled: int | None = None  # SIGINT or SIGTERM that ended the job
         self.reader_gone = False  # a broken pipe: whoever read our output stopped reading
         self._stopping = threading.Lock()
         self._stop_requested = False
+        # A second early: file times on tmpfs come from a coarse clock.
+        self.began = time.time() - 1.0
         # stdin is inherited: mpirun forwards it to rank 0, as it does without the launcher.
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
         # One screen where stdout and stderr are one file (a terminal, 2>&1): a rank's
         # partial line on one is ended before a line on the other.
-        screen = _Screen() if _same_file(sys.stdout, sys.stderr) else None
+        screen = Screen() if same_file(sys.stdout, sys.stderr) else None
         self._pumps = [
             threading.Thread(target=self._pump, args=(source, sink, screen), daemon=True)
             for source, sink in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr))
@@ -193,9 +249,9 @@ class _Job:
         for t in self._pumps:
             t.start()
 
-    def _pump(self, source, sink, screen: _Screen | None) -> None:
-        out = _Sink(sink, self._on_reader_gone)
-        reader = _FrameReader(self.token, Renderer(out, screen), self._on_exit)
+    def _pump(self, source, sink, screen: Screen | None) -> None:
+        out = Sink(sink, self._on_reader_gone)
+        reader = FrameReader(self.token, Renderer(out, screen), self._on_exit, self._on_start)
         fd = source.fileno()
         # Read to the end even after a broken pipe: mpirun must never block writing to us.
         while chunk := os.read(fd, 65536):
@@ -207,6 +263,9 @@ class _Job:
         SIGPIPE ends a plain mpirun."""
         self.reader_gone = True
         self.stop(signal.SIGTERM)
+
+    def _on_start(self, rank: int) -> None:
+        self.started += 1
 
     def _on_exit(self, rank: int, code: int) -> None:
         self.reported += 1
@@ -235,17 +294,48 @@ class _Job:
             except ProcessLookupError:
                 pass
 
+    def on_signal(self, signum: int) -> None:
+        """SIGINT or SIGTERM to the launcher: stop every rank."""
+        # A SIGTERM after a rank failed leaves that rank's exit code; Ctrl-C is always 130.
+        if self.signalled != signal.SIGINT and (signum == signal.SIGINT
+                                                or self.first_failure is None):
+            self.signalled = signum
+        # A second Ctrl-C: no more patience. Not a second SIGTERM: one sent to our process
+        # group often comes twice (``timeout`` passes its own on), and killed ranks could
+        # neither report nor clean up; the grace period bounds the wait.
+        if signum == signal.SIGINT and self._stop_requested:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.stop(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
     def wait(self) -> int:
         code = self.proc.wait()
         for t in self._pumps:
             t.join()
-        if self.interrupted:
+        _mpich_shm.remove_orphans(self.began)
+        return self._exit_code(code if code >= 0 else 128 - code)
+
+    def _exit_code(self, code: int) -> int:
+        """The job's exit code, given mpirun's; says why where no rank's code tells."""
+        if self.signalled == signal.SIGINT:
             return 130
         if self.reader_gone:
             return _BROKEN_PIPE_EXIT
+        if self.signalled is not None:
+            # The ranks' own exit codes (143, or none where they were killed) only echo it.
+            name = signal.Signals(self.signalled).name
+            print(f"keras-ring-run: terminated by {name}; the job was stopped",
+                  file=sys.stderr)
+            return 128 + self.signalled
         if self.first_failure is not None:
             return self.first_failure[1]
-        code = code if code >= 0 else 128 - code
+        if self.started < self.ranks:
+            print(f"keras-ring-run: {self.ranks - self.started} of {self.ranks} ranks never "
+                  "started: mpirun could not launch them (its message above says why, e.g. a "
+                  "host it cannot reach); the job failed", file=sys.stderr)
+            return code or 1
         if self.reported < self.ranks:
             # Killed before its wrapper could tell: MPICH's mpirun kills every rank when one
             # that started MPI leaves without finalizing it (os._exit), and may exit 0.
@@ -259,8 +349,6 @@ class _Job:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``keras-ring-run``; returns the job's exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == [WRAPPER_FLAG]:
-        return _wrapper_main(argv[1:])
     args = parse_args(argv)
     try:
         mpirun = find_mpirun(args.mpirun)
@@ -269,289 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"keras-ring-run: {e}", file=sys.stderr)
         return 2
     token = secrets.token_hex(8)
-    env = dict(os.environ, **{_TOKEN_ENV: token})
+    env = dict(os.environ, **{_rank_wrapper.TOKEN_ENV: token})
     job = _Job(cmd, env, token.encode(), args.np)
 
-    def on_signal(signum, frame):
-        job.interrupted = job.interrupted or signum == signal.SIGINT
-        if job._stop_requested:  # a second Ctrl-C: no more patience
-            try:
-                os.killpg(job.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.stop(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, lambda signum, frame: job.on_signal(signum))
     return job.wait()
-
-
-# --- the per-rank wrapper -------------------------------------------------------------------
-
-def _rank() -> str:
-    for name in _RANK_VARIABLES:
-        if os.environ.get(name, "").isdigit():
-            return os.environ[name]
-    return "?"
-
-
-def _die_with_parent(sig: int) -> None:
-    """Linux: deliver ``sig`` to this process when its parent exits (no-op elsewhere)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
-    """Sends the child's stdout and stderr to ours in frames, live: whole lines and
-    carriage-return updates at once, the partial line after them once its stream has been
-    quiet for a moment (or has grown for a second)."""
-    selector = selectors.DefaultSelector()
-    pending: dict[int, bytes] = {}
-    began: dict[int, float] = {}  # when each pending partial line began to arrive
-    last: dict[int, float] = {}  # when its latest piece arrived
-    for source, sink in ((child.stdout, 1), (child.stderr, 2)):
-        selector.register(source, selectors.EVENT_READ, sink)
-        pending[sink] = b""
-
-    def due(sink: int) -> float:
-        return min(last[sink] + _QUIET_SECONDS, began[sink] + _PARTIAL_MAX_SECONDS)
-
-    while selector.get_map():
-        timeout = min(map(due, last), default=None)
-        events = selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
-        now = time.monotonic()
-        for key, _ in events:
-            chunk = os.read(key.fd, 65536)
-            sink = key.data
-            if not chunk:
-                selector.unregister(key.fileobj)
-                _send_frames(sink, rank, token, pending.pop(sink))
-                began.pop(sink, None)
-                last.pop(sink, None)
-                continue
-            data = pending[sink] + chunk
-            cut = _whole_part(data)
-            if cut:
-                _send_frames(sink, rank, token, data[:cut])
-                began.pop(sink, None)  # what is left is a new partial line
-            pending[sink] = data[cut:]
-            if pending[sink]:
-                began.setdefault(sink, now)
-                last[sink] = now
-            else:
-                began.pop(sink, None)
-                last.pop(sink, None)
-        for sink in [s for s in last if due(s) <= now]:
-            _send_frames(sink, rank, token, pending[sink])
-            pending[sink] = b""
-            del began[sink], last[sink]
-
-
-def _whole_part(data: bytes) -> int:
-    """How much of ``data`` is whole: up to its last newline, or up to its last carriage
-    return that something follows (the progress bar's state before the latest one)."""
-    return max(data.rfind(b"\n"), data.rfind(b"\r", 0, len(data) - 1)) + 1
-
-
-def _send_frames(sink: int, rank: str, token: bytes, data: bytes) -> None:
-    """Frames end at a line's end where one fits, so frames of other ranks that arrive in
-    between fall between whole lines (only a line longer than a frame is ever cut)."""
-    start = 0
-    while start < len(data):
-        end = min(start + _FRAME_PAYLOAD, len(data))
-        if end < len(data):
-            end = data.rfind(b"\n", start, end) + 1 or end
-        payload = data[start:end]
-        _write_all(sink, b"%s%s %s %d %d\n%s" % (_FRAME, token, rank.encode(), sink,
-                                                len(payload), payload))
-        start = end
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _wrapper_main(argv: list[str]) -> int:
-    command = argv[1:] if argv[:1] == ["--"] else argv
-    rank = _rank()
-    _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
-    # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
-    try:
-        # mpirun forwards the launcher's stdin to rank 0; the other ranks read nothing (under
-        # plain mpirun, a read there waits forever).
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=None if rank == "0" else subprocess.DEVNULL,
-                                 close_fds=False,
-                                 preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
-    except OSError as e:
-        _write_all(2, f"[{rank}] keras-ring-run: cannot run {command[0]!r}: {e}\n".encode())
-        return _report(rank, 127)
-    for sig in _FORWARDED_SIGNALS:
-        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    _forward_output(child, rank, os.environ.get(_TOKEN_ENV, "").encode())
-    code = child.wait()
-    return _report(rank, code if code >= 0 else 128 - code)
-
-
-def _report(rank: str, code: int) -> int:
-    """Tells the launcher how this rank ended (a frame it consumes), returns ``code``."""
-    token = os.environ.get(_TOKEN_ENV)
-    if token:
-        _write_all(2, b"%s%s %s exit %d\n" % (_FRAME, token.encode(), rank.encode(), code))
-    return code
-
-
-# --- the launcher's side of the frames ----------------------------------------------------------
-
-class _Screen:
-    """Where rendered lines meet: the partial line now open on it, and whose it is. Two
-    renderers share one where stdout and stderr are the same file (a terminal)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()  # one pump thread per stream writes to it
-        self.open: tuple[Renderer, str] | None = None  # (stream's renderer, rank)
-
-    def end_line(self) -> None:
-        if self.open is not None:
-            renderer, _ = self.open
-            self.open = None
-            renderer._write(b"\n")
-
-
-class Renderer:
-    """Writes the ranks' output to one stream with ``[rank] `` at the start of every line and
-    after every carriage return, so a rank's progress bar updates in place; a rank's partial
-    line is ended before another rank's output (or its own on the other stream, where both
-    streams share ``screen``), so two ranks never share a line."""
-
-    def __init__(self, out, screen: _Screen | None = None) -> None:
-        self.out = out
-        self.screen = screen or _Screen()
-        self.after_return = False  # the open line was last taken back to its start by "\r"
-
-    def rank_output(self, rank: str, data: bytes) -> None:
-        if not data:
-            return
-        prefix = b"[%s] " % rank.encode()
-        with self.screen.lock:
-            at_start = self.screen.open != (self, rank)
-            if at_start:
-                self.screen.end_line()
-            at_start = at_start or self.after_return
-            parts = []
-            for piece in re.split(rb"(?<=[\r\n])", data):
-                if piece:
-                    parts.append(prefix + piece if at_start else piece)
-                    at_start = piece.endswith((b"\n", b"\r"))
-            self.screen.open = None if data.endswith(b"\n") else (self, rank)
-            self.after_return = data.endswith(b"\r")
-            self._write(b"".join(parts))
-
-    def raw(self, data: bytes) -> None:
-        """Bytes that are nobody's frames (mpirun's own messages), passed through."""
-        if data:
-            with self.screen.lock:
-                self.screen.end_line()
-                self._write(data)
-
-    def close(self) -> None:
-        with self.screen.lock:
-            if self.screen.open is not None and self.screen.open[0] is self:
-                self.screen.end_line()
-
-    def _write(self, data: bytes) -> None:
-        self.out.write(data)
-        self.out.flush()
-
-
-class _Sink:
-    """The launcher's stdout or stderr as bytes. When its reader has gone (a broken pipe),
-    it says so once and then drops what it is given."""
-
-    def __init__(self, stream, on_reader_gone) -> None:
-        self.out = getattr(stream, "buffer", stream)
-        self.on_reader_gone = on_reader_gone
-        self.gone = False
-
-    def write(self, data: bytes) -> None:
-        if self.gone:
-            return
-        try:
-            self.out.write(data)
-            self.out.flush()
-        except BrokenPipeError:
-            self.gone = True
-            # Python would try the unwritten bytes again at exit and complain.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.out.fileno())
-            os.close(devnull)
-            self.on_reader_gone()
-
-    def flush(self) -> None:
-        pass  # write() flushed
-
-
-def _same_file(a, b) -> bool:
-    try:
-        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
-    except (OSError, ValueError, AttributeError):  # closed, or not a real file
-        return False
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
-
-
-class _FrameReader:
-    """Splits the merged output of mpirun into the ranks' frames (see ``_FRAME``)."""
-
-    def __init__(self, token: bytes, renderer: Renderer, on_exit) -> None:
-        self.token, self.renderer, self.on_exit = token, renderer, on_exit
-        self.buffer = b""
-
-    def feed(self, chunk: bytes) -> None:
-        self.buffer += chunk
-        while self.buffer:
-            start = self.buffer.find(_FRAME)
-            if start != 0:
-                # Pass through what precedes a frame; keep a tail that may begin one.
-                keep = start if start > 0 else self._possible_frame_start()
-                self.renderer.raw(self.buffer[:keep])
-                self.buffer = self.buffer[keep:]
-                if start < 0:
-                    return
-            end = self.buffer.find(b"\n")
-            if end < 0:
-                return  # the header is still arriving
-            fields = self.buffer[len(_FRAME):end].split()
-            if len(fields) == 4 and fields[0] == self.token and fields[2] == b"exit":
-                self.buffer = self.buffer[end + 1:]
-                self.on_exit(int(fields[1]) if fields[1].isdigit() else -1, int(fields[3]))
-                continue
-            if len(fields) != 4 or fields[0] != self.token or not fields[3].isdigit():
-                self.renderer.raw(self.buffer[:end + 1])  # not ours after all
-                self.buffer = self.buffer[end + 1:]
-                continue
-            size = int(fields[3])
-            if len(self.buffer) < end + 1 + size:
-                return  # the payload is still arriving
-            self.renderer.rank_output(fields[1].decode(), self.buffer[end + 1:end + 1 + size])
-            self.buffer = self.buffer[end + 1 + size:]
-
-    def _possible_frame_start(self) -> int:
-        """Where a frame marker may begin at the end of the buffer (else its length)."""
-        for k in range(min(len(_FRAME) - 1, len(self.buffer)), 0, -1):
-            if _FRAME.startswith(self.buffer[-k:]):
-                return len(self.buffer) - k
-        return len(self.buffer)
-
-    def close(self) -> None:
-        self.renderer.raw(self.buffer)
-        self.buffer = b""
-        self.renderer.close()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from keras_ring.config import (DEFAULT_ELASTIC_TIMEOUT_SECONDS, ELASTIC_JOIN_VAR
                                MPI_VARIABLE_PREFIXES, RANK_VARIABLE, RENDEZVOUS_VARIABLE,
                                SIZE_VARIABLE, seconds_from_env)
 from keras_ring.elastic.server import WorldLimits, WorldServer
-from keras_ring.launcher import Renderer
+from keras_ring._launch_output import Renderer
 
 _TICK_SECONDS = 0.1
 _STOP_GRACE_SECONDS = 10.0

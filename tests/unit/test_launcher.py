@@ -1,7 +1,7 @@
 """keras-ring-run: rank prefixes, exit codes, a failing rank stops the job, Ctrl-C.
 
-The launcher runs as a script (``python -I keras_ring/launcher.py``), which is what its
-per-rank wrapper does too: it then starts without TensorFlow, so these tests stay fast. One
+The launcher runs as a script (``python -I keras_ring/launcher.py``) and the ranks are small
+programs: nothing loads TensorFlow, so these tests stay fast. One
 test goes through the installed console script with a real keras_ring job.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_ring import launcher
+from keras_ring import _launch_output, launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "keras_ring" / "launcher.py"
@@ -236,7 +236,7 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
             def flush(self):
                 pass
 
-        reader = launcher._FrameReader(token, launcher.Renderer(Sink()),
+        reader = _launch_output.FrameReader(token, _launch_output.Renderer(Sink()),
                                        lambda r, c: exits.append((r, c)))
         for i in range(0, len(stream), chunk_size):
             reader.feed(stream[i:i + chunk_size])
@@ -295,9 +295,9 @@ def test_stdout_and_stderr_on_one_terminal_never_share_a_line():
         def flush(self):
             pass
 
-    screen = launcher._Screen()
-    out = launcher.Renderer(Sink("out"), screen)
-    err = launcher.Renderer(Sink("err"), screen)
+    screen = _launch_output.Screen()
+    out = _launch_output.Renderer(Sink("out"), screen)
+    err = _launch_output.Renderer(Sink("err"), screen)
     out.rank_output("0", b"\r 1/3")
     err.rank_output("1", b"warning\n")  # another rank's line on the other stream
     out.rank_output("0", b"\r 2/3")

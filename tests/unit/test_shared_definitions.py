@@ -5,7 +5,7 @@ and C++, and the launcher variables of the package and of keras-ring-run's per-r
 import re
 from pathlib import Path
 
-from keras_ring import config, launcher
+from keras_ring import _rank_wrapper, config
 from keras_ring.ops.reduce_op import ReduceOp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def test_reduce_op_numbering_matches_the_cpp_enum():
 
 
 def test_the_rank_wrapper_reads_the_same_rank_variables():
-    assert launcher._RANK_VARIABLES == config.RANK_VARIABLES
+    assert _rank_wrapper.RANK_VARIABLES == config.RANK_VARIABLES
 
 
 def test_a_child_without_mpi_prefixed_variables_is_no_mpi_rank():

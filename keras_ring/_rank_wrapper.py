@@ -1,0 +1,166 @@
+"""The per-rank wrapper of ``keras-ring-run``: runs one rank's program and sends its output
+to the launcher in frames, then how it ended.
+
+mpirun starts ``python -I _rank_wrapper.py -- python train.py`` as each rank. It must start
+fast and must not load TensorFlow, and ``-I`` leaves its own folder off ``sys.path``: it
+imports nothing but the standard library. The launcher's side of the frames is
+``keras_ring._launch_output``.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
+# Frames, so the launcher knows whose bytes it holds even in partial lines:
+# b"\x1eKR <token> <rank> start\n" first (a rank that never sent it was never launched),
+# b"\x1eKR <token> <rank> <sink> <n>\n" and n bytes (sink 1 or 2: stdout or stderr), and
+# b"\x1eKR <token> <rank> exit <code>\n" last.
+FRAME = b"\x1eKR "
+FRAME_PAYLOAD = 3072  # header + payload stay below PIPE_BUF: one atomic write per frame
+# A partial line (a progress bar's state after "\r") is forwarded once the stream has been
+# quiet this long, so pieces written together still travel together, and at the latest this
+# long after it began, so a line that grows without pause still shows.
+_QUIET_SECONDS = 0.05
+_PARTIAL_MAX_SECONDS = 1.0
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "KERAS_RING_RANK",
+                  "SLURM_PROCID")
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _rank() -> str:
+    for name in RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return os.environ[name]
+    return "?"
+
+
+def _die_with_parent(sig: int) -> None:
+    """Linux: deliver ``sig`` to this process when its parent exits (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
+    """Sends the child's stdout and stderr to ours in frames, live: whole lines and
+    carriage-return updates at once, the partial line after them once its stream has been
+    quiet for a moment (or has grown for a second)."""
+    selector = selectors.DefaultSelector()
+    pending: dict[int, bytes] = {}
+    began: dict[int, float] = {}  # when each pending partial line began to arrive
+    last: dict[int, float] = {}  # when its latest piece arrived
+    for source, sink in ((child.stdout, 1), (child.stderr, 2)):
+        selector.register(source, selectors.EVENT_READ, sink)
+        pending[sink] = b""
+
+    def due(sink: int) -> float:
+        return min(last[sink] + _QUIET_SECONDS, began[sink] + _PARTIAL_MAX_SECONDS)
+
+    while selector.get_map():
+        timeout = min(map(due, last), default=None)
+        events = selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
+        now = time.monotonic()
+        for key, _ in events:
+            chunk = os.read(key.fd, 65536)
+            sink = key.data
+            if not chunk:
+                selector.unregister(key.fileobj)
+                _send_frames(sink, rank, token, pending.pop(sink))
+                began.pop(sink, None)
+                last.pop(sink, None)
+                continue
+            data = pending[sink] + chunk
+            cut = _whole_part(data)
+            if cut:
+                _send_frames(sink, rank, token, data[:cut])
+                began.pop(sink, None)  # what is left is a new partial line
+            pending[sink] = data[cut:]
+            if pending[sink]:
+                began.setdefault(sink, now)
+                last[sink] = now
+            else:
+                began.pop(sink, None)
+                last.pop(sink, None)
+        for sink in [s for s in last if due(s) <= now]:
+            _send_frames(sink, rank, token, pending[sink])
+            pending[sink] = b""
+            del began[sink], last[sink]
+
+
+def _whole_part(data: bytes) -> int:
+    """How much of ``data`` is whole: up to its last newline, or up to its last carriage
+    return that something follows (the progress bar's state before the latest one)."""
+    return max(data.rfind(b"\n"), data.rfind(b"\r", 0, len(data) - 1)) + 1
+
+
+def _send_frames(sink: int, rank: str, token: bytes, data: bytes) -> None:
+    """Frames end at a line's end where one fits, so frames of other ranks that arrive in
+    between fall between whole lines (only a line longer than a frame is ever cut)."""
+    start = 0
+    while start < len(data):
+        end = min(start + FRAME_PAYLOAD, len(data))
+        if end < len(data):
+            end = data.rfind(b"\n", start, end) + 1 or end
+        payload = data[start:end]
+        _write_all(sink, b"%s%s %s %d %d\n%s" % (FRAME, token, rank.encode(), sink,
+                                                len(payload), payload))
+        start = end
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def main(argv: list[str]) -> int:
+    """Runs ``argv`` (after an optional ``--``) as this rank; returns its exit code."""
+    command = argv[1:] if argv[:1] == ["--"] else argv
+    rank = _rank()
+    _announce(rank)
+    _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
+    # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
+    try:
+        # mpirun forwards the launcher's stdin to rank 0; the other ranks read nothing (under
+        # plain mpirun, a read there waits forever).
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=None if rank == "0" else subprocess.DEVNULL,
+                                 close_fds=False,
+                                 preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
+    except OSError as e:
+        _write_all(2, f"[{rank}] keras-ring-run: cannot run {command[0]!r}: {e}\n".encode())
+        return _report(rank, 127)
+    for sig in _FORWARDED_SIGNALS:
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    _forward_output(child, rank, os.environ.get(TOKEN_ENV, "").encode())
+    code = child.wait()
+    return _report(rank, code if code >= 0 else 128 - code)
+
+
+def _announce(rank: str) -> None:
+    """Tells the launcher this rank began (a frame it consumes): a rank that never sent it
+    was never launched (a host mpirun could not reach)."""
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        _write_all(2, b"%s%s %s start\n" % (FRAME, token.encode(), rank.encode()))
+
+
+def _report(rank: str, code: int) -> int:
+    """Tells the launcher how this rank ended (a frame it consumes), returns ``code``."""
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        _write_all(2, b"%s%s %s exit %d\n" % (FRAME, token.encode(), rank.encode(), code))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,188 @@
+"""keras-ring-run when a job fails or is stopped: MPICH's shared memory, the messages and exit
+codes, horovodrun's hostfile and slot checks.
+
+As in test_launcher.py, the launcher runs as a script and the ranks are small programs
+without TensorFlow, so these tests stay fast.
+"""
+
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from keras_ring import _mpich_shm
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "keras_ring" / "launcher.py"
+GUARD = 120  # seconds: a hang guard for every child process, never a timing assertion
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "rank_program.py"
+    path.write_text("import os, signal, sys\nRANK = int(os.environ['PMI_RANK'])\n"
+                    + textwrap.dedent(body))
+    return str(path)
+
+
+def _run(mpirun, args, env):
+    proc = subprocess.run([sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, *args],
+                          env=env, capture_output=True, timeout=GUARD)
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+
+
+# Rank 1 fails only once rank 0 is inside MPI_Init, where it waits for rank 1 holding the
+# segment MPICH has just made (its file appears in the private /dev/shm).
+_FAILS_WHILE_RANK_0_INITIALISES = """
+    import glob, time
+    if RANK == 0:
+        from mpi4py import MPI
+        signal.pause()
+    while not glob.glob("/dev/shm/mpich_shm_*"):
+        time.sleep(0.01)
+    {failure}
+"""
+# MPI is up on both ranks when rank 1 leaves without finalising it: MPICH's mpirun kills
+# rank 0 (its wrapper's whole process group) with SIGKILL.
+_LEAVES_WITH_OS_EXIT = """
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
+    if RANK == 1:
+        os._exit(0)
+    signal.pause()
+"""
+
+
+@pytest.mark.parametrize("body, expected", [
+    (_FAILS_WHILE_RANK_0_INITIALISES.format(failure="sys.exit(1)"), 1),
+    (_FAILS_WHILE_RANK_0_INITIALISES.format(failure="os.kill(os.getpid(), signal.SIGKILL)"),
+     137),
+    (_LEAVES_WITH_OS_EXIT, None),
+], ids=["exit-1", "sigkill", "mpirun-kills-with-sigkill"])
+def test_a_stopped_job_leaves_no_mpich_segment_in_dev_shm(mpirun, clean_env, tmp_path, body,
+                                                        expected):
+    missing = [tool for tool in ("unshare", "mount") if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0:
+        pytest.fail(f"needs root and util-linux ({missing or 'not root'}), as CI has")
+    script = _script(tmp_path, body)
+    # The job runs in a private /dev/shm, so what is left there is its own.
+    shell = ('mount -t tmpfs tmpfs /dev/shm || exit 99; "$@"; echo "rc=$?"; '
+             'ls -A /dev/shm')
+    proc = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", shell, "sh",
+         sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, "-np", "2",
+         sys.executable, script],
+        env=clean_env, capture_output=True, timeout=GUARD)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, f"the namespace's shell failed ({proc.returncode}): {err}"
+    tail = out[out.rindex("rc="):].split()
+    code, left = int(tail[0][3:]), tail[1:]
+    if expected is None:
+        assert code != 0, err
+    else:
+        assert code == expected, err
+    assert left == [], f"left in /dev/shm: {left}\n{err}"
+
+
+def test_sigterm_twice_ends_the_job_with_143_and_says_so(mpirun, clean_env, tmp_path):
+    # A SIGTERM to the launcher's process group often arrives twice (``timeout`` passes its
+    # own on): the second must not kill the ranks before they report, nor be mistaken for
+    # ranks killed by mpirun.
+    fifo = tmp_path / "go_on"
+    os.mkfifo(fifo)
+    script = _script(tmp_path, f"""
+        def stop(signum, frame):
+            print("stopping", flush=True)
+            with open({str(fifo)!r}) as f:
+                f.read()
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, stop)
+        print("up", flush=True)
+        signal.pause()
+    """)
+    proc = subprocess.Popen([sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, "-np",
+                             "2", sys.executable, script], env=clean_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = [proc.stdout.readline() for _ in range(2)]  # blocks until both ranks are up
+    assert sorted(lines) == [b"[0] up\n", b"[1] up\n"], lines
+    proc.send_signal(signal.SIGTERM)
+    lines = [proc.stdout.readline() for _ in range(2)]  # both ranks got the first one
+    assert sorted(lines) == [b"[0] stopping\n", b"[1] stopping\n"], lines
+    proc.send_signal(signal.SIGTERM)
+    with open(fifo, "w") as f:  # both ranks go on, and end
+        f.write("go")
+    out, err = proc.communicate(timeout=GUARD)
+    assert proc.returncode == 143, err
+    assert b"terminated by SIGTERM" in err, err
+    assert b"without an exit status" not in err, err
+
+
+def test_a_host_mpirun_cannot_reach_is_named_as_a_failed_launch(mpirun, clean_env, tmp_path):
+    script = _script(tmp_path, "print('ran')\n")
+    code, out, err = _run(mpirun, ["-np", "2", "-H", "nosuchhost.invalid:2", sys.executable,
+                                   script], clean_env)
+    assert code != 0, (out, err)
+    assert "2 of 2 ranks never started: mpirun could not launch them" in err, err
+    assert "os._exit" not in err, err
+
+
+@pytest.mark.parametrize("spelling", ["-hostfile", "--hostfile"])
+def test_horovods_hostfile_names_the_hosts(mpirun, clean_env, tmp_path, spelling):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# this machine\nlocalhost slots=2\n\n")
+    script = _script(tmp_path, "print('rank', RANK)\n")
+    code, out, err = _run(mpirun, ["-np", "2", spelling, str(hostfile), sys.executable,
+                                   script], clean_env)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[0] rank 0", "[1] rank 1"]
+
+
+@pytest.mark.parametrize("hosts, args, message", [
+    ("localhost slots=2\nbadhost slots two\n", [],
+     "line 2: expected 'hostname slots=N' (N at least 1), got 'badhost slots two'"),
+    ("localhost slots=0\n", [], "line 1: expected 'hostname slots=N'"),
+    ("\n# nothing\n", [], "names no host"),
+    ("localhost slots=1\n", [], "-np 2 is more than the 1 slot(s) of --hostfile"),
+    (None, ["-H", "localhost:1"], "-np 2 is more than the 1 slot(s) of -H localhost:1"),
+    (None, ["-H", "a:1,b:x"], "expected host:slots entries (slots at least 1) separated by "
+     "commas, got 'b:x'"),
+    ("localhost slots=2\n", ["-H", "localhost:2"], "-H and --hostfile exclude each other"),
+], ids=["malformed", "zero-slots", "empty", "np-over-hostfile", "np-over-H", "bad-H", "both"])
+def test_host_errors_say_what_was_received(clean_env, tmp_path, hosts, args, message):
+    if hosts is not None:
+        (tmp_path / "hosts").write_text(hosts)
+        args = [*args, "--hostfile", str(tmp_path / "hosts")]
+    proc = subprocess.run([sys.executable, "-I", str(LAUNCHER), "-np", "2", *args,
+                           "python", "x.py"], env=clean_env, capture_output=True,
+                          timeout=GUARD)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr.decode(), proc.stderr
+
+
+def test_only_segments_nobody_holds_made_since_the_job_began_are_removed(tmp_path):
+    def segment(name: str) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 4096)
+        return path
+
+    mapped, opened, orphan = (segment(f"mpich_shm_{n}_0") for n in ("mapped", "opened", "orphan"))
+    other = segment("not_mpich_0")
+    with open(mapped, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 4096)  # held by its mapping alone once f is closed
+    held_open = os.open(opened, os.O_RDONLY)
+    try:
+        # Made before the job began: nothing is the job's.
+        assert _mpich_shm.remove_orphans(time.time() + 3600, str(tmp_path)) == []
+        removed = _mpich_shm.remove_orphans(time.time() - 60, str(tmp_path))
+    finally:
+        mapping.close()
+        os.close(held_open)
+    assert removed == [str(orphan)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (mapped, opened, other))
