@@ -134,9 +134,11 @@ class FrameReader:
                 self.buffer = self.buffer[end + 1:]
                 self.on_start(int(fields[1]) if fields[1].isdigit() else -1)
                 continue
-            if len(fields) == 4 and fields[0] == self.token and fields[2] == b"exit":
+            if (len(fields) in (4, 5) and fields[0] == self.token and fields[2] == b"exit"
+                    and fields[4:] in ([], [b"follows"])):
                 self.buffer = self.buffer[end + 1:]
-                self.on_exit(int(fields[1]) if fields[1].isdigit() else -1, int(fields[3]))
+                self.on_exit(int(fields[1]) if fields[1].isdigit() else -1, int(fields[3]),
+                             len(fields) == 5)
                 continue
             if len(fields) != 4 or fields[0] != self.token or not fields[3].isdigit():
                 self.renderer.raw(self.buffer[:end + 1])  # not ours after all

@@ -10,17 +10,20 @@ imports nothing but the standard library. The launcher's side of the frames is
 from __future__ import annotations
 
 import os
+import secrets
 import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
 # Frames, so the launcher knows whose bytes it holds even in partial lines:
 # b"\x1eKR <token> <rank> start\n" first (a rank that never sent it was never launched),
 # b"\x1eKR <token> <rank> <sink> <n>\n" and n bytes (sink 1 or 2: stdout or stderr), and
-# b"\x1eKR <token> <rank> exit <code>\n" last.
+# b"\x1eKR <token> <rank> exit <code>[ follows]\n" last ("follows": the rank failed because
+# another had, see mark_follow_on).
 FRAME = b"\x1eKR "
 FRAME_PAYLOAD = 3072  # header + payload stay below PIPE_BUF: one atomic write per frame
 # A partial line (a progress bar's state after "\r") is forwarded once the stream has been
@@ -31,6 +34,22 @@ _PARTIAL_MAX_SECONDS = 1.0
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "KERAS_RING_RANK",
                   "SLURM_PROCID")
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# "<wrapper pid>:<path>": the file the rank makes when it leaves with an error that another
+# rank's failure caused (mark_follow_on).
+STATUS_ENV = "KERAS_RING_RUN_STATUS"
+
+
+def mark_follow_on() -> None:
+    """Called in the rank (keras_ring's runtime) when the program leaves with an error that
+    another rank's failure caused: the launcher then reports that other rank's exit code,
+    whichever rank ended first. Nothing outside keras-ring-run, and nothing in a process the
+    wrapper did not start itself."""
+    wrapper, _, path = os.environ.get(STATUS_ENV, "").partition(":")
+    if path and wrapper == str(os.getppid()):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        except OSError:
+            pass
 
 
 def _rank() -> str:
@@ -128,13 +147,16 @@ def main(argv: list[str]) -> int:
     rank = _rank()
     _announce(rank)
     _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
+    status = os.path.join(tempfile.gettempdir(),
+                          f"keras-ring-run-{os.getpid()}-{secrets.token_hex(4)}.follows")
+    env = dict(os.environ, **{STATUS_ENV: f"{os.getpid()}:{status}"})
     # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
     try:
         # mpirun forwards the launcher's stdin to rank 0; the other ranks read nothing (under
         # plain mpirun, a read there waits forever).
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  stdin=None if rank == "0" else subprocess.DEVNULL,
-                                 close_fds=False,
+                                 close_fds=False, env=env,
                                  preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
     except OSError as e:
         _write_all(2, f"[{rank}] keras-ring-run: cannot run {command[0]!r}: {e}\n".encode())
@@ -143,7 +165,10 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     _forward_output(child, rank, os.environ.get(TOKEN_ENV, "").encode())
     code = child.wait()
-    return _report(rank, code if code >= 0 else 128 - code)
+    follows = os.path.exists(status)
+    if follows:
+        os.unlink(status)
+    return _report(rank, code if code >= 0 else 128 - code, follows)
 
 
 def _announce(rank: str) -> None:
@@ -154,11 +179,12 @@ def _announce(rank: str) -> None:
         _write_all(2, b"%s%s %s start\n" % (FRAME, token.encode(), rank.encode()))
 
 
-def _report(rank: str, code: int) -> int:
+def _report(rank: str, code: int, follows: bool = False) -> int:
     """Tells the launcher how this rank ended (a frame it consumes), returns ``code``."""
     token = os.environ.get(TOKEN_ENV)
     if token:
-        _write_all(2, b"%s%s %s exit %d\n" % (FRAME, token.encode(), rank.encode(), code))
+        _write_all(2, b"%s%s %s exit %d%s\n" % (FRAME, token.encode(), rank.encode(), code,
+                                                 b" follows" if follows else b""))
     return code
 
 

@@ -10,7 +10,8 @@ keras-ring-run -np 2 --mpirun /opt/mpich/bin/mpirun python train.py
 It finds ``mpirun`` (the one next to this Python, i.e. the ``mpich`` wheel's, else the one on
 ``PATH``, or ``--mpirun``), runs every rank under a small wrapper that prefixes each line
 the rank prints with ``[rank] `` and reports how the rank ended, stops every rank as soon as
-one fails and exits with that first failing rank's exit code, and on Ctrl-C stops every rank
+one fails and exits with that rank's exit code (a rank whose failure another's caused waits
+a moment for that one's), and on Ctrl-C stops every rank
 and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0 (the others read none); when
 the reader of its output goes away (``| head``) it ends the job and exits with 141. After
 the job, it removes the MPICH shared memory its stopped ranks left (``_mpich_shm``). Plain
@@ -42,6 +43,8 @@ _WRAPPER = str(Path(_rank_wrapper.__file__).resolve())
 _BROKEN_PIPE_EXIT = 141
 # How long mpirun may take to wind the ranks down after a stop request before it is killed.
 _STOP_GRACE_SECONDS = 15.0
+# How long a rank's failure that another rank's caused waits for that rank to report its own.
+_CAUSE_WAIT_SECONDS = 10.0
 
 
 class LaunchError(Exception):
@@ -229,7 +232,10 @@ class _Job:
         self.ranks = ranks
         self.started = 0  # ranks whose wrapper began
         self.reported = 0  # ranks whose wrapper told how they ended
-        self.first_failure: tuple[int, int] | None = None  # (rank, exit code)
+        self.cause: tuple[int, int] | None = None  # (rank, exit code) of the first failure
+        # that was not another's consequence, and the first that was
+        self.follow_on: tuple[int, int] | None = None
+        self._cause_wait: threading.Timer | None = None
         self.signalled: int | None = None  # SIGINT or SIGTERM that ended the job
         self.reader_gone = False  # a broken pipe: whoever read our output stopped reading
         self._stopping = threading.Lock()
@@ -267,11 +273,25 @@ class _Job:
     def _on_start(self, rank: int) -> None:
         self.started += 1
 
-    def _on_exit(self, rank: int, code: int) -> None:
+    @property
+    def first_failure(self) -> tuple[int, int] | None:
+        return self.cause or self.follow_on
+
+    def _on_exit(self, rank: int, code: int, follows: bool = False) -> None:
         self.reported += 1
-        if code != 0 and self.first_failure is None:
-            self.first_failure = (rank, code)
-            self.stop(signal.SIGTERM)
+        if code == 0:
+            return
+        if not follows:
+            if self.cause is None:
+                self.cause = (rank, code)
+                self.stop(signal.SIGTERM)
+        elif self.follow_on is None:
+            # The rank whose failure this follows is ending too: give it time to report its
+            # own exit code (stopping it now would make that 143), but stop a stalled one.
+            self.follow_on = (rank, code)
+            self._cause_wait = threading.Timer(_CAUSE_WAIT_SECONDS, self.stop, (signal.SIGTERM,))
+            self._cause_wait.daemon = True
+            self._cause_wait.start()
 
     def stop(self, sig: int) -> None:
         """Asks mpirun to stop every rank; kills its process group if it lingers."""
@@ -314,6 +334,8 @@ class _Job:
         code = self.proc.wait()
         for t in self._pumps:
             t.join()
+        if self._cause_wait is not None:
+            self._cause_wait.cancel()
         _mpich_shm.remove_orphans(self.began)
         return self._exit_code(code if code >= 0 else 128 - code)
 

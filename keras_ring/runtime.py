@@ -11,7 +11,9 @@ import threading
 import warnings
 from typing import Any
 
-from keras_ring import _lifecycle, errors, gpu, interfaces, rendezvous, threads
+import tensorflow as tf
+
+from keras_ring import _lifecycle, _rank_wrapper, errors, gpu, interfaces, rendezvous, threads
 from keras_ring.bootstrap import bootstrap, launched_by_mpi
 from keras_ring.mpi_exchange import comm_bootstrap, whole_world
 from keras_ring.config import Config, check_timeline_path
@@ -308,6 +310,20 @@ class Runtime:
         """Records that the program is ending with an uncaught exception."""
         if self._topology is not None and self._topology.size > 1:
             self._leaving_with = f"{exc_type.__name__}: {_gist(exc)}"[:300]
+            if _follows_a_peer(exc):
+                _rank_wrapper.mark_follow_on()
+
+
+def _follows_a_peer(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it was raised from) is another rank's failure reaching this
+    one: a peer that died, left or aborted, as keras_ring's class or TensorFlow's."""
+    following = (errors.PeerFailureError, errors.CollectiveAbortedError)
+    while exc is not None:
+        if isinstance(exc, following) or (isinstance(exc, tf.errors.OpError)
+                                          and isinstance(errors.translate(exc), following)):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def _interrupting_signals() -> list[int]:

@@ -169,6 +169,49 @@ def test_a_rank_that_stops_training_alone_fails_its_peer_at_once_saying_where(jo
     assert not (tmp_path / "error.1").exists(), "rank 1's own fit ended cleanly"
 
 
+# Rank 1 leaves with sys.exit(3) but ends last: its atexit handler, registered before init()
+# and so run after keras_ring's (which tells rank 0 that rank 1 left), waits until rank 0,
+# failing with PeerFailureError, has ended.
+_CAUSE_ENDS_LAST = """
+import atexit, os, sys, time
+import numpy as np
+import keras_ring as kr
+
+peer = None
+
+def wait_for_rank_0():
+    deadline = time.monotonic() + 60
+    while peer is not None and time.monotonic() < deadline:
+        try:
+            os.kill(peer, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+atexit.register(wait_for_rank_0)
+kr.init()
+pid_of_rank_0 = int(kr.broadcast_object(os.getpid(), root_rank=0))
+if kr.rank() == 1:
+    peer = pid_of_rank_0
+    kr.allreduce(np.ones(4, np.float32))
+    sys.exit(3)
+while True:
+    kr.allreduce(np.ones(4, np.float32))
+"""
+
+
+def test_keras_ring_run_exits_with_the_code_of_the_rank_at_fault_whichever_ends_first(
+        job_env, tmp_path):
+    script = tmp_path / "cause_ends_last.py"
+    script.write_text(_CAUSE_ENDS_LAST)
+    proc = subprocess.run([str(VENV_BIN / "keras-ring-run"), "-np", "2", sys.executable,
+                           str(script)], env=job_env, capture_output=True, text=True,
+                          timeout=GUARD)
+    out = proc.stdout + proc.stderr
+    assert "[0] keras_ring.errors.PeerFailureError" in out, out[-5000:]
+    assert proc.returncode == 3, out[-5000:]
+
+
 def test_ctrl_c_ends_a_training_job_at_once_with_a_plain_keyboard_interrupt(job_env, tmp_path):
     # A terminal's Ctrl-C reaches the whole foreground process group.
     proc = subprocess.Popen(

@@ -223,11 +223,12 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
     def frame(rank, data):
         return b"\x1eKR t0k %d 1 %d\n%s" % (rank, len(data), data)
 
-    stream = (frame(0, b"\r 1/3") + b"mpirun says hi\n" + frame(0, b"\r 2/3") +
-              frame(1, b"warning\n") + frame(0, b"\r 3/3\n") + frame(1, b"\xff\x00 binary\n")
-              + b"\x1eKR t0k 1 exit 3\n" + b"\x1eKR other 9 1 3\nabc" + frame(0, b"tail"))
+    stream = (b"\x1eKR t0k 0 start\n" + frame(0, b"\r 1/3") + b"mpirun says hi\n"
+              + frame(0, b"\r 2/3") + frame(1, b"warning\n") + frame(0, b"\r 3/3\n")
+              + frame(1, b"\xff\x00 binary\n") + b"\x1eKR t0k 1 exit 3\n"
+              + b"\x1eKR other 9 1 3\nabc" + frame(0, b"tail") + b"\x1eKR t0k 0 exit 1 follows\n")
     for chunk_size in (1, 2, 7, len(stream)):  # frames split anywhere by the pipes
-        written, exits = [], []
+        written, exits, starts = [], [], []
 
         class Sink:
             def write(self, data):
@@ -237,14 +238,15 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
                 pass
 
         reader = _launch_output.FrameReader(token, _launch_output.Renderer(Sink()),
-                                       lambda r, c: exits.append((r, c)))
+                                            lambda *exit: exits.append(exit), starts.append)
         for i in range(0, len(stream), chunk_size):
             reader.feed(stream[i:i + chunk_size])
         reader.close()
         assert b"".join(written) == (
             b"[0] \r[0]  1/3\nmpirun says hi\n[0] \r[0]  2/3\n[1] warning\n[0] \r[0]  3/3\n"
             b"[1] \xff\x00 binary\n\x1eKR other 9 1 3\nabc[0] tail\n"), chunk_size
-        assert exits == [(1, 3)]
+        assert exits == [(1, 3, False), (0, 1, True)]
+        assert starts == [0]
 
 
 def test_a_reader_that_stops_reading_ends_the_job_as_sigpipe_ends_mpirun(mpirun, clean_env,
