@@ -81,10 +81,11 @@ def wrap(
     per optimizer update, not per micro-batch. ``Model.compile`` turns XLA off for a
     wrapped optimizer (the collectives have no XLA kernel), and under the ``mixed_float16``
     policy it moves the communication to the ``LossScaleOptimizer`` that Keras adds, so the
-    finiteness check sees the averaged gradients and every rank skips the same steps. In a
-    custom loop with loss scaling, wrap the ``LossScaleOptimizer`` itself:
-    ``wrap(LossScaleOptimizer(Adam()))``; a wrapped optimizer inside a wrapped one does not
-    communicate again.
+    finiteness check sees the averaged gradients and every rank skips the same steps. A
+    ``LossScaleOptimizer`` around a wrapped optimizer (``LossScaleOptimizer(wrap(Adam()))``
+    in a custom loop) takes the communication over the same way at its first ``apply``;
+    ``wrap(LossScaleOptimizer(Adam()))`` says so at once. A wrapped optimizer inside a
+    wrapped one does not communicate again.
 
     Args:
         optimizer: a ``keras.optimizers.Optimizer`` (a ``LossScaleOptimizer`` too), or a
@@ -446,7 +447,42 @@ def install_compile_hook() -> None:
 
     owner.compile = compile
     _rate_check.install_fit_hook(distributed_optimizers)
+    _install_loss_scale_hook()
     _compile_hook_installed = True
+
+
+def _install_loss_scale_hook() -> None:
+    """Makes every ``LossScaleOptimizer`` around a wrapped optimizer communicate itself at
+    its first ``apply``: ``LossScaleOptimizer(wrap(Adam()))`` in a custom loop (or around
+    ``wrap(model.optimizer.inner_optimizer)``) would otherwise check each rank's own
+    gradients for overflow, and a rank that skipped a step would pair its next gradients
+    with the others' previous ones, silently."""
+    cls = keras.optimizers.LossScaleOptimizer
+    original = cls.apply
+
+    @functools.wraps(original)
+    @tf.autograph.experimental.do_not_convert
+    def apply(self, *args, **kwargs):
+        if _distribute_loss_scaling(self):
+            return self.apply(*args, **kwargs)  # now the wrapped class's
+        return original(self, *args, **kwargs)
+
+    cls.apply = apply
+
+
+def _distribute_loss_scaling(optimizer: Any) -> bool:
+    """Where Keras or the user put a ``LossScaleOptimizer`` around a wrapped optimizer,
+    makes the outer one communicate (returns True): its finiteness check must see averaged
+    gradients, or ranks would disagree on which steps to skip. It takes the inner one's
+    reduction and local variables; the inner one, seeing already-reduced gradients, passes
+    them through and keeps the accumulation (the LossScaleOptimizer has none)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if not (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+            and not is_wrapped(optimizer) and is_wrapped(inner)):
+        return False
+    state = dataclasses.replace(inner.__dict__[_STATE], base=type(optimizer), passes=Passes())
+    _wrap_in_place(optimizer, state)
+    return True
 
 
 def after_compile(model: Any, requested_jit: Any) -> None:
@@ -454,17 +490,7 @@ def after_compile(model: Any, requested_jit: Any) -> None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-            and not is_wrapped(optimizer) and is_wrapped(inner)):
-        # Keras put a LossScaleOptimizer around ours (mixed_float16). Its finiteness check
-        # must see averaged gradients, or ranks would disagree on which steps to skip and
-        # only some would enter the collectives: communicate in the outer one (the inner
-        # one then sees already-reduced gradients and passes them through).
-        # It takes the inner one's reduction and local variables; the inner one keeps the
-        # accumulation (the LossScaleOptimizer has none).
-        state = dataclasses.replace(inner.__dict__[_STATE], base=type(optimizer), passes=Passes())
-        _wrap_in_place(optimizer, state)
+    _distribute_loss_scaling(optimizer)  # Keras adds one under mixed_float16
     if is_wrapped(optimizer):
         _xla.turn_off_model_jit(model, requested_jit)
         _build_before_first_step(model)

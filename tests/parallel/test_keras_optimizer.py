@@ -321,25 +321,42 @@ def test_mixed_precision_fit_moves_communication_to_loss_scale_optimizer(world, 
     ks.assert_same_on_all_ranks(ks.weights(model) + [outer.dynamic_scale.numpy()])
 
 
-@pytest.mark.parametrize("inner_wrapped", [False, True])
-def test_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(world, monkeypatch, inner_wrapped):
+def _loss_scaled(how: str) -> keras.optimizers.LossScaleOptimizer:
+    inner = keras.optimizers.SGD(0.1)
+    lso = keras.optimizers.LossScaleOptimizer
+    if how == "wrap(LSO(opt))":
+        return keras_ring.wrap(lso(inner))
+    if how == "wrap(LSO(wrap(opt)))":
+        return keras_ring.wrap(lso(keras_ring.wrap(inner)))
+    if how == "LSO(wrap(opt))":  # a custom loop's way to add loss scaling to an optimizer
+        return lso(keras_ring.wrap(inner))
+    optimizer = lso(inner)  # its inner one wrapped later (model.optimizer.inner_optimizer)
+    keras_ring.wrap(optimizer.inner_optimizer)
+    return optimizer
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("how", ["wrap(LSO(opt))", "wrap(LSO(wrap(opt)))", "LSO(wrap(opt))",
+                                 "inner wrapped later"])
+def test_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(world, monkeypatch, how,
+                                                                   traced):
     rank, size = world
     log = CollectiveLog(monkeypatch)
     model = ks.mlp(ks.rank_seed(0))
-    inner = keras.optimizers.SGD(0.1)
-    inner = keras_ring.wrap(inner) if inner_wrapped else inner
-    optimizer = keras_ring.wrap(keras.optimizers.LossScaleOptimizer(inner))
+    optimizer = _loss_scaled(how)
     optimizer.build(model.trainable_variables)
+    apply = lambda grads: optimizer.apply(grads, model.trainable_variables)  # noqa: E731
+    apply = tf.function(apply) if traced else apply
     before = ks.weights(model)
     scale = float(optimizer.dynamic_scale.numpy())
     grads = [tf.ones_like(v) for v in model.trainable_variables]
     if rank == size - 1:
         grads[0] = grads[0] * np.inf  # only the last rank overflows
-    optimizer.apply(grads, model.trainable_variables)
+    apply(grads)
     ks.assert_weights_close(ks.weights(model), before, atol=0.0)
     assert float(optimizer.dynamic_scale.numpy()) == scale / 2
     # A finite step afterwards is applied everywhere.
-    optimizer.apply([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables)
+    apply([tf.ones_like(v) for v in model.trainable_variables])
     assert not np.allclose(ks.weights(model)[0], before[0])
     ks.assert_same_on_all_ranks(ks.weights(model))
     assert int(log.executed.numpy()) == 2  # one bucket per step, never a second reduction
