@@ -192,5 +192,12 @@ def is_gradient_accumulator(variable: Any) -> bool:
             and variable.name.endswith("gradient_accumulator"))
 
 
+def is_step_counter(variable: Any) -> bool:
+    """Whether ``variable`` is an optimizer's count of ``apply`` calls (``iterations``' raw
+    counter, named ``iteration`` in every Keras 3)."""
+    return (isinstance(variable, variable_classes()) and not variable.trainable
+            and variable.name == "iteration" and variable.dtype == "int64")
+
+
 def has_symbolic_build(model: Any) -> bool:
     return hasattr(model, "_maybe_symbolic_build") and hasattr(model, "_symbolic_build")

@@ -416,8 +416,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
 
 def _own_to_each_rank(variable: Any) -> bool:
-    """Whether a broadcast leaves ``variable`` alone: the random-seed states of Keras layers
-    and an optimizer's gradient accumulators.
+    """Whether a broadcast may leave ``variable`` alone: the random-seed states of Keras
+    layers and an optimizer's gradient accumulators.
 
     A Keras model's ``variables`` include the seeds its Dropout (and noise and augmentation)
     layers draw from: with the root's seeds every rank would drop the same units and flip the
@@ -426,9 +426,39 @@ def _own_to_each_rank(variable: Any) -> bool:
     variables). Each rank keeps its own, as the processes drew them. An optimizer's
     ``variables`` include, with gradient accumulation, each rank's own sum of the passes so
     far, not yet reduced: the root's would replace the others' gradients (Horovod's loop
-    broadcasts the optimizer after its first step, mid-accumulation)."""
+    broadcasts the optimizer after its first step, mid-accumulation). Only a rank whose
+    optimizer is not in step with the root's takes the root's sums (``_assign_from_root``)."""
     return _keras_private.is_seed_state(variable) or _keras_private.is_gradient_accumulator(
         variable)
+
+
+def _assign_from_root(variables: Sequence[Any], root: int, base: str,
+                      process_set: ProcessSet) -> None:
+    """Assigns the root's values to ``variables`` but the seed states, named ``base.i of n``
+    (ranks with different lists fail at the first variable, saying how many each has).
+
+    Gradient accumulators follow their optimizer's step counter: a rank whose counter
+    differed from the root's before this broadcast (the root resumed from a checkpoint taken
+    mid-accumulation, a worker joined) takes the root's sums, so the next update adds what
+    the checkpoint had summed, as one process resuming would; a rank in step (Horovod's
+    broadcast after the first step) keeps its own, not yet reduced."""
+    shared = _shared_variables(variables)
+    sums = [v for v in variables if _keras_private.is_gradient_accumulator(v)]
+    counters = [v for v in shared if _keras_private.is_step_counter(v)]
+    sums = sums if counters else []
+    before = [tf.identity(c) for c in counters]
+    total = len(shared) + len(sums)
+    for i, var in enumerate(shared):
+        var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i} of {total}",
+                             process_set=process_set))
+    if not sums:
+        return
+    behind = tf.reduce_any([tf.not_equal(b, tf.convert_to_tensor(c))
+                            for b, c in zip(before, counters)])
+    for i, var in enumerate(sums, len(shared)):
+        root_sum = broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i} of {total}",
+                             process_set=process_set)
+        var.assign(tf.where(behind, root_sum, tf.convert_to_tensor(var)))
 
 
 def _shared_variables(variables: Sequence[Any]) -> list[Any]:
@@ -446,7 +476,9 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     The random-seed states of Keras layers (``keras.random.SeedGenerator``, in
     ``model.variables`` but not in ``model.weights``) are left out: each rank keeps drawing
     its own dropout masks and augmentations; so are an optimizer's gradient accumulators
-    (each rank's own passes, not yet reduced). To give every rank the root's seeds anyway,
+    (each rank's own passes, not yet reduced) on the ranks whose optimizer step counter is
+    the root's (a rank out of step, fresh beside a root that resumed mid-accumulation, takes
+    the root's sums: they are in the checkpoint it resumes). To give every rank the root's seeds anyway,
     ``v.assign(keras_ring.broadcast(v.value, root_rank))`` them one by one. A Keras
     ``Normalization`` layer reads a copy of its statistics: call its ``finalize_state()``
     after this (``fit`` and ``broadcast_model`` do).
@@ -459,20 +491,15 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     """
     del inplace
     resolve(process_set, "broadcast_variables")
-    shared = _shared_variables(variables)
-    # The count in each name: ranks with different lists fail at the first variable, saying
-    # how many each has, not later at whatever collective one of them reaches first.
-    for i, var in enumerate(shared):
-        var.assign(broadcast(tf.convert_to_tensor(var), root_rank,
-                             name=f"broadcast_variables.{i} of {len(shared)}",
-                             process_set=process_set))
+    _assign_from_root(variables, root_rank, "broadcast_variables", process_set)
 
 
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Horovod's in-place broadcast: assigns the root's values to ``variables`` on every rank
-    and returns their new values (Keras random-seed states and gradient accumulators keep and
-    return their own, as in :func:`broadcast_variables`). Works eagerly and inside ``tf.function``.
+    and returns their new values (Keras random-seed states keep and return their own, and
+    gradient accumulators where their optimizer is in step with the root's, as in
+    :func:`broadcast_variables`). Works eagerly and inside ``tf.function``.
 
     Example:
 
@@ -481,14 +508,9 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     ```
     """
     resolve(process_set, "broadcast_")
-    root, base = _check_root(root_rank), _check_name(name) or "broadcast_"
-    values = []
-    for i, var in enumerate(variables):
-        if not _own_to_each_rank(var):
-            var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i}",
-                                 process_set=process_set))
-        values.append(tf.convert_to_tensor(var))
-    return values
+    root = _check_root(root_rank)
+    _assign_from_root(variables, root, _check_name(name) or "broadcast_", process_set)
+    return [tf.convert_to_tensor(var) for var in variables]
 
 
 def broadcast_global_variables(root_rank: int) -> Any:

@@ -149,3 +149,34 @@ def test_a_layer_frozen_on_some_ranks_only_is_named_by_the_broadcast(world):
     message = str(info.value)
     assert "trainable weights by rank: rank 0: 4 of 4; rank 1: 2 of 4" in message, message
     assert "frozen (trainable=False) on some ranks only" in message
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_a_checkpoint_taken_mid_accumulation_resumes_as_one_process_would(world, tmp_path,
+                                                                           policy):
+    # Horovod's resume: rank 0 loads, the others build afresh and the callback broadcasts.
+    # The checkpoint's accumulators hold a pass not yet applied: every rank must take it (a
+    # rank keeping its zeros counted it 1/N; under mixed_float16, where the sums are the
+    # ranks' shared averages, the ranks trained apart).
+    rank, size = world
+    x, y = ks.classification_data(size * 4 * 5, seed=6)
+    make = lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)  # noqa: E731
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        reference = ks.mlp(ks.rank_seed(0))
+        reference.compile(optimizer=make(), loss=ks.loss())
+        reference.fit(x, y, batch_size=size * 4, shuffle=False, verbose=0)  # 5 passes
+        path = str(tmp_path / "mid_accumulation.keras")
+        reference.save(path)
+        reference.fit(x, y, batch_size=size * 4, shuffle=False, verbose=0)
+        if rank == 0:
+            model = keras_ring.load_model(path)
+        else:
+            model = ks.mlp(ks.rank_seed(rank))
+            model.compile(optimizer=keras_ring.wrap(make()), loss=ks.loss())
+        model.fit(ks.shard(x, rank, size, 4), ks.shard(y, rank, size, 4), batch_size=4,
+                  shuffle=False, verbose=0, callbacks=[BroadcastGlobalVariablesCallback(0)])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    ks.assert_same_on_all_ranks(ks.weights(model))
+    ks.assert_weights_close(ks.weights(model), ks.weights(reference), atol=1e-4, rtol=1e-4)
