@@ -507,14 +507,31 @@ def distributed_optimizers(model: Any) -> tuple[list[Any], ProcessSet] | None:
     none (a model compiled again without keras_ring trains alone on each rank), or they
     average over different process sets (no one set of ranks must agree)."""
     optimizer = getattr(model, "optimizer", None)
-    if is_wrapped(optimizer):
-        optimizers = [optimizer]
-    else:
-        optimizers = [value for value in vars(model).values() if is_wrapped(value)]
+    optimizers = [optimizer] if is_wrapped(optimizer) else _attribute_optimizers(model)
     sets = [o.__dict__[_STATE].options.process_set for o in optimizers]
     if not sets or any(s != sets[0] for s in sets):
         return None
     return optimizers, sets[0]
+
+
+def _attribute_optimizers(model: Any) -> list[Any]:
+    """The wrapped optimizers ``model`` holds as attributes (keras-io's GAN: ``d_optimizer``,
+    ``g_optimizer``). Where it also holds optimizers that are not wrapped, the variables
+    those update would train apart on each rank, silently: a ValueError naming them."""
+    wrapped, plain = [], []
+    compiled = getattr(model, "optimizer", None)  # compile()'s default when none is given
+    for name, value in vars(model).items():
+        if isinstance(value, keras.optimizers.Optimizer) and value is not compiled:
+            _distribute_loss_scaling(value)  # a LossScaleOptimizer around a wrapped one
+            (wrapped if is_wrapped(value) else plain).append((name, value))
+    if wrapped and plain:
+        raise ValueError(
+            f"keras_ring: {type(model).__name__} holds optimizers wrapped with keras_ring.wrap "
+            f"({', '.join(name for name, _ in wrapped)}) and optimizers that are not "
+            f"({', '.join(f'{name}: {type(o).__name__}' for name, o in plain)}): what those "
+            "update would train apart on each rank. Wrap them too (keras_ring.wrap), or use "
+            "keras_ring.PartialDistributedOptimizer for variables meant to stay per rank")
+    return [value for _, value in wrapped]
 
 
 def _weight_check_settings(model: Any) -> tuple[set[int], ProcessSet] | None:

@@ -138,6 +138,41 @@ def test_optimizers_kept_as_attributes_reduce_and_are_checked(world, monkeypatch
         _fit(unsynchronised, my_x, my_y, broadcast=False)
 
 
+def test_optimizers_kept_as_attributes_but_only_some_wrapped_fail_on_every_rank(world):
+    # keras-io's GAN with one optimizer left unwrapped: its sub-model trained apart on each
+    # rank, silently (the weight check runs before the first step, when all still agree).
+    rank, size = world
+    _, _, my_x, my_y = _shards(rank, size)
+    model = TwoOptimizers(ks.mlp(ks.rank_seed(0)), ks.mlp(ks.rank_seed(0) + 50))
+    model.compile(kr.wrap(keras.optimizers.SGD(0.1)), keras.optimizers.Adam(0.01))
+    with pytest.raises(ValueError, match=r"holds optimizers wrapped with keras_ring.wrap "
+                       r"\(first_optimizer\) and optimizers that are not "
+                       r"\(second_optimizer: Adam\)"):
+        _fit(model, my_x, my_y)
+
+
+def test_loss_scale_optimizers_around_wrapped_attributes_skip_overflows_together(world):
+    # mixed_float16 in a GAN-style model: LossScaleOptimizer(wrap(opt)) kept as attributes.
+    rank, size = world
+    _, _, my_x, my_y = _shards(rank, size)
+    if rank == size - 1:
+        my_x = my_x.copy()
+        my_x[BATCH:2 * BATCH] *= 1e6  # this rank's second batch overflows in float16
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = TwoOptimizers(ks.mlp(ks.rank_seed(0)), ks.mlp(ks.rank_seed(0) + 50))
+        lso = keras.optimizers.LossScaleOptimizer
+        model.compile(lso(kr.wrap(keras.optimizers.SGD(0.1))),
+                      lso(kr.wrap(keras.optimizers.Adam(0.01))))
+        _fit(model, my_x, my_y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for optimizer in (model.first_optimizer, model.second_optimizer):
+        assert int(optimizer.inner_optimizer.iterations.numpy()) == 2  # 3 steps, 1 skipped
+    ks.assert_same_on_all_ranks(ks.weights(model.first) + ks.weights(model.second)
+                                + [float(model.first_optimizer.dynamic_scale.numpy())])
+
+
 class TwoOptimizersOnXla(TwoOptimizers):
     """The same, where the base compile picks XLA: what ``jit_compile="auto"`` resolves to on
     a machine with a GPU."""
