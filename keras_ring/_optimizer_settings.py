@@ -20,6 +20,7 @@ from keras_ring.process_sets import ProcessSet
 
 # Names may differ by rank (Keras numbers them as they are made); rates are compared as values.
 _LEFT_OUT = frozenset({"name", "learning_rate"})
+_CLASS = "class"  # shown alone where it differs: the other settings then differ as well
 
 
 def settings(optimizer: Any) -> Any:
@@ -30,7 +31,8 @@ def settings(optimizer: Any) -> Any:
         config = optimizer.get_config()
     except Exception as e:  # noqa: BLE001 - every rank must still take part in the check
         return f"no get_config ({type(e).__name__})"
-    return _canonical(config)
+    # __class__: a wrapped optimizer's reports the class it wraps.
+    return {**_canonical(config), _CLASS: optimizer.__class__.__name__}
 
 
 def _canonical(value: Any) -> Any:
@@ -64,6 +66,7 @@ def mismatch(optimizers: list[Any], ranks: list[int], epoch: int,
     first, other = everyone[0][which], everyone[odd][which]
     if isinstance(first, dict) and isinstance(other, dict):
         keys = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+        keys = [_CLASS] if _CLASS in keys else keys
         shown = "; ".join(f"{k}: rank {ranks[0]} {first.get(k)!r}, rank {ranks[odd]} "
                           f"{other.get(k)!r}" for k in keys[:4])
         shown += ", ..." if len(keys) > 4 else ""

@@ -292,7 +292,7 @@ def test_averaged_metrics_keep_the_rates_equal_and_the_epochs_run(world):
     ks.assert_same_on_all_ranks(ks.weights(model) + [model.optimizer.learning_rate.numpy()])
 
 
-@pytest.mark.parametrize("setting", ["momentum", "clipnorm", "inner"])
+@pytest.mark.parametrize("setting", ["momentum", "clipnorm", "inner", "class"])
 def test_optimizers_built_apart_fail_every_rank_before_the_first_epoch_trains(world, setting):
     """Momentum, clipnorm and the like are Python numbers, not variables: no broadcast makes
     them equal, the averaged metrics stayed equal, and the ranks' weights silently went
@@ -303,6 +303,9 @@ def test_optimizers_built_apart_fail_every_rank_before_the_first_epoch_trains(wo
         optimizer = keras.optimizers.LossScaleOptimizer(
             keras.optimizers.Adam(0.01, beta_1=0.8 if last else 0.9))
         shown = "inner_optimizer: rank 0"
+    elif setting == "class":  # named, not the settings one class has and the other lacks
+        optimizer = keras.optimizers.Adam(0.05) if last else keras.optimizers.SGD(0.05)
+        shown = f"; class: rank 0 'SGD', rank {size - 1} 'Adam'): "
     else:
         options = {"momentum": {"momentum": 0.5 if last else 0.9},
                    "clipnorm": {"clipnorm": 1.0} if last else {}}[setting]
