@@ -37,6 +37,9 @@ _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQU
 # "<wrapper pid>:<path>": the file the rank makes when it leaves with an error that another
 # rank's failure caused (mark_follow_on).
 STATUS_ENV = "KERAS_RING_RUN_STATUS"
+# The wrapper's first argument where mpirun signals the process group (Hydra's does): the
+# rank has the signal already, and the wrapper only outlives it.
+GROUP_SIGNALLED = "--group-signalled"
 
 
 def mark_follow_on() -> None:
@@ -142,10 +145,14 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Runs ``argv`` (after an optional ``--``) as this rank; returns its exit code."""
+    """Runs ``argv`` (after an optional ``GROUP_SIGNALLED`` and ``--``) as this rank;
+    returns its exit code."""
+    group_signalled = argv[:1] == [GROUP_SIGNALLED]
+    argv = argv[1:] if group_signalled else argv
     command = argv[1:] if argv[:1] == ["--"] else argv
     rank = _rank()
     _announce(rank)
+    parent = os.getppid()
     _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
     status = os.path.join(tempfile.gettempdir(),
                           f"keras-ring-run-{os.getpid()}-{secrets.token_hex(4)}.follows")
@@ -161,8 +168,15 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         _write_all(2, f"[{rank}] keras-ring-run: cannot run {command[0]!r}: {e}\n".encode())
         return _report(rank, 127)
+
+    def forward(signum, frame) -> None:
+        # Hydra signals our whole process group, the rank included: passing it on would
+        # deliver it twice (a Ctrl-C's KeyboardInterrupt raised again inside the cleanup).
+        if not group_signalled or os.getppid() != parent:  # or mpirun's proxy is gone
+            child.send_signal(signum)
+
     for sig in _FORWARDED_SIGNALS:
-        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+        signal.signal(sig, forward)
     _forward_output(child, rank, os.environ.get(TOKEN_ENV, "").encode())
     code = child.wait()
     follows = os.path.exists(status)

@@ -210,7 +210,9 @@ def mpi_flavour(mpirun: str) -> str:
 def mpirun_command(mpirun: str, flavour: str, np: int, hosts: str | None,
                    command: list[str]) -> list[str]:
     """The full mpirun command line: every rank runs ``command`` under the wrapper."""
-    wrapper = [sys.executable, "-I", _WRAPPER, "--", *command]
+    # Hydra (MPICH's mpirun) signals each rank's process group, the wrapper's child included.
+    group = [_rank_wrapper.GROUP_SIGNALLED] if flavour == "hydra" else []
+    wrapper = [sys.executable, "-I", _WRAPPER, *group, "--", *command]
     if flavour == "openmpi":
         # Open MPI refuses more ranks than cores unless told; Hydra never refuses.
         cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "-x",

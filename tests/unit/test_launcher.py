@@ -18,27 +18,7 @@ import pytest
 
 from keras_ring import _launch_output, launcher
 
-ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER = ROOT / "keras_ring" / "launcher.py"
-GUARD = 120  # seconds: a hang guard for every child process, never a timing assertion
-
-
-def _script(tmp_path, body: str) -> str:
-    path = tmp_path / "rank_program.py"
-    path.write_text("import os, signal, sys\nRANK = int(os.environ['PMI_RANK'])\n"
-                    + textwrap.dedent(body))
-    return str(path)
-
-
-def _launch(mpirun, args, env, **kwargs):
-    cmd = [sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
-
-
-def _run(mpirun, args, env):
-    proc = _launch(mpirun, args, env)
-    out, err = proc.communicate(timeout=GUARD)
-    return proc.returncode, out.decode(), err.decode()
+from tests.unit.launcher_support import GUARD, LAUNCHER, launch, run, rank_program
 
 
 def _wait_until_gone(pid: int) -> None:
@@ -61,13 +41,13 @@ def _pids(text: str) -> dict:
 
 def test_every_line_is_prefixed_with_its_rank(mpirun, clean_env, tmp_path):
     # Partial writes (one line in three pieces, unbuffered) must still give whole lines.
-    script = _script(tmp_path, """
+    script = rank_program(tmp_path, """
         for piece in (b"hello ", str(RANK).encode(), b" world\\nsecond line\\n"):
             os.write(1, piece)
         os.write(2, b"warning from %d\\n" % RANK)
         sys.stdout.write("no newline at the end")
     """)
-    code, out, err = _run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    code, out, err = run(mpirun, ["-np", "2", sys.executable, script], clean_env)
     assert code == 0, err
     assert sorted(out.splitlines()) == sorted(
         f"[{r}] {text}" for r in range(2)
@@ -82,7 +62,7 @@ def test_a_failing_rank_stops_the_job_with_its_exit_code(mpirun, clean_env, tmp_
     os.mkfifo(fifo)
     # Rank 0 would run forever; rank 1 fails with 5 once rank 0 is surely running. Rank 0
     # is then terminated (exit 143, larger than 5): the job must still report 5, the first.
-    script = _script(tmp_path, f"""
+    script = rank_program(tmp_path, f"""
         if RANK == 0:
             print("pid", os.getpid(), flush=True)
             with open({str(fifo)!r}, "w") as f:
@@ -92,7 +72,7 @@ def test_a_failing_rank_stops_the_job_with_its_exit_code(mpirun, clean_env, tmp_
             f.read()
         sys.exit(5)
     """)
-    code, out, err = _run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    code, out, err = run(mpirun, ["-np", "2", sys.executable, script], clean_env)
     assert code == 5, (out, err)
     _wait_until_gone(_pids(out)[0])
 
@@ -100,31 +80,31 @@ def test_a_failing_rank_stops_the_job_with_its_exit_code(mpirun, clean_env, tmp_
 def test_a_rank_killed_by_mpirun_without_a_word_fails_the_job(mpirun, clean_env, tmp_path):
     # A rank that started MPI and leaves with os._exit (a common way to skip a slow teardown)
     # makes MPICH's mpirun kill the others at once: they never report, and mpirun may exit 0.
-    script = _script(tmp_path, """
+    script = rank_program(tmp_path, """
         from mpi4py import MPI
         MPI.COMM_WORLD.Barrier()
         if RANK == 1:
             os._exit(0)
         signal.pause()
     """)
-    code, out, err = _run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    code, out, err = run(mpirun, ["-np", "2", sys.executable, script], clean_env)
     assert code != 0, (out, err)
     assert "1 of 2 ranks ended without an exit status" in err, err
 
 
 def test_exit_code_is_zero_when_every_rank_succeeds(mpirun, clean_env, tmp_path):
-    script = _script(tmp_path, "print('done', RANK)\n")
-    code, out, err = _run(mpirun, ["-np", "3", sys.executable, script], clean_env)
+    script = rank_program(tmp_path, "print('done', RANK)\n")
+    code, out, err = run(mpirun, ["-np", "3", sys.executable, script], clean_env)
     assert code == 0, err
     assert sorted(out.splitlines()) == ["[0] done 0", "[1] done 1", "[2] done 2"]
 
 
 def test_ctrl_c_stops_every_rank(mpirun, clean_env, tmp_path):
-    script = _script(tmp_path, """
+    script = rank_program(tmp_path, """
         print("pid", os.getpid(), flush=True)
         signal.pause()
     """)
-    proc = _launch(mpirun, ["-np", "3", sys.executable, script], clean_env)
+    proc = launch(mpirun, ["-np", "3", sys.executable, script], clean_env)
     lines = [proc.stdout.readline().decode() for _ in range(3)]  # blocks until all are up
     pids = _pids("".join(lines))
     assert sorted(pids) == [0, 1, 2], lines
@@ -136,7 +116,7 @@ def test_ctrl_c_stops_every_rank(mpirun, clean_env, tmp_path):
 
 
 def test_a_missing_program_fails_with_127(mpirun, clean_env, tmp_path):
-    code, out, err = _run(mpirun, ["-np", "2", str(tmp_path / "no_such_program")], clean_env)
+    code, out, err = run(mpirun, ["-np", "2", str(tmp_path / "no_such_program")], clean_env)
     assert code == 127
     assert "cannot run" in err
 
@@ -160,9 +140,10 @@ def test_finds_the_mpirun_next_to_this_python(mpirun):
 def test_mpirun_command_per_flavour():
     hydra = launcher.mpirun_command("mpirun", "hydra", 4, "a:2,b:2", ["python", "t.py"])
     assert hydra[:5] == ["mpirun", "-np", "4", "-hosts", "a:2,b:2"]
-    assert hydra[-3:] == ["--", "python", "t.py"]
+    assert hydra[-4:] == ["--group-signalled", "--", "python", "t.py"]  # Hydra signals groups
     ompi = launcher.mpirun_command("mpirun", "openmpi", 4, "a:2,b:2", ["python", "t.py"])
     assert "--oversubscribe" in ompi and ompi[ompi.index("-H") + 1] == "a:2,b:2"
+    assert ompi[-4:] == [launcher._WRAPPER, "--", "python", "t.py"]
 
 
 def test_console_script_runs_a_keras_ring_job(clean_env, tmp_path):
@@ -184,12 +165,12 @@ def test_console_script_runs_a_keras_ring_job(clean_env, tmp_path):
 
 def test_carriage_returns_reach_the_terminal_byte_for_byte(mpirun, clean_env, tmp_path):
     # A Keras progress bar: "\r" then the new state, no newline until the epoch ends.
-    script = _script(tmp_path, """
+    script = rank_program(tmp_path, """
         for piece in (b"Epoch 1/1", b"\\n", b"\\r 1/3 [==    ]", b"\\r 2/3 [====  ]",
                       b"\\r 3/3 [======]", b" - loss: 0.5\\n"):
             os.write(1, piece)
     """)
-    code, out, err = _run(mpirun, ["-np", "1", sys.executable, script], clean_env)
+    code, out, err = run(mpirun, ["-np", "1", sys.executable, script], clean_env)
     assert code == 0, err
     assert out == ("[0] Epoch 1/1\n[0] \r[0]  1/3 [==    ]\r[0]  2/3 [====  ]"
                    "\r[0]  3/3 [======] - loss: 0.5\n")
@@ -198,13 +179,13 @@ def test_carriage_returns_reach_the_terminal_byte_for_byte(mpirun, clean_env, tm
 def test_a_partial_line_is_forwarded_while_the_rank_still_runs(mpirun, clean_env, tmp_path):
     fifo = tmp_path / "go_on"
     os.mkfifo(fifo)
-    script = _script(tmp_path, f"""
+    script = rank_program(tmp_path, f"""
         os.write(1, b"\\r 1/3 [==    ]")  # no newline, and the rank waits before finishing
         with open({str(fifo)!r}) as f:
             f.read()
         os.write(1, b"\\n")
     """)
-    proc = _launch(mpirun, ["-np", "1", sys.executable, script], clean_env)
+    proc = launch(mpirun, ["-np", "1", sys.executable, script], clean_env)
     seen = b""
     while not seen.endswith(b"[0]  1/3 [==    ]"):  # blocks until the bytes arrive
         piece = os.read(proc.stdout.fileno(), 100)
@@ -253,13 +234,13 @@ def test_a_reader_that_stops_reading_ends_the_job_as_sigpipe_ends_mpirun(mpirun,
                                                                         tmp_path):
     # `keras-ring-run ... | head -2`: the ranks print forever; once the reader has gone the
     # job must end (exit 141, as a shell reports SIGPIPE) and no rank may block writing.
-    script = _script(tmp_path, f"""
+    script = rank_program(tmp_path, f"""
         import itertools
         open({str(tmp_path)!r} + f"/pid{{RANK}}", "w").write(str(os.getpid()))
         for i in itertools.count():
             print("tick", i, flush=True)
     """)
-    proc = _launch(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    proc = launch(mpirun, ["-np", "2", sys.executable, script], clean_env)
     seen = set()
     while len(seen) < 2:  # both ranks have written their pid and print by now
         line = proc.stdout.readline()
@@ -276,8 +257,8 @@ def test_a_reader_that_stops_reading_ends_the_job_as_sigpipe_ends_mpirun(mpirun,
 
 
 def test_stdin_reaches_rank_0_and_the_other_ranks_read_nothing(mpirun, clean_env, tmp_path):
-    script = _script(tmp_path, "print(repr(sys.stdin.read()))\n")
-    proc = _launch(mpirun, ["-np", "2", sys.executable, script], clean_env,
+    script = rank_program(tmp_path, "print(repr(sys.stdin.read()))\n")
+    proc = launch(mpirun, ["-np", "2", sys.executable, script], clean_env,
                    stdin=subprocess.PIPE)
     out, err = proc.communicate(b"first\nsecond\n", timeout=GUARD)
     assert proc.returncode == 0, err
@@ -316,12 +297,12 @@ def test_stdout_and_stderr_on_one_terminal_never_share_a_line():
 def test_lines_stay_whole_under_heavy_output_from_every_rank(mpirun, clean_env, tmp_path):
     # Every write ends inside a line, without pause: a partial line must travel only once
     # its stream is quiet, else another rank's line lands inside it.
-    script = _script(tmp_path, """
+    script = rank_program(tmp_path, """
         blob = b"".join(b"%d %06d %s\\n" % (RANK, i, b"x" * 90) for i in range(30000))
         for start in range(0, len(blob), 4093):
             os.write(1, blob[start:start + 4093])
     """)
-    code, out, err = _run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    code, out, err = run(mpirun, ["-np", "2", sys.executable, script], clean_env)
     assert code == 0, err
     lines = out.splitlines()
     assert len(lines) == 60000

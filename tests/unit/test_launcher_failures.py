@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,22 +18,7 @@ import pytest
 
 from keras_ring import _mpich_shm
 
-ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER = ROOT / "keras_ring" / "launcher.py"
-GUARD = 120  # seconds: a hang guard for every child process, never a timing assertion
-
-
-def _script(tmp_path, body: str) -> str:
-    path = tmp_path / "rank_program.py"
-    path.write_text("import os, signal, sys\nRANK = int(os.environ['PMI_RANK'])\n"
-                    + textwrap.dedent(body))
-    return str(path)
-
-
-def _run(mpirun, args, env):
-    proc = subprocess.run([sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, *args],
-                          env=env, capture_output=True, timeout=GUARD)
-    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+from tests.unit.launcher_support import GUARD, LAUNCHER, run, rank_program
 
 
 # Rank 1 fails only once rank 0 is inside MPI_Init, where it waits for rank 1 holding the
@@ -70,7 +54,7 @@ def test_a_stopped_job_leaves_no_mpich_segment_in_dev_shm(mpirun, clean_env, tmp
     missing = [tool for tool in ("unshare", "mount") if shutil.which(tool) is None]
     if missing or os.geteuid() != 0:
         pytest.fail(f"needs root and util-linux ({missing or 'not root'}), as CI has")
-    script = _script(tmp_path, body)
+    script = rank_program(tmp_path, body)
     # The job runs in a private /dev/shm, so what is left there is its own.
     shell = ('mount -t tmpfs tmpfs /dev/shm || exit 99; "$@"; echo "rc=$?"; '
              'ls -A /dev/shm')
@@ -90,19 +74,31 @@ def test_a_stopped_job_leaves_no_mpich_segment_in_dev_shm(mpirun, clean_env, tmp
     assert left == [], f"left in /dev/shm: {left}\n{err}"
 
 
-def test_sigterm_twice_ends_the_job_with_143_and_says_so(mpirun, clean_env, tmp_path):
-    # A SIGTERM to the launcher's process group often arrives twice (``timeout`` passes its
-    # own on): the second must not kill the ranks before they report, nor be mistaken for
-    # ranks killed by mpirun.
+def _rank_line(stream) -> bytes:
+    """The next line a rank wrote (Hydra's mpiexec writes its own on Ctrl-C)."""
+    while (line := stream.readline()).startswith(b"[mpiexec"):
+        pass
+    return line
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_stop_reaches_each_rank_once_and_a_second_one_waits_for_them(mpirun, clean_env,
+                                                                     tmp_path, sig, code):
+    # Hydra signals each rank's process group: the wrapper passing the signal on as well
+    # ran a program's handler twice (a Ctrl-C's KeyboardInterrupt inside its cleanup). A
+    # SIGTERM to the launcher's process group often arrives twice (``timeout`` passes its own
+    # on): the second must not kill the ranks before they report, nor be mistaken for ranks
+    # killed by mpirun.
     fifo = tmp_path / "go_on"
     os.mkfifo(fifo)
-    script = _script(tmp_path, f"""
+    script = rank_program(tmp_path, f"""
         def stop(signum, frame):
             print("stopping", flush=True)
             with open({str(fifo)!r}) as f:
                 f.read()
-            sys.exit(143)
-        signal.signal(signal.SIGTERM, stop)
+            sys.exit({code})
+        signal.signal({int(sig)}, stop)
         print("up", flush=True)
         signal.pause()
     """)
@@ -111,21 +107,23 @@ def test_sigterm_twice_ends_the_job_with_143_and_says_so(mpirun, clean_env, tmp_
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = [proc.stdout.readline() for _ in range(2)]  # blocks until both ranks are up
     assert sorted(lines) == [b"[0] up\n", b"[1] up\n"], lines
-    proc.send_signal(signal.SIGTERM)
-    lines = [proc.stdout.readline() for _ in range(2)]  # both ranks got the first one
+    proc.send_signal(sig)
+    lines = [_rank_line(proc.stdout) for _ in range(2)]  # each rank got it once
     assert sorted(lines) == [b"[0] stopping\n", b"[1] stopping\n"], lines
-    proc.send_signal(signal.SIGTERM)
+    if sig == signal.SIGTERM:
+        proc.send_signal(sig)
     with open(fifo, "w") as f:  # both ranks go on, and end
         f.write("go")
     out, err = proc.communicate(timeout=GUARD)
-    assert proc.returncode == 143, err
-    assert b"terminated by SIGTERM" in err, err
+    assert b"stopping" not in out, out  # no rank's handler ran again
+    assert proc.returncode == code, err
+    assert (b"terminated by SIGTERM" in err) == (sig == signal.SIGTERM), err
     assert b"without an exit status" not in err, err
 
 
 def test_a_host_mpirun_cannot_reach_is_named_as_a_failed_launch(mpirun, clean_env, tmp_path):
-    script = _script(tmp_path, "print('ran')\n")
-    code, out, err = _run(mpirun, ["-np", "2", "-H", "nosuchhost.invalid:2", sys.executable,
+    script = rank_program(tmp_path, "print('ran')\n")
+    code, out, err = run(mpirun, ["-np", "2", "-H", "nosuchhost.invalid:2", sys.executable,
                                    script], clean_env)
     assert code != 0, (out, err)
     assert "2 of 2 ranks never started: mpirun could not launch them" in err, err
@@ -136,8 +134,8 @@ def test_a_host_mpirun_cannot_reach_is_named_as_a_failed_launch(mpirun, clean_en
 def test_horovods_hostfile_names_the_hosts(mpirun, clean_env, tmp_path, spelling):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# this machine\nlocalhost slots=2\n\n")
-    script = _script(tmp_path, "print('rank', RANK)\n")
-    code, out, err = _run(mpirun, ["-np", "2", spelling, str(hostfile), sys.executable,
+    script = rank_program(tmp_path, "print('rank', RANK)\n")
+    code, out, err = run(mpirun, ["-np", "2", spelling, str(hostfile), sys.executable,
                                    script], clean_env)
     assert code == 0, err
     assert sorted(out.splitlines()) == ["[0] rank 0", "[1] rank 1"]
