@@ -14,12 +14,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "keras_ring"
 
 LAYERS = {
-    # 0. Leaves, no TensorFlow: the environment, addresses, the errors of a launch, the
-    # launcher (a stdlib-only script), the op library's builder and ABI numbering.
+    # 0. Leaves, no TensorFlow: the environment, addresses, the errors of a launch,
+    # keras-ring-run (its ranks' wrapper, a stdlib-only script; their output; MPICH's
+    # leftovers), the op library's builder and ABI numbering.
     "keras_ring.config": 0,
     "keras_ring._lazy_exports": 0,
     "keras_ring.interfaces": 0,
     "keras_ring._errors_base": 0,
+    "keras_ring._rank_wrapper": 0,
+    "keras_ring._launch_output": 0,
+    "keras_ring._mpich_shm": 0,
     "keras_ring.launcher": 0,
     "keras_ring.ops.build": 0,
     "keras_ring.ops.build_cache": 0,
@@ -97,8 +101,8 @@ LAYERS = {
     "keras_ring": 8,
 }
 
-# Run as scripts (python -I launcher.py): they cannot import keras_ring at all.
-STDLIB_ONLY = {"keras_ring.launcher"}
+# Run as scripts (python -I _rank_wrapper.py): they cannot import keras_ring at all.
+STDLIB_ONLY = {"keras_ring._rank_wrapper"}
 
 
 def _modules() -> dict[str, Path]:
