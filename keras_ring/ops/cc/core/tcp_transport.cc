@@ -83,6 +83,20 @@ void SetSocketOptions(int fd) {
 
 std::string Errno(int err) { return std::strerror(err); }
 
+// " (at 10.0.0.2:41234)": where a connected socket's peer is, for messages about it.
+std::string PeerWhere(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  char host[NI_MAXHOST], port[NI_MAXSERV];
+  if (fd < 0 || getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+      getnameinfo(reinterpret_cast<sockaddr*>(&addr), len, host, sizeof host, port,
+                  sizeof port, NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+    return "";
+  }
+  const bool v6 = addr.ss_family == AF_INET6;
+  return std::string(" (at ") + (v6 ? "[" : "") + host + (v6 ? "]:" : ":") + port + ")";
+}
+
 }  // namespace
 
 const char* BuildInfo() { return KERAS_RING_BUILD_INFO; }
@@ -345,6 +359,9 @@ Status TcpTransport::Pump(int to, const void* send_data, size_t send_bytes, int 
   const char* sp = static_cast<const char*>(send_data);
   char* rp = static_cast<char*>(recv_data);
   size_t sent = 0, received = 0;
+  // The deadline bounds a silence, not the transfer: bytes moving renew it, so a slow link
+  // carrying a large step (a segment at 1 Mbit/s) is no dead peer.
+  const Clock::duration budget = std::max(deadline.time() - Clock::now(), Clock::duration{});
   // Before it blocks in poll(), a wait that may yield checks the sockets and yields the core
   // for up to kYieldBudget: on loopback a blocked poll() costs a wake-up per message (2 ranks,
   // 4 KiB in a graph: ~140 us against ~20 for MPICH over TCP).
@@ -387,9 +404,14 @@ Status TcpTransport::Pump(int to, const void* send_data, size_t send_bytes, int 
     if (rc == 0) {
       if (deadline.expired()) {
         const int waited = received < recv_bytes ? from : to;
+        const double silent = std::chrono::duration<double>(budget).count();
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%.3g", silent);
         return Status(Code::kDeadlineExceeded,
                       std::string("timed out waiting for rank ") + std::to_string(waited) +
-                          (received < recv_bytes ? " to send data" : " to accept data"),
+                          PeerWhere(fds_[static_cast<size_t>(waited)]) +
+                          (received < recv_bytes ? " to send data" : " to accept data") +
+                          ": nothing moved for " + seconds + " s",
                       waited);
       }
       continue;
@@ -402,7 +424,10 @@ Status TcpTransport::Pump(int to, const void* send_data, size_t send_bytes, int 
       if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         return PeerGone(from, "receiving", errno);
       }
-      if (got > 0) received += static_cast<size_t>(got);
+      if (got > 0) {
+        received += static_cast<size_t>(got);
+        deadline = Deadline(Clock::now() + budget).Yielding(deadline.may_yield());
+      }
       if (frame != nullptr && received == recv_bytes) {
         // The head is in: now the whole message, as long as it announces.
         KR_RETURN_IF_ERROR(
@@ -418,7 +443,10 @@ Status TcpTransport::Pump(int to, const void* send_data, size_t send_bytes, int 
         if (abort_.aborted()) return abort_.WaitError();
         return PeerGone(to, "sending", errno);
       }
-      if (put > 0) sent += static_cast<size_t>(put);
+      if (put > 0) {
+        sent += static_cast<size_t>(put);
+        deadline = Deadline(Clock::now() + budget).Yielding(deadline.may_yield());
+      }
     }
   }
   return Status::OK();

@@ -246,4 +246,66 @@ TEST(Tcp_ARankBehindAFirewallHearsWhyBeforeItsOwnWaitEnds) {
       << result[1].message();
 }
 
+namespace {
+
+// Rank 0 sends `pieces` pieces of 1 KiB, `gap_ms` apart, each Send with a deadline of
+// `timeout_s`; rank 1 receives them all in one Recv with that deadline. Returns rank 1's
+// status (and checks the bytes where it succeeded).
+Status TrickleToRank1(int pieces, int gap_ms, double timeout_s) {
+  int ports[2];
+  const int listen_fds[2] = {ListenOnLoopback(&ports[0]), ListenOnLoopback(&ports[1])};
+  const std::vector<PeerAddress> peers = {{"127.0.0.1", ports[0]}, {"127.0.0.1", ports[1]}};
+  const size_t piece = 1024, total = piece * static_cast<size_t>(pieces);
+  Status received;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<TcpTransport> t;
+      Status s = TcpTransport::Create(r, 2, listen_fds[r], peers, 5, Deadline::After(60.0), &t);
+      if (!s.ok()) {
+        if (r == 1) received = s;
+        return;
+      }
+      std::vector<char> data(total);
+      if (r == 0) {
+        for (size_t i = 0; i < total; ++i) data[i] = static_cast<char>(i * 7);
+        for (int k = 0; k < pieces; ++k) {
+          if (!t->Send(1, data.data() + piece * static_cast<size_t>(k), piece,
+                       Deadline::After(timeout_s)).ok()) return;
+          std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));  // the slow link
+        }
+        char done = 0;  // stays until rank 1 has its verdict
+        (void)t->Recv(1, &done, 1, Deadline::After(60.0));
+        return;
+      }
+      received = t->Recv(0, data.data(), total, Deadline::After(timeout_s));
+      for (size_t i = 0; received.ok() && i < total; ++i) {
+        if (data[i] != static_cast<char>(i * 7)) received = Status(Code::kInternal, "bad byte");
+      }
+      char done = 1;
+      (void)t->Send(0, &done, 1, Deadline::After(60.0));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int fd : listen_fds) close(fd);
+  return received;
+}
+
+}  // namespace
+
+TEST(Tcp_TheTimeoutBoundsASilenceNotASlowTransfer) {
+  // 15 pieces 0.2 s apart take 3 s, past the 2 s each wait is given: bytes that keep coming
+  // (a slow link carrying a large step) renew the deadline.
+  CHECK_OK(TrickleToRank1(15, 200, 2.0));
+}
+
+TEST(Tcp_ASilentPeerTimesOutNamingWhereItIs) {
+  // One piece, then 4 s of silence against a 1 s deadline.
+  const Status s = TrickleToRank1(2, 4000, 1.0);
+  CHECK_EQ(static_cast<int>(s.code()), static_cast<int>(Code::kDeadlineExceeded)) << s.message();
+  CHECK_CONTAINS(s.message(), "timed out waiting for rank 0 (at 127.0.0.1:");
+  CHECK_CONTAINS(s.message(), ") to send data: nothing moved for 1 s");
+  CHECK_EQ(s.peer(), 0);
+}
+
 }  // namespace kr_test
