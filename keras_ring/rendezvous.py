@@ -71,6 +71,7 @@ class Offer:
     port: int  # of its runtime listener
     addresses: str = ""  # candidates, comma-separated, best first
     explicit: bool = False  # set by hand (KERAS_RING_ADVERTISE_ADDRESS): used exactly
+    chosen: bool = False  # the interfaces KERAS_RING_SOCKET_IFNAME selects: no other address
     stack: str = ""  # interfaces.network_stack_id()
     loopback_only: bool = False  # its listener accepts connections from this machine only
     agree: list = field(default_factory=list)  # config.must_agree(), compared across ranks
@@ -204,7 +205,8 @@ def make_offer(config: Config, host_id: str, loopback_only: bool,
     # No usable interface is no error yet: the address rank 0 sees may be enough.
     addresses, _ = offered_addresses(config)
     offer = Offer(host_id, listener.getsockname()[1], addresses,
-                  explicit=config.advertise_address is not None, stack=network_stack_id(),
+                  explicit=config.advertise_address is not None,
+                  chosen=bool((config.socket_ifname or "").strip()), stack=network_stack_id(),
                   loopback_only=loopback_only, agree=list(must_agree(config)))
     return listener, offer
 
@@ -246,10 +248,13 @@ def exchange(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer,
     return _join(rank, size, rendezvous, offer, deadline, timeout)
 
 
-def route_first(address: str, candidates: str) -> str:
-    """``candidates`` with ``address`` (one known to route) in front, unless it is loopback."""
-    known = [] if is_loopback(address) else [address]
-    return ",".join(dict.fromkeys(known + [a for a in candidates.split(",") if a]))
+def route_first(address: str, candidates: str, chosen: bool = False) -> str:
+    """``candidates`` with ``address`` (one known to route) in front, unless it is loopback
+    or, where the candidates are the interfaces ``KERAS_RING_SOCKET_IFNAME`` chose
+    (``chosen``), not among them: the user picked the network, not the rendezvous's route."""
+    listed = [a for a in candidates.split(",") if a]
+    known = [] if is_loopback(address) or (chosen and address not in listed) else [address]
+    return ",".join(dict.fromkeys(known + listed))
 
 
 # --- rank 0 ----------------------------------------------------------------------------------
@@ -301,11 +306,11 @@ def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
                 _fail([c for c, _, _ in joined.values()], problem)
             token = secrets.randbits(63)
             peers = [Peer(me.host_id, me.addresses, me.port, me.stack)] + [
-                Peer(o.host_id, o.addresses if o.explicit else route_first(seen, o.addresses),
-                     o.port, o.stack)
+                Peer(o.host_id, o.addresses if o.explicit
+                     else route_first(seen, o.addresses, o.chosen), o.port, o.stack)
                 for _, o, seen in (joined[r] for r in range(1, size))]
             reply = {"token": token, "peers": [asdict(p) for p in peers],
-                     "rank0_explicit": me.explicit}
+                     "rank0_explicit": me.explicit, "rank0_chosen": me.chosen}
             for conn, _, _ in joined.values():
                 _send_quietly(conn, reply)
             return peers, token
@@ -316,7 +321,7 @@ def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
 
 def offer_of(hello: dict) -> Offer:
     return Offer(hello["host_id"], hello["port"], hello["addresses"], hello["explicit"],
-                 hello["stack"], hello["loopback_only"], hello["agree"])
+                 hello["chosen"], hello["stack"], hello["loopback_only"], hello["agree"])
 
 
 def check_world(offers: list[Offer], seen: list[str]) -> str | None:
@@ -362,7 +367,8 @@ def _accept_hello(server: socket.socket, deadline: float) -> tuple[socket.socket
 
 def well_formed(hello: dict) -> bool:
     types = {"rank": int, "size": int, "host_id": str, "port": int, "addresses": str,
-             "explicit": bool, "stack": str, "loopback_only": bool, "agree": list}
+             "explicit": bool, "chosen": bool, "stack": str, "loopback_only": bool,
+             "agree": list}
     return all(isinstance(hello.get(k), t) for k, t in types.items())
 
 
@@ -412,7 +418,8 @@ def _join(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer, deadl
              for p in reply["peers"]]
     if not reply["rank0_explicit"]:  # rank 0 is known to route where this rank reached it
         zero = peers[0]
-        peers[0] = Peer(zero.host_id, route_first(rank0_address, zero.address), zero.port, zero.stack)
+        peers[0] = Peer(zero.host_id, route_first(rank0_address, zero.address,
+                                                  reply["rank0_chosen"]), zero.port, zero.stack)
     return peers, int(reply["token"])
 
 

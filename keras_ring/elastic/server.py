@@ -280,7 +280,8 @@ class WorldServer:
                 _tell(worker.conn, {"error": problem})
                 worker.offer = None
             return
-        peers = [Peer(o.host_id, o.addresses if o.explicit else route_first(w.seen, o.addresses),
+        peers = [Peer(o.host_id, o.addresses if o.explicit
+                      else route_first(w.seen, o.addresses, o.chosen),
                       o.port, o.stack) for w, o in zip(chosen, offers)]
         token = secrets.randbits(63)
         with self._lock:

@@ -345,6 +345,16 @@ def test_explicit_addresses_are_kept_as_given():
     assert [p.address for p in peers0] == ["192.168.5.1", "192.168.5.2,10.0.0.2"]
 
 
+def test_the_rendezvous_route_goes_first_unless_the_interfaces_were_chosen():
+    # The address a rank reached rank 0 from is known to route: tried first. Where
+    # KERAS_RING_SOCKET_IFNAME chose the interfaces, it goes first only if it is on one of
+    # them (a probe's job ran 3 of 4 host pairs over the rendezvous's network instead).
+    assert rv.route_first("10.1.0.5", "10.2.0.5") == "10.1.0.5,10.2.0.5"
+    assert rv.route_first("10.1.0.5", "10.2.0.5", chosen=True) == "10.2.0.5"
+    assert rv.route_first("10.2.0.6", "10.2.0.5,10.2.0.6", chosen=True) == "10.2.0.6,10.2.0.5"
+    assert rv.route_first("127.0.0.1", "10.2.0.5") == "10.2.0.5"
+
+
 def test_an_mpi_launch_without_mpi4py_says_what_to_install(monkeypatch):
     from keras_ring.mpi_exchange import mpi_bootstrap
 
