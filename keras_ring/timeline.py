@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -84,13 +85,15 @@ def recorded() -> list[dict[str, Any]]:
     return out
 
 
-def trace_events(rank: int, events: list[list[str]]) -> list[dict[str, Any]]:
-    """Chrome trace events of one rank: a named row (tid) per rank in one process."""
+def trace_events(rank: int, events: list[list[str]], shift: int = 0) -> list[dict[str, Any]]:
+    """Chrome trace events of one rank: a named row (tid) per rank in one process; ``shift``
+    microseconds added to every time (see ``wall_clock_shift``)."""
     out: list[dict[str, Any]] = [
         {"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}},
         {"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": rank, "args": {"sort_index": rank}},
     ]
     for seq, label, nbytes, *times, ok, inlined in events:
+        times = [str(int(x) + shift) for x in times]
         t = [int(x) for x in times]  # submitted, started, exchanged, done (microseconds)
         if seq == "0":  # a mark
             out.append({"ph": "i", "s": "t", "name": label, "cat": "mark", "pid": 0, "tid": rank,
@@ -108,9 +111,23 @@ def trace_events(rank: int, events: list[list[str]]) -> list[dict[str, Any]]:
     return out
 
 
+def wall_clock_shift() -> int:
+    """Microseconds from this host's monotonic clock (the runtime's, counted from its boot) to
+    the wall clock, which NTP keeps alike across hosts: every host boots at its own time, so
+    raw times put one collective hours apart on two hosts' rows."""
+    pairs = []
+    for _ in range(3):  # the closest pair of readings
+        before = time.monotonic_ns()
+        wall = time.time_ns()
+        after = time.monotonic_ns()
+        pairs.append((after - before, wall - (before + after) // 2))
+    return min(pairs)[1] // 1000
+
+
 def write(path: str, topology: Topology, lib: Library) -> None:
-    """Gathers every rank's events on rank 0 and writes the trace (called by shutdown)."""
-    events = trace_events(topology.rank, read_events(lib))
+    """Gathers every rank's events on rank 0 and writes the trace (called by shutdown), its
+    times on the wall clock."""
+    events = trace_events(topology.rank, read_events(lib), wall_clock_shift())
     if topology.size > 1:
         try:
             gathered = allgather_object(events)

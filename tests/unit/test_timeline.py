@@ -1,7 +1,8 @@
 """KERAS_RING_TIMELINE writes a valid, complete Chrome trace: one row per rank, every
-collective with its phases and byte counts."""
+collective with its phases and byte counts, on one clock across hosts."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -21,7 +22,12 @@ def test_timeline_is_valid_and_complete(tmp_path, mpirun, clean_env):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     env = dict(clean_env, KERAS_RING_TIMELINE=str(path))
-    proc = subprocess.run([mpirun, "-np", "2", sys.executable, str(script)], env=env,
+    # Rank 1's monotonic clock runs a day ahead (a time namespace), as another host's would
+    # stand apart by its own boot time.
+    assert shutil.which("unshare"), "needs util-linux's unshare, as CI has"
+    ahead = ["unshare", "--time", "--fork", "--monotonic", "86400"]
+    proc = subprocess.run([mpirun, "-np", "1", sys.executable, str(script), ":", "-np", "1",
+                           *ahead, sys.executable, str(script)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = json.loads(path.read_text())["traceEvents"]
@@ -43,3 +49,7 @@ def test_timeline_is_valid_and_complete(tmp_path, mpirun, clean_env):
         assert by_label["allgather 'g0'"]["bytes"] == (rank + 1) * 2 * 4
         assert by_label["allgather 'g0'"]["completed_in_exchange"]
         assert all(a["ok"] for a in by_label.values())
+    # One collective ends at about the same moment on both rows.
+    done = {(e["tid"], e["args"]["seq"]): e["ts"] for e in events if e["name"] == "done"}
+    apart = max(abs(done[0, seq] - done[1, seq]) for seq in range(1, 10)) / 1e6
+    assert apart < 60, f"rank 1's row is {apart:.0f} s away from rank 0's"
