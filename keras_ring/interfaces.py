@@ -225,7 +225,8 @@ def _nothing_usable(interfaces: list[Interface], spec: str) -> str:
             if spec else "all are loopback, link-local, down or named lo*/docker*")
     return (f"this host has no address other hosts can reach: its interfaces are {seen}; "
             f"{rule}. Set {IFNAME_VARIABLE} to the interface that connects the hosts "
-            f"(e.g. eth0), or {ADVERTISE_VARIABLE} to this host's address")
+            f"(e.g. eth0), or {ADVERTISE_VARIABLE} to this host's address (the only way "
+            "for a link-local one: fe80::1%eth0)")
 
 
 def is_loopback(host: str) -> bool:
