@@ -15,6 +15,7 @@ from collections.abc import Callable
 import tensorflow as tf
 # A function's graph and the bodies of tf.cond and tf.while_loop: no public names.
 from tensorflow.python.framework.func_graph import FuncGraph
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from keras_ring.ops.loader import library
@@ -75,7 +76,12 @@ def _order_handle(bodies: list[tf.Graph]) -> tf.Tensor:
     """The variable's handle as the innermost of ``bodies`` sees it."""
     with _ORDER_LOCK, tf.init_scope(), tf.device("/CPU:0"):
         if not _ORDER:
-            _ORDER.append(tf.Variable(0, dtype=tf.int64, trainable=False, name=_ORDER_NAME))
+            # ResourceVariable itself, not tf.Variable: tf.function's variable creator scope
+            # refuses a variable made while it traces again, and the first collective may be
+            # in a retrace (Horovod's elastic example traces its step without a collective,
+            # then with one). Made inside init_scope, it belongs to no function.
+            _ORDER.append(resource_variable_ops.ResourceVariable(
+                0, dtype=tf.int64, trainable=False, name=_ORDER_NAME))
     # The function (also a nested one) captures the variable itself, so its call op writes it
     # wherever it is called from; then each body takes it from the graph just outside (cond's
     # gradient expects captures from there, never from further out).

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ring as kr
+from keras_ring.ops import wrappers
 from tests.reference import (GATHER_DTYPES, OP_NAMES, REDUCE_DTYPES, assert_same, rank_input,
                              reduce_reference)
 
@@ -224,3 +225,21 @@ def test_barrier_and_join_refuse_to_be_traced_on_every_rank(world, what):
                                            "function is traced"):
         tf.function(getattr(kr, what))()
     assert kr.allgather_object(world[0]) == list(range(world[1]))  # still in step
+
+
+def test_a_collective_first_traced_in_a_retrace(world, monkeypatch):
+    # Horovod's elastic example traces its step without a collective, then with one: the
+    # variable that orders a function's collectives was made in that retrace, which
+    # tf.function refuses ("Creating variables on a non-first call").
+    monkeypatch.setattr(wrappers, "_ORDER", [])  # as in a process that traced none yet
+    total = tf.Variable(0.0)
+
+    @tf.function
+    def step(x, reduce=True):
+        if reduce:
+            x = kr.allreduce(x, op=kr.Sum)
+        total.assign_add(x)
+
+    step(tf.constant(1.0), reduce=False)
+    step(tf.constant(1.0))
+    assert float(total.numpy()) == 1.0 + kr.size()
