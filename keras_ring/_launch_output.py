@@ -110,9 +110,11 @@ def same_file(a, b) -> bool:
 class FrameReader:
     """Splits the merged output of mpirun into the ranks' frames (see ``_rank_wrapper``)."""
 
-    def __init__(self, token: bytes, renderer: Renderer, on_exit, on_start=None) -> None:
+    def __init__(self, token: bytes, renderer: Renderer, on_exit, on_start=None,
+                 on_segment=None) -> None:
         self.token, self.renderer, self.on_exit = token, renderer, on_exit
         self.on_start = on_start or (lambda rank: None)
+        self.on_segment = on_segment or (lambda name, inode: None)
         self.buffer = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -133,6 +135,11 @@ class FrameReader:
             if len(fields) == 3 and fields[0] == self.token and fields[2] == b"start":
                 self.buffer = self.buffer[end + 1:]
                 self.on_start(int(fields[1]) if fields[1].isdigit() else -1)
+                continue
+            if (len(fields) == 5 and fields[0] == self.token and fields[2] == b"shm"
+                    and fields[4].isdigit()):
+                self.buffer = self.buffer[end + 1:]
+                self.on_segment(fields[3].decode(errors="replace"), int(fields[4]))
                 continue
             if (len(fields) in (4, 5) and fields[0] == self.token and fields[2] == b"exit"
                     and fields[4:] in ([], [b"follows"])):

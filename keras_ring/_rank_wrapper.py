@@ -13,6 +13,7 @@ import os
 import secrets
 import selectors
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -21,9 +22,10 @@ import time
 TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
 # Frames, so the launcher knows whose bytes it holds even in partial lines:
 # b"\x1eKR <token> <rank> start\n" first (a rank that never sent it was never launched),
-# b"\x1eKR <token> <rank> <sink> <n>\n" and n bytes (sink 1 or 2: stdout or stderr), and
-# b"\x1eKR <token> <rank> exit <code>[ follows]\n" last ("follows": the rank failed because
-# another had, see mark_follow_on).
+# b"\x1eKR <token> <rank> <sink> <n>\n" and n bytes (sink 1 or 2: stdout or stderr),
+# b"\x1eKR <token> <rank> shm <name> <inode>\n" once the rank maps MPICH's shared memory
+# (_SegmentWatch), and b"\x1eKR <token> <rank> exit <code>[ follows]\n" last ("follows": the
+# rank failed because another had, see mark_follow_on).
 FRAME = b"\x1eKR "
 FRAME_PAYLOAD = 3072  # header + payload stay below PIPE_BUF: one atomic write per frame
 # A partial line (a progress bar's state after "\r") is forwarded once the stream has been
@@ -37,9 +39,8 @@ _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQU
 # "<wrapper pid>:<path>": the file the rank makes when it leaves with an error that another
 # rank's failure caused (mark_follow_on).
 STATUS_ENV = "KERAS_RING_RUN_STATUS"
-# The wrapper's first argument where mpirun signals the process group (Hydra's does): the
-# rank has the signal already, and the wrapper only outlives it.
-GROUP_SIGNALLED = "--group-signalled"
+SHM_DIRECTORY = "/dev/shm"
+SHM_PREFIX = "mpich_shm_"
 
 
 def mark_follow_on() -> None:
@@ -73,11 +74,86 @@ def _die_with_parent(sig: int) -> None:
         pass
 
 
+class _SegmentWatch:
+    """Finds the MPICH shared-memory segment this rank maps, so that the launcher removes
+    only its own job's leftovers (``keras_ring._mpich_shm``): a holder of another job's
+    segment may be out of sight (a container sharing ``/dev/shm``, with its own PIDs).
+
+    inotify wakes it whenever a process creates or opens an ``mpich_shm_*`` file; the rank's
+    descriptor is there from its ``open`` until the mapping replaces it, so one look at both
+    finds it. Costs nothing while nobody opens one; does nothing without inotify."""
+
+    _IN_OPEN, _IN_CREATE = 0x20, 0x100
+    _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd = -1
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd >= 0 and libc.inotify_add_watch(fd, SHM_DIRECTORY.encode(),
+                                                  self._IN_OPEN | self._IN_CREATE) < 0:
+                os.close(fd)
+                fd = -1
+            self.fd = fd
+        except (OSError, AttributeError):
+            pass
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def found(self) -> tuple[str, int] | None:
+        """After the watch became readable: (name, inode) of the segment the rank holds,
+        once it does."""
+        try:
+            events = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return None
+        names, at = [], 0
+        while at + self._EVENT.size <= len(events):
+            length = self._EVENT.unpack_from(events, at)[3]
+            at += self._EVENT.size
+            names.append(events[at:at + length].rstrip(b"\0"))
+            at += length
+        if not any(name.startswith(SHM_PREFIX.encode()) for name in names):
+            return None
+        return _held_segment(self.pid)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _held_segment(pid: int) -> tuple[str, int] | None:
+    """(name, inode) of an MPICH segment process ``pid`` has open or mapped, if any."""
+    prefix = os.path.join(SHM_DIRECTORY, SHM_PREFIX)
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith(prefix):
+                return os.path.basename(link), os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(prefix.encode()):
+                    return os.path.basename(fields[5].rstrip(b"\n")).decode(), int(fields[4])
+    except (OSError, ValueError):  # the rank is gone, or closed it meanwhile
+        pass
+    return None
+
+
 def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
     """Sends the child's stdout and stderr to ours in frames, live: whole lines and
     carriage-return updates at once, the partial line after them once its stream has been
-    quiet for a moment (or has grown for a second)."""
+    quiet for a moment (or has grown for a second). Reports the child's MPICH segment."""
     selector = selectors.DefaultSelector()
+    watch = _SegmentWatch(child.pid)
+    if watch.fileno() >= 0 and token:
+        selector.register(watch, selectors.EVENT_READ, "watch")
     pending: dict[int, bytes] = {}
     began: dict[int, float] = {}  # when each pending partial line began to arrive
     last: dict[int, float] = {}  # when its latest piece arrived
@@ -88,11 +164,19 @@ def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
     def due(sink: int) -> float:
         return min(last[sink] + _QUIET_SECONDS, began[sink] + _PARTIAL_MAX_SECONDS)
 
-    while selector.get_map():
+    while any(key.data != "watch" for key in selector.get_map().values()):
         timeout = min(map(due, last), default=None)
         events = selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
         now = time.monotonic()
         for key, _ in events:
+            if key.data == "watch":
+                segment = watch.found()
+                if segment is not None:
+                    selector.unregister(watch)
+                    watch.close()
+                    _write_all(2, b"%s%s %s shm %s %d\n" % (FRAME, token, rank.encode(),
+                                                           segment[0].encode(), segment[1]))
+                continue
             chunk = os.read(key.fd, 65536)
             sink = key.data
             if not chunk:
@@ -117,6 +201,7 @@ def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
             _send_frames(sink, rank, token, pending[sink])
             pending[sink] = b""
             del began[sink], last[sink]
+    watch.close()
 
 
 def _whole_part(data: bytes) -> int:
@@ -145,35 +230,33 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Runs ``argv`` (after an optional ``GROUP_SIGNALLED`` and ``--``) as this rank;
-    returns its exit code."""
-    group_signalled = argv[:1] == [GROUP_SIGNALLED]
-    argv = argv[1:] if group_signalled else argv
+    """Runs ``argv`` (after an optional ``--``) as this rank; returns its exit code."""
     command = argv[1:] if argv[:1] == ["--"] else argv
     rank = _rank()
     _announce(rank)
-    parent = os.getppid()
     _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
     status = os.path.join(tempfile.gettempdir(),
                           f"keras-ring-run-{os.getpid()}-{secrets.token_hex(4)}.follows")
     env = dict(os.environ, **{STATUS_ENV: f"{os.getpid()}:{status}"})
     # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
+    # Its own process group: Hydra and Open MPI signal ours, gforker only this process, so
+    # whatever mpirun does, the rank gets each signal once, from us.
     try:
         # mpirun forwards the launcher's stdin to rank 0; the other ranks read nothing (under
         # plain mpirun, a read there waits forever).
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  stdin=None if rank == "0" else subprocess.DEVNULL,
-                                 close_fds=False, env=env,
+                                 close_fds=False, env=env, process_group=0,
                                  preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
     except OSError as e:
         _write_all(2, f"[{rank}] keras-ring-run: cannot run {command[0]!r}: {e}\n".encode())
         return _report(rank, 127)
 
     def forward(signum, frame) -> None:
-        # Hydra signals our whole process group, the rank included: passing it on would
-        # deliver it twice (a Ctrl-C's KeyboardInterrupt raised again inside the cleanup).
-        if not group_signalled or os.getppid() != parent:  # or mpirun's proxy is gone
-            child.send_signal(signum)
+        try:  # to the rank's group: its own children (data loader workers) too
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
 
     for sig in _FORWARDED_SIGNALS:
         signal.signal(sig, forward)

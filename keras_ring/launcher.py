@@ -210,9 +210,7 @@ def mpi_flavour(mpirun: str) -> str:
 def mpirun_command(mpirun: str, flavour: str, np: int, hosts: str | None,
                    command: list[str]) -> list[str]:
     """The full mpirun command line: every rank runs ``command`` under the wrapper."""
-    # Hydra (MPICH's mpirun) signals each rank's process group, the wrapper's child included.
-    group = [_rank_wrapper.GROUP_SIGNALLED] if flavour == "hydra" else []
-    wrapper = [sys.executable, "-I", _WRAPPER, *group, "--", *command]
+    wrapper = [sys.executable, "-I", _WRAPPER, "--", *command]
     if flavour == "openmpi":
         # Open MPI refuses more ranks than cores unless told; Hydra never refuses.
         cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "-x",
@@ -238,12 +236,14 @@ class _Job:
         # that was not another's consequence, and the first that was
         self.follow_on: tuple[int, int] | None = None
         self._cause_wait: threading.Timer | None = None
+        self.gave_up_on_cause = False  # the wait for it ended: later exits echo our stop
         self.signalled: int | None = None  # SIGINT or SIGTERM that ended the job
         self.reader_gone = False  # a broken pipe: whoever read our output stopped reading
         self._stopping = threading.Lock()
         self._stop_requested = False
         # A second early: file times on tmpfs come from a coarse clock.
         self.began = time.time() - 1.0
+        self.segments: set[tuple[str, int]] = set()  # MPICH's, that the ranks held
         # stdin is inherited: mpirun forwards it to rank 0, as it does without the launcher.
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
@@ -259,7 +259,8 @@ class _Job:
 
     def _pump(self, source, sink, screen: Screen | None) -> None:
         out = Sink(sink, self._on_reader_gone)
-        reader = FrameReader(self.token, Renderer(out, screen), self._on_exit, self._on_start)
+        reader = FrameReader(self.token, Renderer(out, screen), self._on_exit, self._on_start,
+                             lambda name, inode: self.segments.add((name, inode)))
         fd = source.fileno()
         # Read to the end even after a broken pipe: mpirun must never block writing to us.
         while chunk := os.read(fd, 65536):
@@ -284,16 +285,25 @@ class _Job:
         if code == 0:
             return
         if not follows:
-            if self.cause is None:
+            if self.cause is None and not self.gave_up_on_cause:
                 self.cause = (rank, code)
                 self.stop(signal.SIGTERM)
         elif self.follow_on is None:
             # The rank whose failure this follows is ending too: give it time to report its
             # own exit code (stopping it now would make that 143), but stop a stalled one.
             self.follow_on = (rank, code)
-            self._cause_wait = threading.Timer(_CAUSE_WAIT_SECONDS, self.stop, (signal.SIGTERM,))
+            self._cause_wait = threading.Timer(_CAUSE_WAIT_SECONDS, self._stop_waiting_for_cause)
             self._cause_wait.daemon = True
             self._cause_wait.start()
+
+    def _stop_waiting_for_cause(self) -> None:
+        """The follow-on's cause never reported: stop it, and let its 143, our own stop's
+        echo, pass for no cause (it would read as a pre-emption to a scheduler)."""
+        with self._stopping:
+            if self._stop_requested:
+                return
+            self.gave_up_on_cause = True
+        self.stop(signal.SIGTERM)
 
     def stop(self, sig: int) -> None:
         """Asks mpirun to stop every rank; kills its process group if it lingers."""
@@ -338,7 +348,10 @@ class _Job:
             t.join()
         if self._cause_wait is not None:
             self._cause_wait.cancel()
-        _mpich_shm.remove_orphans(self.began)
+        try:  # tidying up is no reason to lose the job's exit code
+            _mpich_shm.remove_orphans(self.began, self.segments)
+        except OSError:
+            pass
         return self._exit_code(code if code >= 0 else 128 - code)
 
     def _exit_code(self, code: int) -> int:
@@ -353,6 +366,12 @@ class _Job:
             print(f"keras-ring-run: terminated by {name}; the job was stopped",
                   file=sys.stderr)
             return 128 + self.signalled
+        if self.gave_up_on_cause and self.cause is None:
+            rank, code = self.follow_on
+            print(f"keras-ring-run: rank {rank} failed because another rank had, and no rank "
+                  f"reported a failure of its own within {_CAUSE_WAIT_SECONDS} s; the job "
+                  f"was stopped (exit code {code}, rank {rank}'s)", file=sys.stderr)
+            return code
         if self.first_failure is not None:
             return self.first_failure[1]
         if self.started < self.ranks:

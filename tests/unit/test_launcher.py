@@ -140,7 +140,7 @@ def test_finds_the_mpirun_next_to_this_python(mpirun):
 def test_mpirun_command_per_flavour():
     hydra = launcher.mpirun_command("mpirun", "hydra", 4, "a:2,b:2", ["python", "t.py"])
     assert hydra[:5] == ["mpirun", "-np", "4", "-hosts", "a:2,b:2"]
-    assert hydra[-4:] == ["--group-signalled", "--", "python", "t.py"]  # Hydra signals groups
+    assert hydra[-4:] == [launcher._WRAPPER, "--", "python", "t.py"]
     ompi = launcher.mpirun_command("mpirun", "openmpi", 4, "a:2,b:2", ["python", "t.py"])
     assert "--oversubscribe" in ompi and ompi[ompi.index("-H") + 1] == "a:2,b:2"
     assert ompi[-4:] == [launcher._WRAPPER, "--", "python", "t.py"]
@@ -206,10 +206,11 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
 
     stream = (b"\x1eKR t0k 0 start\n" + frame(0, b"\r 1/3") + b"mpirun says hi\n"
               + frame(0, b"\r 2/3") + frame(1, b"warning\n") + frame(0, b"\r 3/3\n")
-              + frame(1, b"\xff\x00 binary\n") + b"\x1eKR t0k 1 exit 3\n"
+              + frame(1, b"\xff\x00 binary\n") + b"\x1eKR t0k 1 shm mpich_shm_1f_0 42\n"
+              + b"\x1eKR t0k 1 exit 3\n"
               + b"\x1eKR other 9 1 3\nabc" + frame(0, b"tail") + b"\x1eKR t0k 0 exit 1 follows\n")
     for chunk_size in (1, 2, 7, len(stream)):  # frames split anywhere by the pipes
-        written, exits, starts = [], [], []
+        written, exits, starts, segments = [], [], [], []
 
         class Sink:
             def write(self, data):
@@ -219,7 +220,8 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
                 pass
 
         reader = _launch_output.FrameReader(token, _launch_output.Renderer(Sink()),
-                                            lambda *exit: exits.append(exit), starts.append)
+                                            lambda *exit: exits.append(exit), starts.append,
+                                            lambda *segment: segments.append(segment))
         for i in range(0, len(stream), chunk_size):
             reader.feed(stream[i:i + chunk_size])
         reader.close()
@@ -228,6 +230,7 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
             b"[1] \xff\x00 binary\n\x1eKR other 9 1 3\nabc[0] tail\n"), chunk_size
         assert exits == [(1, 3, False), (0, 1, True)]
         assert starts == [0]
+        assert segments == [("mpich_shm_1f_0", 42)]
 
 
 def test_a_reader_that_stops_reading_ends_the_job_as_sigpipe_ends_mpirun(mpirun, clean_env,
