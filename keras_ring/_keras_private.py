@@ -108,6 +108,17 @@ def built_variables(optimizer: Any) -> list:
     return optimizer._trainable_variables
 
 
+def held_optimizers(model: Any) -> list[tuple[str, Any]]:
+    """(attribute name, optimizer) for each optimizer ``model`` holds as an attribute besides
+    its compiled one (keras-io's GAN: ``d_optimizer``, ``g_optimizer``), in the order the
+    model set them (the same on every rank)."""
+    import keras
+
+    compiled = getattr(model, "optimizer", None)
+    return [(name, value) for name, value in vars(model).items()
+            if isinstance(value, keras.optimizers.Optimizer) and value is not compiled]
+
+
 def has_call(layer: Any) -> bool:
     """Whether the layer's class implements ``call``. A model that only overrides
     ``train_step`` (keras-io's VAE and GAN examples) has none: nothing ever builds it, and

@@ -32,7 +32,8 @@ from keras_ring.runtime import RUNTIME
 _PASSED = -1  # else: how many comparisons differed so far
 
 _ADVICE = ("call keras_ring.broadcast_variables(model.variables, root_rank=0) before the first "
-           "step, or right after its update as Horovod's examples do")
+           "step, or right after its update as Horovod's examples do (a model without an "
+           "Input has no variables before it first runs: broadcast after that)")
 
 
 class _Check(SourcesState):

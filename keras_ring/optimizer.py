@@ -34,6 +34,9 @@ from keras_ring.process_sets import ProcessSet, global_process_set
 _STATE = "_keras_ring_state"
 _CLASSES: dict[type, type] = {}
 _compile_hook_installed = False
+# In a compiled model's __dict__ (not tracked by Keras): True where compile() was given no
+# optimizer and chose its default.
+_COMPILE_DEFAULT = "_keras_ring_compile_default"
 # Set while a wrapped optimizer applies gradients it has already reduced, so that a wrapped
 # optimizer inside it (a LossScaleOptimizer's inner one) does not reduce them a second time.
 _reduced = threading.local()
@@ -439,10 +442,13 @@ def install_compile_hook() -> None:
         kwargs.pop("experimental_run_tf_function", None)
         result = original(self, *args, **kwargs)
         try:
-            requested = signature.bind(self, *args, **kwargs).arguments.get("jit_compile", "auto")
+            given = signature.bind(self, *args, **kwargs).arguments
         except TypeError:
-            requested = "auto"
-        after_compile(self, requested)
+            given = {"optimizer": None}
+        # A custom train_step's model compiled without an optimizer (keras-io's GAN) gets
+        # compile()'s RMSprop, which nothing uses: not one that trains apart.
+        self.__dict__[_COMPILE_DEFAULT] = "optimizer" not in given
+        after_compile(self, given.get("jit_compile", "auto"))
         return result
 
     owner.compile = compile
@@ -503,34 +509,38 @@ def after_compile(model: Any, requested_jit: Any) -> None:
 
 def distributed_optimizers(model: Any) -> tuple[list[Any], ProcessSet] | None:
     """The wrapped optimizers that train the model now, and the ranks they average over:
-    its compiled one, else those it holds as attributes (keras-io's GAN). None: there are
+    its compiled one and those it holds as attributes (keras-io's GAN). None: there are
     none (a model compiled again without keras_ring trains alone on each rank), or they
     average over different process sets (no one set of ranks must agree)."""
-    optimizer = getattr(model, "optimizer", None)
-    optimizers = [optimizer] if is_wrapped(optimizer) else _attribute_optimizers(model)
+    optimizers = _trained_optimizers(model)
     sets = [o.__dict__[_STATE].options.process_set for o in optimizers]
     if not sets or any(s != sets[0] for s in sets):
         return None
     return optimizers, sets[0]
 
 
-def _attribute_optimizers(model: Any) -> list[Any]:
-    """The wrapped optimizers ``model`` holds as attributes (keras-io's GAN: ``d_optimizer``,
-    ``g_optimizer``). Where it also holds optimizers that are not wrapped, the variables
-    those update would train apart on each rank, silently: a ValueError naming them."""
+def _trained_optimizers(model: Any) -> list[Any]:
+    """The wrapped optimizers among the compiled one (unless compile() chose it, unasked) and
+    those ``model`` holds as attributes (``d_optimizer``, ``g_optimizer``). Where some are
+    wrapped and others not, the variables those update would train apart on each rank,
+    silently: a ValueError naming them."""
+    held = _keras_private.held_optimizers(model)
+    compiled = getattr(model, "optimizer", None)
+    if compiled is not None and not model.__dict__.get(_COMPILE_DEFAULT, False):
+        held.insert(0, ("optimizer", compiled))
     wrapped, plain = [], []
-    compiled = getattr(model, "optimizer", None)  # compile()'s default when none is given
-    for name, value in vars(model).items():
-        if isinstance(value, keras.optimizers.Optimizer) and value is not compiled:
-            _distribute_loss_scaling(value)  # a LossScaleOptimizer around a wrapped one
-            (wrapped if is_wrapped(value) else plain).append((name, value))
+    for name, value in held:
+        _distribute_loss_scaling(value)  # a LossScaleOptimizer around a wrapped one
+        (wrapped if is_wrapped(value) else plain).append((name, value))
     if wrapped and plain:
         raise ValueError(
             f"keras_ring: {type(model).__name__} holds optimizers wrapped with keras_ring.wrap "
             f"({', '.join(name for name, _ in wrapped)}) and optimizers that are not "
             f"({', '.join(f'{name}: {type(o).__name__}' for name, o in plain)}): what those "
             "update would train apart on each rank. Wrap them too (keras_ring.wrap), or use "
-            "keras_ring.PartialDistributedOptimizer for variables meant to stay per rank")
+            "keras_ring.PartialDistributedOptimizer for variables meant to stay per rank"
+            + ("; if train_step never uses compile()'s optimizer, compile without one"
+               if any(name == "optimizer" for name, _ in plain) else ""))
     return [value for _, value in wrapped]
 
 

@@ -95,8 +95,10 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
     """Assigns the root rank's model and optimizer variables on every rank (eagerly).
 
     The optimizer's variables are built first when needed, so slots such as Adam's moments
-    exist on every rank and are broadcast too. ``local_variables`` are left out. Adapted
-    ``Normalization`` layers then use the root's statistics (their copy is refreshed).
+    exist on every rank and are broadcast too; so are those of the optimizers the model holds
+    as attributes (keras-io's GAN: ``d_optimizer``, ``g_optimizer``). ``local_variables`` are
+    left out. Adapted ``Normalization`` layers then use the root's statistics (their copy is
+    refreshed).
 
     Raises:
         ValueError: the model is not built yet (it has no variables to send); the message
@@ -112,13 +114,22 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
         if not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)
         slots = list(optimizer.variables)
+    # A resumed GAN's moments and step counts: the optimizers it holds as attributes.
+    held = {name: list(o.variables) for name, o in _keras_private.held_optimizers(model)}
     local: set[int] = set()
     for variable in local_variables:
         local |= variable_keys(variable)
-    weights, slots = ([v for v in vs if not variable_keys(v) & local] for vs in (weights, slots))
+
+    def shared(variables: list) -> list:
+        return [v for v in variables if not variable_keys(v) & local]
+
+    weights, slots = shared(weights), shared(slots)
+    held = {name: shared(variables) for name, variables in held.items()}
     _check_same_variables(model, len(_shared_variables(weights)), len(_shared_variables(slots)),
+                          {name: len(_shared_variables(vs)) for name, vs in held.items()},
                           process_set)
-    broadcast_variables(weights + slots, root_rank=root_rank, process_set=process_set)
+    broadcast_variables(weights + slots + [v for vs in held.values() for v in vs],
+                        root_rank=root_rank, process_set=process_set)
     _adapted_state.refresh(model)  # Normalization's copy of its statistics, as Keras's loader
 
 
@@ -140,25 +151,35 @@ def _unbuilt_message(model: keras.Model, unbuilt: list) -> str:
             "with keras_ring.wrap(optimizer), which makes fit() build it before the first step")
 
 
-def _check_same_variables(model: keras.Model, weights: int, slots: int,
+def _check_same_variables(model: keras.Model, weights: int, slots: int, held: dict[str, int],
                           process_set: ProcessSet) -> None:
-    """Every rank raises, naming the counts, where the ranks' models or optimizers differ."""
+    """Every rank raises, naming the counts, where the ranks' models or optimizers differ
+    (``held``: variables of each optimizer the model holds as an attribute)."""
     optimizer = type(getattr(model, "optimizer", None)).__name__
     trainable = len(model.trainable_weights)
-    counts = allgather_object((weights, slots, optimizer, trainable),
+    counts = allgather_object((weights, slots, optimizer, trainable, sorted(held.items())),
                               name="keras_ring.broadcast_counts", process_set=process_set)
-    if len(set(counts)) == 1:
+    if all(c == counts[0] for c in counts):
         return
     ranks = process_set.ranks or range(len(counts))
+    if all(c[:4] == counts[0][:4] for c in counts):
+        listed = "; ".join(f"rank {r}: " + ", ".join(f"{n} {k}" for n, k in c[4])
+                           for r, c in zip(ranks, counts))
+        raise ValueError(
+            f"keras_ring: cannot broadcast model '{model.name}': the optimizers it holds as "
+            f"attributes have different variables on different ranks ({listed}). An "
+            "optimizer makes its slots at its first update, a restored one has them: build "
+            "each on every rank before the broadcast (optimizer.build(sub_model."
+            "trainable_variables)), or restore the checkpoint on every rank")
     if len({c[3] for c in counts}) > 1:  # the slots follow the trainable weights
-        listed = "; ".join(f"rank {r}: {t} of {w}" for r, (w, _, _, t) in zip(ranks, counts))
+        listed = "; ".join(f"rank {r}: {t} of {w}" for r, (w, _, _, t, _) in zip(ranks, counts))
         raise ValueError(
             f"keras_ring: cannot broadcast model '{model.name}': the ranks train different "
             f"sets of its weights (trainable weights by rank: {listed}): a layer is frozen "
             "(trainable=False) on some ranks only. Set the layers' trainable flags alike on "
             "every rank, then compile")
     listed = "; ".join(f"rank {r}: {w} model weights, {s} variables of its {o}"
-                       for r, (w, s, o, _) in zip(ranks, counts))
+                       for r, (w, s, o, _, _) in zip(ranks, counts))
     raise ValueError(
         f"keras_ring: cannot broadcast model '{model.name}': the ranks hold different variables "
         f"({listed}). A model loaded from a legacy .h5 file comes back with an optimizer "

@@ -151,6 +151,73 @@ def test_optimizers_kept_as_attributes_but_only_some_wrapped_fail_on_every_rank(
         _fit(model, my_x, my_y)
 
 
+class CompiledAndHeld(TwoOptimizers):
+    """keras-io's SimCLR and distiller shape: compile()'s optimizer trains one sub-model, an
+    optimizer kept as an attribute the other."""
+
+    def compile(self, first_optimizer, second_optimizer):
+        keras.Model.compile(self, optimizer=first_optimizer)
+        self.second_optimizer = second_optimizer
+
+    @property
+    def first_optimizer(self):
+        return self.optimizer
+
+
+@pytest.mark.parametrize("wrapped, message", [
+    ("compiled", r"wrap \(optimizer\) and optimizers that are not \(second_optimizer: Adam\)"),
+    ("held", r"wrap \(second_optimizer\) and optimizers that are not \(optimizer: SGD\).*"
+     r"if train_step never uses compile\(\)'s optimizer, compile without one"),
+    ("both", None),
+], ids=["compiled", "held", "both"])
+def test_a_compiled_optimizer_and_one_kept_as_an_attribute_are_both_wrapped(world, wrapped,
+                                                                            message):
+    # Either one left unwrapped trained its sub-model apart on each rank, silently.
+    rank, size = world
+    _, _, my_x, my_y = _shards(rank, size)
+    model = CompiledAndHeld(ks.mlp(ks.rank_seed(0)), ks.mlp(ks.rank_seed(0) + 50))
+    first, second = keras.optimizers.SGD(0.1), keras.optimizers.Adam(0.01)
+    model.compile(kr.wrap(first) if wrapped != "held" else first,
+                  kr.wrap(second) if wrapped != "compiled" else second)
+    if message is None:
+        _fit(model, my_x, my_y)
+        ks.assert_same_on_all_ranks(ks.weights(model.first) + ks.weights(model.second))
+        return
+    with pytest.raises(ValueError, match=message):
+        _fit(model, my_x, my_y)
+
+
+@pytest.mark.parametrize("built_everywhere", [True, False])
+def test_the_broadcast_gives_every_rank_the_roots_optimizers_kept_as_attributes(
+        world, built_everywhere):
+    # A GAN resumed Horovod's way (restored on the root, then the callback): its optimizers'
+    # moments and step counts stayed each rank's own, and the ranks trained apart silently.
+    rank, size = world
+    _, _, my_x, my_y = _shards(rank, size)
+    model = TwoOptimizers(ks.mlp(ks.rank_seed(0)), ks.mlp(ks.rank_seed(0) + 50))
+    model.compile(kr.wrap(keras.optimizers.Adam(0.01)), kr.wrap(keras.optimizers.Adam(0.01)))
+    optimizers = (model.first_optimizer, model.second_optimizer)
+    for sub_model, optimizer in zip((model.first, model.second), optimizers):
+        if rank == 0 or built_everywhere:
+            optimizer.build(sub_model.trainable_variables)
+        if rank == 0:  # the checkpoint's state
+            optimizer.iterations.assign(7)
+            for variable in optimizer.variables:
+                if len(variable.shape) > 0:
+                    variable.assign(np.full(variable.shape, 0.25, variable.dtype))
+    if not built_everywhere:
+        with pytest.raises(ValueError, match=r"the optimizers it holds as attributes have "
+                           r"different variables on different ranks \(rank 0: first_optimizer "
+                           r"\d+, second_optimizer \d+; rank 1: first_optimizer 2"):
+            _fit(model, my_x, my_y)
+        return
+    _fit(model, my_x, my_y)
+    for optimizer in optimizers:
+        assert int(optimizer.iterations.numpy()) == 7 + 3
+    ks.assert_same_on_all_ranks(ks.weights(model.first) + ks.weights(model.second)
+                                + [v.numpy() for o in optimizers for v in o.variables])
+
+
 def test_loss_scale_optimizers_around_wrapped_attributes_skip_overflows_together(world):
     # mixed_float16 in a GAN-style model: LossScaleOptimizer(wrap(opt)) kept as attributes.
     rank, size = world

@@ -321,6 +321,28 @@ def test_mixed_precision_fit_moves_communication_to_loss_scale_optimizer(world, 
     ks.assert_same_on_all_ranks(ks.weights(model) + [outer.dynamic_scale.numpy()])
 
 
+def test_an_inner_optimizer_wrapped_after_compile_turns_xla_off_and_trains(world, monkeypatch):
+    # mixed_float16 compiles a LossScaleOptimizer; wrapping model.optimizer.inner_optimizer
+    # afterwards left fit seeing no wrapped optimizer until the first update (XLA stayed on,
+    # which "auto" picks on a GPU, and the collective had no XLA kernel).
+    rank, size = world
+    monkeypatch.setattr(keras_ring._xla, "_warned", False)  # once per process: reset it
+    x, y = ks.classification_data(size * BATCH * 2, seed=4)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = ks.mlp(ks.rank_seed(rank))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=ks.loss(), jit_compile=True)
+        keras_ring.wrap(model.optimizer.inner_optimizer)
+        with pytest.warns(UserWarning, match="turning XLA off"):
+            model.fit(ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH),
+                      batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[BroadcastGlobalVariablesCallback(0)])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert keras_ring.optimizer.is_wrapped(model.optimizer)
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
 def _loss_scaled(how: str) -> keras.optimizers.LossScaleOptimizer:
     inner = keras.optimizers.SGD(0.1)
     lso = keras.optimizers.LossScaleOptimizer
