@@ -75,6 +75,7 @@ class Offer:
     stack: str = ""  # interfaces.network_stack_id()
     loopback_only: bool = False  # its listener accepts connections from this machine only
     agree: list = field(default_factory=list)  # config.must_agree(), compared across ranks
+    why: str = ""  # why there are no addresses (what the interfaces offered), else ""
 
 
 @dataclass(frozen=True)
@@ -202,12 +203,13 @@ def make_offer(config: Config, host_id: str, loopback_only: bool,
         backlog: how many connections may wait at the listener.
     """
     listener = listen(multi_host=not loopback_only, backlog=backlog)
-    # No usable interface is no error yet: the address rank 0 sees may be enough.
-    addresses, _ = offered_addresses(config)
+    # No usable interface is no error yet: the address rank 0 sees may be enough (unless
+    # KERAS_RING_SOCKET_IFNAME chose the interfaces: check_world then names this reason).
+    addresses, why = offered_addresses(config)
     offer = Offer(host_id, listener.getsockname()[1], addresses,
                   explicit=config.advertise_address is not None,
                   chosen=bool((config.socket_ifname or "").strip()), stack=network_stack_id(),
-                  loopback_only=loopback_only, agree=list(must_agree(config)))
+                  loopback_only=loopback_only, agree=list(must_agree(config)), why=why or "")
     return listener, offer
 
 
@@ -320,8 +322,10 @@ def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
 
 
 def offer_of(hello: dict) -> Offer:
+    why = hello.get("why", "")
     return Offer(hello["host_id"], hello["port"], hello["addresses"], hello["explicit"],
-                 hello["chosen"], hello["stack"], hello["loopback_only"], hello["agree"])
+                 hello["chosen"], hello["stack"], hello["loopback_only"], hello["agree"],
+                 why if isinstance(why, str) else "")
 
 
 def check_world(offers: list[Offer], seen: list[str]) -> str | None:
@@ -338,6 +342,8 @@ def check_world(offers: list[Offer], seen: list[str]) -> str | None:
                     f"from its own machine only, but rank(s) {', '.join(map(str, away[:8]))} "
                     f"run on other hosts: give every rank the same {RENDEZVOUS_VARIABLE}, an "
                     "address that every host reaches")
+        if away and not o.addresses and o.chosen:  # the rendezvous's route is not chosen
+            return f"rank {r} (host '{o.host_id}'): {o.why or 'no address offered'}"
         if away and not o.addresses and is_loopback(seen[r] or "127.0.0.1"):
             return (f"rank {r} on host {o.host_id} has no address that other hosts can "
                     "reach: set KERAS_RING_SOCKET_IFNAME or KERAS_RING_ADVERTISE_ADDRESS "

@@ -315,14 +315,17 @@ class Runtime:
 
 
 def _follows_a_peer(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (or what it was raised from) is another rank's failure reaching this
+    """Whether ``exc`` (or what it was raised from, or while handling: ``except
+    PeerFailureError: raise RuntimeError(...)``) is another rank's failure reaching this
     one: a peer that died, left or aborted, as keras_ring's class or TensorFlow's."""
     following = (errors.PeerFailureError, errors.CollectiveAbortedError)
-    while exc is not None:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
         if isinstance(exc, following) or (isinstance(exc, tf.errors.OpError)
                                           and isinstance(errors.translate(exc), following)):
             return True
-        exc = exc.__cause__
+        exc = exc.__cause__ or exc.__context__
     return False
 
 

@@ -426,3 +426,27 @@ def test_a_tf1_graph_runs_collectives_in_conditionals_and_functions_and_leaves_e
         return kr.allreduce(v, op=kr.Sum)
 
     assert eager_traced(tf.constant([3.0])).numpy().tolist() == [3.0]
+
+
+def _raised(inner: BaseException, chain: str) -> BaseException:
+    """A RuntimeError raised while handling ``inner``, from it or not."""
+    try:
+        try:
+            raise inner
+        except BaseException as caught:
+            if chain == "from":
+                raise RuntimeError("the step failed") from caught
+            raise RuntimeError("the step failed")  # noqa: B904 - the chain under test
+    except RuntimeError as e:
+        return e
+
+
+@pytest.mark.parametrize("chain", ["from", "while handling"])
+def test_an_error_raised_after_a_peers_failure_follows_it(chain):
+    # keras-ring-run reports the exit code of the rank at fault; a rank whose program
+    # re-raises a PeerFailureError as its own error is still not that rank.
+    from keras_ring.runtime import _follows_a_peer
+
+    peer = kr.PeerFailureError(None, None, "keras_ring: allreduce failed: rank 1 is gone")
+    assert _follows_a_peer(_raised(peer, chain))
+    assert not _follows_a_peer(_raised(ValueError("a bad record"), chain))

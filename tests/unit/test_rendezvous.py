@@ -337,6 +337,18 @@ def test_a_rank_behind_a_loopback_rendezvous_in_a_multi_host_job_is_named():
         assert "rank(s) 2 run on other hosts" in str(r)
 
 
+def test_an_interface_choice_that_matches_nothing_is_named_on_every_rank():
+    # KERAS_RING_SOCKET_IFNAME=eth0 where host b calls it ens5: the interfaces' own reason
+    # must reach every rank, not "offered no address" (the rendezvous's route is not chosen).
+    why = "KERAS_RING_SOCKET_IFNAME='eth0' matches no interface (seen: lo, ens5)"
+    offers = {0: rv.Offer("a", 40000, "10.9.0.0", chosen=True, stack="A"),
+              1: rv.Offer("b", 40001, "", chosen=True, stack="B", why=why)}
+    results = exchange_all([(0, 2), (1, 2)], offers=offers)
+    for r in results:
+        assert isinstance(r, kr.InitError), r
+        assert f"rank 1 (host 'b'): {why}" in str(r)
+
+
 def test_explicit_addresses_are_kept_as_given():
     offers = {0: rv.Offer("a", 40000, "192.168.5.1", explicit=True, stack="A"),
               1: rv.Offer("b", 40001, "192.168.5.2,10.0.0.2", explicit=True, stack="B")}
