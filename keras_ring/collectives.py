@@ -441,21 +441,26 @@ def _assign_from_root(variables: Sequence[Any], root: int, base: str,
     differed from the root's before this broadcast (the root resumed from a checkpoint taken
     mid-accumulation, a worker joined) takes the root's sums, so the next update adds what
     the checkpoint had summed, as one process resuming would; a rank in step (Horovod's
-    broadcast after the first step) keeps its own, not yet reduced."""
+    broadcast after the first step) keeps its own, not yet reduced. An optimizer's counter
+    comes before its sums in its ``variables``: each sum follows the last counter before it
+    (each optimizer of a GAN decides for itself)."""
     shared = _shared_variables(variables)
-    sums = [v for v in variables if _keras_private.is_gradient_accumulator(v)]
-    counters = [v for v in shared if _keras_private.is_step_counter(v)]
-    sums = sums if counters else []
+    owners, counters, latest = [], [], None  # per sum: the index of its optimizer's counter
+    for v in variables:
+        if _keras_private.is_step_counter(v) and not _own_to_each_rank(v):
+            counters.append(v)
+            latest = len(counters) - 1
+        elif _keras_private.is_gradient_accumulator(v):
+            owners.append((v, latest))
+    # Sums listed before any counter follow the first; without counters none is sent.
+    owners = [(v, owner or 0) for v, owner in owners] if counters else []
     before = [tf.identity(c) for c in counters]
-    total = len(shared) + len(sums)
+    total = len(shared) + len(owners)
     for i, var in enumerate(shared):
         var.assign(broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i} of {total}",
                              process_set=process_set))
-    if not sums:
-        return
-    behind = tf.reduce_any([tf.not_equal(b, tf.convert_to_tensor(c))
-                            for b, c in zip(before, counters)])
-    for i, var in enumerate(sums, len(shared)):
+    for i, (var, owner) in enumerate(owners, len(shared)):
+        behind = tf.not_equal(before[owner], tf.convert_to_tensor(counters[owner]))
         root_sum = broadcast(tf.convert_to_tensor(var), root, name=f"{base}.{i} of {total}",
                              process_set=process_set)
         var.assign(tf.where(behind, root_sum, tf.convert_to_tensor(var)))

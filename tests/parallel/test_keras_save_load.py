@@ -180,3 +180,29 @@ def test_a_checkpoint_taken_mid_accumulation_resumes_as_one_process_would(world,
         keras.mixed_precision.set_global_policy("float32")
     ks.assert_same_on_all_ranks(ks.weights(model))
     ks.assert_weights_close(ks.weights(model), ks.weights(reference), atol=1e-4, rtol=1e-4)
+
+
+def test_each_optimizers_sums_follow_its_own_step_counter(world):
+    # Two accumulating optimizers (a GAN's), one resumed on the root mid-accumulation and
+    # one in step: only the first one's sums are the root's; the second keeps each rank's
+    # own passes, not yet reduced.
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(0))
+    optimizers = [keras_ring.wrap(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+                  for _ in range(2)]
+    def accumulators(optimizer):
+        return [v for v in optimizer.variables
+                if keras_ring._keras_private.is_gradient_accumulator(v)]
+
+    for optimizer in optimizers:
+        optimizer.build(model.trainable_variables)
+        assert accumulators(optimizer)
+        for sums in accumulators(optimizer):
+            sums.assign(np.full(sums.shape, rank + 1.0, np.float32))
+    if rank == 0:
+        keras_ring._keras_private.raw_iterations(optimizers[0]).assign(3)  # the checkpoint's
+    keras_ring.broadcast_variables(optimizers[0].variables + optimizers[1].variables, 0)
+    for i, optimizer in enumerate(optimizers):
+        expected = 1.0 if i == 0 else rank + 1.0
+        for sums in accumulators(optimizer):
+            np.testing.assert_array_equal(sums.numpy(), np.full(sums.shape, expected))
