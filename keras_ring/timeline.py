@@ -74,7 +74,9 @@ def recorded() -> list[dict[str, Any]]:
 
     Each is a dict: ``label`` (e.g. ``"grouped_allreduce 'gradients.bucket0'"``, or a mark's
     label), ``mark`` (True for a mark), ``seq`` (0 for a mark), ``bytes``, and microsecond times
-    ``submitted``, ``started``, ``exchanged``, ``done`` (all equal for a mark), ``ok``.
+    ``submitted``, ``started``, ``exchanged``, ``done`` (all equal for a mark), ``ok``. The times
+    are this host's monotonic clock, for comparing events of one rank; the trace file
+    (``KERAS_RING_TIMELINE``) puts them on the wall clock, to compare across hosts.
     """
     out = []
     for seq, label, nbytes, submitted, started, exchanged, done, ok, _ in read_events(
