@@ -132,6 +132,11 @@ def install_fit_hook(find: Finder) -> None:
             if callbacks is None or isinstance(callbacks, (list, tuple)):
                 bound.arguments["callbacks"] = [*(callbacks or []), RateCheck(*found)]
                 return original(*bound.args, **bound.kwargs)
+            if isinstance(callbacks, keras.callbacks.CallbackList):  # fit takes it as is
+                bound.arguments["callbacks"] = keras.callbacks.CallbackList(
+                    [*callbacks.callbacks, RateCheck(*found)], model=self,
+                    **(callbacks.params or {}))
+                return original(*bound.args, **bound.kwargs)
         return original(self, *args, **kwargs)
 
     fit._keras_ring = True

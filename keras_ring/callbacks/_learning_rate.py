@@ -7,6 +7,8 @@ from typing import Any
 import keras
 
 from keras_ring import _keras_private
+from keras_ring.objects import broadcast_object
+from keras_ring.optimizer import distributed_optimizers
 
 
 def optimizer_of(model: Any, who: str) -> keras.optimizers.Optimizer:
@@ -44,6 +46,20 @@ def current_rate(optimizer: Any) -> float:
     rate = optimizer.learning_rate
     # .numpy() rather than np.asarray: the latter trips NumPy 2's copy= deprecation warning.
     return float(rate.numpy() if hasattr(rate, "numpy") else rate)
+
+
+def root_rate(model: Any, optimizer: Any) -> float:
+    """The rate a callback given no ``initial_lr`` starts from: the root's (the first rank
+    the model's keras_ring optimizers average over). A checkpoint restored on the root only
+    reaches the others with the broadcast, in the first batch, after ``on_train_begin``:
+    each rank's own rate would make each warm up to its own, silently."""
+    rate = current_rate(optimizer)
+    found = distributed_optimizers(model)
+    if found is None:  # trains alone on each rank: nothing to agree on
+        return rate
+    ranks = found[1].ranks
+    return broadcast_object(rate, root_rank=ranks[0] if ranks else 0,
+                            name="keras_ring.initial_lr", process_set=found[1])
 
 
 def log_rate(model: Any, logs: dict | None) -> None:

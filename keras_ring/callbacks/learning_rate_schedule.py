@@ -27,7 +27,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     Args:
         initial_lr: the rate the multiplier scales; None means the optimizer's rate when
-            training starts.
+            training starts, the root rank's (a checkpoint restored there is broadcast only
+            in the first batch).
         multiplier: a float, or a callable taking the (possibly fractional) epoch.
         start_epoch: the schedule applies to epochs from this one (inclusive). Default 0.
             A float is compared as Horovod does (``epoch >= start_epoch``): 5.0 is epoch 5,
@@ -79,7 +80,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         optimizer = lr_util.optimizer_of(self.model, "LearningRateScheduleCallback")
         lr_util.check_settable(optimizer, "LearningRateScheduleCallback")
         if self.initial_lr is None:
-            self.initial_lr = lr_util.current_rate(optimizer)
+            self.initial_lr = lr_util.root_rate(self.model, optimizer)
         if not self.staircase:
             self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                                   "LearningRateScheduleCallback")

@@ -41,7 +41,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     Args:
         initial_lr: the rate at the end of warmup; by default the optimizer's rate when
-            training starts (the already-scaled rate, e.g. ``0.1 * size()``).
+            training starts (the already-scaled rate, e.g. ``0.1 * size()``), the root
+            rank's (a checkpoint restored there is broadcast only in the first batch). A
+            warmup resumed mid-way needs it given: the restored rate is not the target.
         warmup_epochs: how many epochs the warmup lasts (may be fractional). Default 5.
         momentum_correction: rescale SGD's and RMSprop's momentum velocity by new / old
             rate whenever the rate changes, as the paper prescribes. Default True.
@@ -80,7 +82,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         optimizer = lr_util.optimizer_of(self.model, "LearningRateWarmupCallback")
         lr_util.check_settable(optimizer, "LearningRateWarmupCallback")
         if self.initial_lr is None:
-            self.initial_lr = lr_util.current_rate(optimizer)
+            self.initial_lr = lr_util.root_rate(self.model, optimizer)
         self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                               "LearningRateWarmupCallback")
         self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))

@@ -178,6 +178,22 @@ def test_warmup_ends_at_its_rate_when_one_step_runs_several_batches(world):
     assert [probe.rates[k] for k in [(0, 2), (1, 0), (1, 2)]] == [np.float32(initial)] * 3
 
 
+@pytest.mark.parametrize("callback", ["warmup", "schedule"])
+def test_a_rate_restored_on_the_root_only_is_every_ranks_initial_lr(world, callback):
+    # Horovod's resume: the root restores its checkpoint (its rate 0.75 of the others'), the
+    # broadcast comes in the first batch, after on_train_begin. Taking each rank's own rate
+    # there made each rank warm up (or decay) to its own, with exit 0 and weights apart.
+    rank, size = world
+    restored = 0.05 * size * (0.75 if rank == 0 else 1.0)
+    probe = Probe()
+    made = (LearningRateWarmupCallback(warmup_epochs=2) if callback == "warmup"
+            else LearningRateScheduleCallback(None, multiplier=0.5, start_epoch=1))
+    model = _fit(ks.mlp(ks.rank_seed(rank)), keras_ring.wrap(keras.optimizers.SGD(restored)),
+                 rank, size, [BroadcastGlobalVariablesCallback(0), made, probe], epochs=2).model
+    assert made.initial_lr == pytest.approx(0.05 * size * 0.75)
+    ks.assert_same_on_all_ranks(ks.weights(model) + [probe.rates[1, STEPS - 1]])
+
+
 def test_warmup_refuses_a_learning_rate_schedule(world):
     rank, size = world
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
@@ -260,8 +276,9 @@ class RankSignal(keras.callbacks.Callback):
         logs["signal"] = 1.0 if keras_ring.rank() == 0 else 1.0 - epoch
 
 
-def _plateau_fit(rank, callbacks, epochs=4):
-    """ReduceLROnPlateau on a metric of this rank's own: rank 0 halves the rate after epoch 1."""
+def _plateau_fit(rank, callbacks, epochs=4, callback_list=False):
+    """ReduceLROnPlateau on a metric of this rank's own: rank 0 halves the rate after epoch 1.
+    ``callback_list``: fit gets a keras.callbacks.CallbackList, which it takes as it is."""
     model = ks.mlp(ks.rank_seed(rank))
     model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05)), loss=ks.loss())
     x, y = ks.classification_data(BATCH * STEPS, seed=rank)
@@ -269,16 +286,20 @@ def _plateau_fit(rank, callbacks, epochs=4):
                                                 patience=0)
     epochs_begun = []
     probe = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: epochs_begun.append(e))
-    model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0,
-              callbacks=[BroadcastGlobalVariablesCallback(0), RankSignal(), *callbacks, plateau,
-                         probe])
+    given = [BroadcastGlobalVariablesCallback(0), RankSignal(), *callbacks, plateau, probe]
+    if callback_list:
+        given = keras.callbacks.CallbackList(given, model=model)
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, callbacks=given)
     return model, epochs_begun
 
 
-def test_a_rate_set_from_one_ranks_metrics_fails_every_rank_before_its_epoch_trains(world):
+@pytest.mark.parametrize("callback_list", [False, True], ids=["list", "CallbackList"])
+def test_a_rate_set_from_one_ranks_metrics_fails_every_rank_before_its_epoch_trains(
+        world, callback_list):
+    # Given a CallbackList, fit ran without any of keras_ring's checks: trained apart, exit 0.
     rank, size = world
     with pytest.raises(keras_ring.LearningRateMismatchError) as info:
-        _plateau_fit(rank, [])
+        _plateau_fit(rank, [], callback_list=callback_list)
     message = str(info.value)
     others = ", ".join(f"rank {r} 0.05" for r in range(1, size))
     assert f"as epoch 2 begins (rank 0 0.025, {others})" in message, message
