@@ -8,6 +8,8 @@ home, and their ``__module__`` says so, so tracebacks and pickles name ``keras_r
 
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass
 
@@ -93,6 +95,11 @@ class NotInitializedError(KerasRingError, ValueError):
     def __init__(self, what: str = "this function", *, message: str | None = None):
         super().__init__(message or
                          f"keras_ring has not been initialized: call keras_ring.init() before {what}")
+
+    def __reduce__(self):
+        # Rebuilt from its whole message (a data loader's worker process sends it pickled):
+        # the default passes the message as ``what``, inside another sentence.
+        return functools.partial(type(self), message=str(self)), ()
 
 
 class InitError(KerasRingError, RuntimeError):

@@ -63,8 +63,9 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
-    """True between ``init()`` and ``shutdown()``."""
-    return RUNTIME.initialized
+    """True between ``init()`` and ``shutdown()`` (False in a process forked from a rank:
+    the runtime is its parent's)."""
+    return RUNTIME.initialized and not RUNTIME.forked
 
 
 def rank() -> int:

@@ -105,10 +105,10 @@ def translate(error: tf.errors.OpError) -> Exception:
     if start is None:
         return error
     message = _TF_SUFFIX.sub("", error.message[start.start():]).strip()
+    if FORKED in message:  # before the next: a fork's message may say both
+        return NotInitializedError(message=message)
     if "has not been initialized" in message:
         return NotInitializedError("running a collective")
-    if FORKED in message:
-        return NotInitializedError(message=message)
     if WEIGHTS_DIFFER in message:
         return _weight_mismatch(message)
     info = error_info(message)

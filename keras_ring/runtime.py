@@ -60,6 +60,11 @@ class Runtime:
     def initialized(self) -> bool:
         return self._topology is not None
 
+    @property
+    def forked(self) -> bool:
+        """This process was forked from a rank after its init(): the runtime is the parent's."""
+        return self._topology is not None and os.getpid() != self._pid
+
     def topology(self, what: str = "this function") -> Topology:
         topology = self._topology
         if topology is None:
@@ -100,6 +105,15 @@ class Runtime:
                 itself, as Spark's barrier stages do).
         """
         with self._lock:
+            if self.forked:
+                raise NotInitializedError(message=(
+                    f"keras_ring: init() in this process (pid {os.getpid()}), which was forked "
+                    f"from rank {self._topology.rank}'s process (pid {self._pid}) "
+                    f"{errors.FORKED} or a data loader's workers with the 'fork' start method: "
+                    "keras_ring's runtime and connections belong to that process, so "
+                    "collectives (and init()) run only there. Run them in the process that "
+                    "called init(), or start workers with the 'spawn' or 'forkserver' start "
+                    "method"))
             if self._topology is not None:
                 return
             config = Config.from_env()

@@ -33,3 +33,30 @@ def test_a_forked_child_that_exits_leaves_the_parents_runtime_alone(world):
         total = keras_ring.allreduce(tf.constant([float(rank + 1)]), op=keras_ring.Sum,
                                      name="fork.after_exit")
         np.testing.assert_array_equal(total.numpy(), [size * (size + 1) / 2])
+
+
+def test_init_in_a_forked_child_fails_saying_so_and_it_is_not_initialized(world):
+    # init() returned at once in the child (the parent's runtime looked like its own), so a
+    # worker's "if not is_initialized(): init()" went on to fail later with another error.
+    rank, size = world
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            said = f"is_initialized={keras_ring.is_initialized()}; "
+            try:
+                keras_ring.init()
+                said += "init() returned"
+            except keras_ring.NotInitializedError as e:
+                said += str(e)
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        said = f.read().decode()
+    os.waitpid(pid, 0)
+    assert said.startswith("is_initialized=False; keras_ring: init() in this process"), said
+    assert f"forked from rank {rank}'s process (pid {os.getpid()})" in said, said
+    assert keras_ring.is_initialized()

@@ -450,3 +450,23 @@ def test_an_error_raised_after_a_peers_failure_follows_it(chain):
     peer = kr.PeerFailureError(None, None, "keras_ring: allreduce failed: rank 1 is gone")
     assert _follows_a_peer(_raised(peer, chain))
     assert not _follows_a_peer(_raised(ValueError("a bad record"), chain))
+
+
+def test_not_initialized_errors_keep_their_message_through_pickling():
+    # A data loader's worker sends its exception pickled: the fork's message came back inside
+    # "call keras_ring.init() before ...", and then as the generic message.
+    import pickle
+
+    for error in (kr.NotInitializedError("keras_ring.rank()"),
+                  kr.NotInitializedError(message="keras_ring: this process was forked")):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is kr.NotInitializedError and str(again) == str(error)
+
+
+def test_a_forks_message_survives_translation():
+    from keras_ring import errors
+
+    text = ("keras_ring has not been initialized: call keras_ring.init() before keras_ring: this "
+            f"process (pid 7) was forked from rank 0's process (pid 6) {errors.FORKED}")
+    ours = errors.translate(tf.errors.UnknownError(None, None, text))
+    assert isinstance(ours, kr.NotInitializedError) and errors.FORKED in str(ours), ours
