@@ -104,8 +104,12 @@ def _epoch_mismatch(ranks: list[int], epochs: np.ndarray) -> EpochMismatchError:
         f"keras_ring: the ranks begin an epoch of fit at different epochs ({shown}): they "
         "would run different numbers of steps. A checkpoint was restored on some ranks only "
         "(keras.callbacks.BackupAndRestore under on_rank_zero: give each rank its own "
-        "backup_dir, e.g. f'backup/{keras_ring.rank()}', so every rank resumes), or "
-        "initial_epoch differs between ranks.")
+        "backup_dir, e.g. f'backup/{keras_ring.rank()}', so every rank resumes); the "
+        "ranks' own backups hold different epochs (a rank stopped between the ranks' "
+        "epoch-end saves, and each BackupAndRestore keeps only its latest: remove every "
+        "rank's backup_dir to start over, or resume every rank from one checkpoint, e.g. "
+        "rank 0's ModelCheckpoint loaded everywhere with initial_epoch); or initial_epoch "
+        "differs between ranks.")
     error.rank, error.reason = ranks[odd[0]], str(error).removeprefix("keras_ring: ")
     return error
 

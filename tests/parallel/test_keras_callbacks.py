@@ -388,6 +388,7 @@ def test_ranks_that_resume_at_different_epochs_fail_before_training(world, tmp_p
     others = ", ".join(f"rank {r} at epoch 0" for r in range(1, size))
     assert f"different epochs (rank 0 at epoch 2, {others})" in message, message
     assert "its own backup_dir" in message and info.value.rank == 1
+    assert "remove every rank's backup_dir to start over" in message  # per-rank backups apart
 
 
 def test_rates_that_differ_before_the_broadcast_are_not_an_error(world):
