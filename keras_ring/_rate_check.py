@@ -139,7 +139,7 @@ def install_fit_hook(find: Finder) -> None:
             if isinstance(callbacks, keras.callbacks.CallbackList):  # fit takes it as is
                 bound.arguments["callbacks"] = keras.callbacks.CallbackList(
                     [*callbacks.callbacks, RateCheck(*found)], model=self,
-                    **(callbacks.params or {}))
+                    **(getattr(callbacks, "params", None) or {}))  # Keras < 3.x: unset
                 return original(*bound.args, **bound.kwargs)
         return original(self, *args, **kwargs)
 
