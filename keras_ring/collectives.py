@@ -17,8 +17,8 @@ import tensorflow as tf
 from keras_ring import _keras_private, errors
 from keras_ring.ops import wrappers
 from keras_ring.ops.reduce_op import ReduceOp
-from keras_ring.process_sets import (ProcessSet, global_process_set, resolve, root_in_set,
-                                     set_rank, set_size)
+from keras_ring.process_sets import (ROOT_NOT_IN_SET, ProcessSet, global_process_set, resolve,
+                                     root_in_set, set_rank, set_size)
 from keras_ring.runtime import RUNTIME
 
 wrappers.register_gradients(set_rank, set_size)
@@ -140,7 +140,8 @@ def _check_root(root_rank: Any) -> int:
     # The op attribute is an int32. A root beyond it is out of range like any other: clamp it
     # so the runtime's range check reports it on every rank alike, instead of TensorFlow
     # (or an OverflowError) failing on this rank alone and leaving the others waiting.
-    return max(-(2**31), min(int(root_rank), 2**31 - 1))
+    # Not as low as ROOT_NOT_IN_SET, which stands for a root outside a process set.
+    return max(ROOT_NOT_IN_SET + 1, min(int(root_rank), 2**31 - 1))
 
 
 def _run(fn, *args):
@@ -411,7 +412,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     del ignore_name_scope
     set_id = resolve(process_set, "broadcast")
     tensor = _tensor(tensor, GATHER_DTYPES, "broadcast")
-    root = root_in_set(_check_root(root_rank), set_id, "broadcast")
+    root = root_in_set(_check_root(root_rank), set_id)
     return _run(wrappers.broadcast, tensor, root, _check_name(name), set_id)
 
 

@@ -51,6 +51,20 @@ def _as_tensor(data: bytes) -> tf.Tensor:
     return tf.constant(np.frombuffer(data, dtype=np.uint8))
 
 
+def _unpickle(data: bytes, what: str, name: str, rank: int) -> Any:
+    """``data`` as the object ``rank`` sent, or an error that names the collective and the
+    sender (a class missing here, or pickled by another version of it)."""
+    try:
+        return pickle.loads(data)
+    except Exception as e:  # UnpicklingError, AttributeError, ModuleNotFoundError, ValueError ...
+        reason = (f"the object rank {rank} sent cannot be unpickled on this rank "
+                  f"({type(e).__name__}: {e}); every rank needs its class, from the same "
+                  "code and versions")
+        error = CollectiveArgumentError(None, None, f"keras_ring: {what} '{name}': {reason}")
+        error.collective, error.rank, error.reason = f"{what} '{name}'", rank, reason
+        raise error from e
+
+
 def _unpicklable(what: str, name: str, failed: dict[int, str],
                  cause: BaseException | None) -> CollectiveArgumentError:
     ranks = ", ".join(f"rank {r} ({text})" for r, text in sorted(failed.items()))
@@ -97,7 +111,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
     if length < 0:
         raise _unpicklable("broadcast_object", base,
                            {root_rank: received.decode(errors="replace")}, error)
-    return obj if mine else pickle.loads(received)
+    return obj if mine else _unpickle(received, "broadcast_object", base, root_rank)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
@@ -161,7 +175,7 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
         if n < 0:
             failed[rank] = chunk.decode(errors="replace")
         else:
-            out.append(pickle.loads(chunk))
+            out.append(_unpickle(chunk, "allgather_object", base, rank))
     if failed:
         raise _unpicklable("allgather_object", base, failed, error)
     return out

@@ -34,7 +34,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     listener = peer_table.listen(len(set(topology.host_ids)) > 1, len(ranks)) if member else None
     try:
         offers = allgather_object((ranks, listener.getsockname()[1] if listener else None,
-                                   process_set.from_comm, problem))
+                                   process_set.from_comm, problem),
+                                  name="keras_ring.add_process_set")
         parts = _parts(offers, topology.size)
         ids = _register(parts, offers, topology, listener)
     finally:
@@ -137,7 +138,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     set_id = process_set.process_set_id
     # The parts of a split are removed together, each rank naming its own part's set.
     split = getattr(process_set, "split_ids", None)
-    ids = allgather_object(split or set_id)
+    ids = allgather_object(split or set_id, name="keras_ring.remove_process_set")
     if len(set(ids)) != 1:
         raise ValueError(f"keras_ring.remove_process_set: ranks disagree about the set to "
                          f"remove (process set ids by rank: {ids})")

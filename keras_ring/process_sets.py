@@ -145,12 +145,20 @@ def set_size(set_id: int) -> int:
     return len(RUNTIME.process_set(set_id)[0])
 
 
-def root_in_set(root_rank: int, set_id: int, what: str) -> int:
+# Signature::kRootNotInSet (keras_ring/ops/cc/core/signature.h): roots at or below it name a
+# global rank outside the set, encoded as ROOT_NOT_IN_SET - rank.
+ROOT_NOT_IN_SET = -(2**30)
+
+
+def root_in_set(root_rank: int, set_id: int) -> int:
     """A global ``root_rank`` as the set's rank (Horovod takes roots as global ranks)."""
     if set_id == 0:
         return root_rank
     ranks = RUNTIME.process_set(set_id)[0]
-    if root_rank not in ranks:
-        raise ValueError(f"keras_ring.{what}: root_rank {root_rank} is not in process set "
-                         f"{set_id} (ranks {list(ranks)})")
-    return ranks.index(root_rank)
+    if root_rank in ranks:
+        return ranks.index(root_rank)
+    # Passed on for the runtime to report on every member alike (CheckSignatures), rather
+    # than raised here on this rank alone while the others wait for its data.
+    if root_rank < 0:
+        return max(root_rank, ROOT_NOT_IN_SET + 1)  # out of range in any numbering
+    return ROOT_NOT_IN_SET - min(root_rank, 2**30)

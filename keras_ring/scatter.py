@@ -128,6 +128,11 @@ def grouped_reducescatter(
 
 
 def _splits_tensor(splits: Any) -> tf.Tensor:
+    """``splits`` as the op's int32 vector. Values that are no row counts (negative, or beyond
+    int32: clamped to its range) go on to the runtime, which checks every rank's splits after
+    the signatures and fails them on every rank alike, naming the rank; refused here, on one
+    rank only, the others would wait for its data."""
+    low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
     if isinstance(splits, (tf.Tensor, tf.Variable)):
         if not splits.dtype.is_integer:
             raise TypeError(f"keras_ring.alltoall: splits must be integers, got {splits.dtype.name}")
@@ -136,21 +141,15 @@ def _splits_tensor(splits: Any) -> tf.Tensor:
                              f"got shape {splits.shape}")
         if splits.dtype == tf.int32:
             return splits
-        if tf.executing_eagerly():  # wider integers: checked like a list, not wrapped
-            return _splits_tensor(splits.numpy())
-        low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
-        inside = tf.reduce_all((splits >= low) & (splits <= high))
-        check = tf.debugging.Assert(inside, ["keras_ring.alltoall: splits must be int32 counts, "
-                                             "got", splits])
-        with tf.control_dependencies([check]):
-            return tf.cast(splits, tf.int32)
+        if splits.dtype.max > high or splits.dtype.min < low:
+            splits = tf.clip_by_value(splits, tf.cast(max(low, splits.dtype.min), splits.dtype),
+                                      tf.cast(high, splits.dtype))
+        return tf.cast(splits, tf.int32)
     array = np.asarray(splits)
     if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
         raise TypeError("keras_ring.alltoall: splits must be a vector of integers (one per rank), "
                         f"got {splits!r}")
-    if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"keras_ring.alltoall: splits must be non-negative int32 counts, got {splits!r}")
-    return tf.constant(array, tf.int32)
+    return tf.constant([min(max(int(v), low), high) for v in array], tf.int32, shape=[array.size])
 
 
 def alltoall(

@@ -208,6 +208,33 @@ def test_an_unpicklable_object_fails_on_every_rank_naming_its_rank(world, what):
     assert kr.allgather_object(rank) == list(range(size))  # still in step
 
 
+def _refuse_to_unpickle():
+    raise ValueError("this object does not unpickle")
+
+
+class _Unpicklable:
+    """Pickles, but fails as it unpickles (a class missing or of another version there)."""
+
+    def __reduce__(self):
+        return _refuse_to_unpickle, ()
+
+
+@pytest.mark.parametrize("what", ["broadcast_object", "allgather_object"])
+def test_an_object_that_does_not_unpickle_is_named_with_its_sender(world, what):
+    rank, size = world
+    obj = _Unpicklable() if rank == 0 else rank
+    call = (lambda o: kr.broadcast_object(o, root_rank=0, name="objs")) \
+        if what == "broadcast_object" else (lambda o: kr.allgather_object(o, name="objs"))
+    if what == "broadcast_object" and rank == 0:
+        assert call(obj) is obj  # the root unpickles nothing
+    else:
+        with pytest.raises(kr.CollectiveArgumentError,
+                           match=rf"{what} 'objs': the object rank 0 sent cannot be unpickled on "
+                                 r"this rank \(ValueError: this object does not unpickle\)"):
+            call(obj)
+    assert kr.allgather_object(rank) == list(range(size))  # still in step
+
+
 @pytest.mark.parametrize("what", ["broadcast_object", "allgather_object"])
 def test_object_collectives_refuse_to_be_traced_on_every_rank(world, what):
     # Traced, the root's graph would hold broadcasts that the other ranks never run.

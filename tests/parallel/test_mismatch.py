@@ -107,7 +107,16 @@ def test_grouped_layout_mismatch(world):
     rank, size = world
     tensors = [tf.ones([3]), tf.ones([2])] if rank == 0 else [tf.ones([2]), tf.ones([3])]
     _expect_on_every_rank(lambda: kr.grouped_allreduce(tensors, name="g"),
-                          kr.CollectiveMismatchError, "grouped_allreduce 'g' shape mismatch")
+                          kr.CollectiveMismatchError, "grouped_allreduce 'g' dtype/shape mismatch",
+                          "tensor 0 has 3 elements on rank 0 and 2 on rank 1")
+
+
+def test_grouped_dtype_mismatch_names_the_tensor(world):
+    rank, size = world
+    dtype = tf.float64 if rank == size - 1 else tf.float32
+    _expect_on_every_rank(lambda: kr.grouped_allreduce([tf.ones([3]), tf.ones([2], dtype)], name="g"),
+                          kr.CollectiveMismatchError, "grouped_allreduce 'g' dtype/shape mismatch",
+                          f"tensor 1 is float32 on rank 0 and float64 on rank {size - 1}")
 
 
 def test_mismatch_inside_tf_function(world):
@@ -128,7 +137,9 @@ def test_grouped_shapes_that_differ_at_equal_sizes_are_a_mismatch(world, shapes)
     # element counts agree (and when there are no elements at all).
     rank, size = world
     mine = shapes[rank == size - 1]
-    with pytest.raises(kr.CollectiveMismatchError, match="shape mismatch"):
+    with pytest.raises(kr.CollectiveMismatchError,
+                       match="dtype/shape mismatch: .*; tensor 1 has the same dtype and "
+                             "element count in another shape"):
         kr.grouped_allreduce([tf.ones([1]), tf.zeros(mine)], name="grouped_shapes")
     assert kr.allreduce(tf.ones([1]), op=kr.Sum).numpy().tolist() == [size]
 

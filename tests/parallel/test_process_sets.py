@@ -99,6 +99,23 @@ def test_every_collective_takes_a_process_set(world, sets):
     kr.barrier(process_set=mine)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_root_outside_the_set_on_one_member_fails_on_every_member(world, sets, mode):
+    """Its last member names a global rank of the other set (Horovod's roots are global):
+    every member gets the error, naming that rank, instead of the others waiting for it."""
+    rank, size = world
+    mine, other = _mine(sets, rank), sets[1 - rank % 2]
+    last = len(mine.ranks) - 1
+    root = other.ranks[0] if mine.rank() == last else mine.ranks[0]
+    call = lambda: kr.broadcast(tf.constant([rank]), root, name="w", process_set=mine)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"broadcast 'w': root_rank {other.ranks[0]} on rank {last} of "
+                             r"the process set is not in the set \(root_rank is a global rank"):
+        call() if mode == "eager" else tf.function(call)()
+    # The set is still in step.
+    assert kr.allreduce(tf.constant([1]), op=kr.Sum, process_set=mine).numpy()[0] == mine.size()
+
+
 def test_set_and_global_collectives_interleave(world, sets):
     rank, size = world
     evens, _, pair = sets
@@ -133,7 +150,8 @@ def test_outsiders_and_bad_sets_are_refused(world, sets):
         kr.allreduce(tf.ones([1]), process_set=other)
     with pytest.raises(ValueError, match="has not been added"):
         kr.allgather(tf.ones([1]), process_set=kr.ProcessSet([0]))
-    with pytest.raises(ValueError, match="root_rank .* is not in process set"):
+    with pytest.raises(kr.CollectiveArgumentError, match=rf"root_rank {other.ranks[0]} on rank "
+                                                         r"0 of the process set is not in the set"):
         kr.broadcast(tf.ones([1]), other.ranks[0], process_set=_mine(sets, rank))
     with pytest.raises(ValueError, match="exists already"):
         kr.add_process_set([0, 1])

@@ -16,22 +16,42 @@ std::vector<int64_t> ReducescatterRows(int64_t rows, int size) {
 
 namespace {
 
+uint64_t ShapeHash(const TensorRef& t) {
+  uint64_t h = HashMix(1469598103934665603ull, static_cast<uint64_t>(t.shape.size()));
+  for (int64_t d : t.shape) h = HashMix(h, static_cast<uint64_t>(d));
+  return h;
+}
+
 // Grouped: the tensors' dtypes and shapes, hashed (equal counts can hide another layout, and
 // a shape may differ at the same size: [2, 3] against [3, 2], or two empty tensors), as a
-// single allreduce compares its whole shape.
+// single allreduce compares its whole shape. `dims` holds a digest of each of up to
+// kMaxSignatureDims runs of tensors (GroupDigest), so that a mismatch can say where.
 void DescribeGroup(const Request& r, Signature* s) {
   uint64_t h = 1469598103934665603ull;
   int64_t total = 0;
   for (const TensorRef& t : r.tensors) {
-    h = HashMix(h, static_cast<uint64_t>(t.dtype));
-    h = HashMix(h, static_cast<uint64_t>(t.shape.size()));
-    for (int64_t d : t.shape) h = HashMix(h, static_cast<uint64_t>(d));
+    h = HashMix(HashMix(h, static_cast<uint64_t>(t.dtype)), ShapeHash(t));
     total += t.num_elements();
   }
   s->dtype = r.tensors.empty() ? 0 : static_cast<int32_t>(r.tensors[0].dtype);
   s->ndims = static_cast<int32_t>(r.tensors.size());
   s->count = total;
   s->layout_hash = h;
+  for (int run = 0; run < kMaxSignatureDims; ++run) {
+    const auto [first, end] = GroupRun(s->ndims, run);
+    if (first >= end) break;
+    if (end - first == 1) {
+      const TensorRef& t = r.tensors[static_cast<size_t>(first)];
+      s->dims[run] = GroupDigest(t.dtype, ShapeHash(t), t.num_elements());
+    } else {
+      uint64_t run_hash = 1469598103934665603ull;
+      for (int i = first; i < end; ++i) {
+        const TensorRef& t = r.tensors[static_cast<size_t>(i)];
+        run_hash = HashMix(HashMix(run_hash, static_cast<uint64_t>(t.dtype)), ShapeHash(t));
+      }
+      s->dims[run] = static_cast<int64_t>(run_hash >> 1);
+    }
+  }
 }
 
 // One tensor: its shape (dims beyond the signature's room hashed); allgather counts rows.

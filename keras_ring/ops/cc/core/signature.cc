@@ -1,5 +1,6 @@
 #include "signature.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -56,6 +57,25 @@ uint64_t HashMix(uint64_t h, uint64_t v) {
   return h;
 }
 
+std::pair<int, int> GroupRun(int n, int run) {
+  const int runs = std::min(n, kMaxSignatureDims);
+  if (run >= runs) return {n, n};
+  const int base = n / runs, longer = n % runs;  // the first `longer` runs hold one more
+  const int first = run * base + std::min(run, longer);
+  return {first, first + base + (run < longer ? 1 : 0)};
+}
+
+namespace {
+constexpr int kDigestCountBits = 40;
+constexpr int64_t kDigestCountMask = (int64_t{1} << kDigestCountBits) - 1;
+}  // namespace
+
+int64_t GroupDigest(DataType dtype, uint64_t shape_hash, int64_t elements) {
+  return (static_cast<int64_t>(dtype) & 0x7f) << 56 |
+         static_cast<int64_t>(shape_hash & 0x7fff) << kDigestCountBits |
+         std::min(elements, kDigestCountMask);
+}
+
 Status ExchangeSignatures(Transport& t, double timeout_seconds, const Signature& mine,
                           std::vector<Signature>* all) {
   all->assign(static_cast<size_t>(t.size()), Signature());
@@ -84,11 +104,7 @@ namespace {
 
 std::string ShapeString(const Signature& s) {
   if (static_cast<Kind>(s.kind) == Kind::kGroupedAllreduce) {
-    // Equal counts can hide a different order of shapes or dtypes; the layout hash tells.
-    char layout[32];
-    std::snprintf(layout, sizeof layout, "%016llx", static_cast<unsigned long long>(s.layout_hash));
-    return std::to_string(s.ndims) + " tensors, " + std::to_string(s.count) +
-           " elements (dtype/shape layout " + layout + ")";
+    return std::to_string(s.ndims) + " tensors, " + std::to_string(s.count) + " elements";
   }
   std::ostringstream out;
   out << "shape [";
@@ -115,6 +131,36 @@ std::string CommunicatorString(const Signature& s) {
   const std::string number = "NCCL communicator #" + std::to_string(s.comm);
   if (s.comm_new) return "a new " + number + " to make for " + gpu;
   return number + " (" + gpu + ")";
+}
+
+// Where two grouped allreduces of as many tensors differ (the first run of GroupRun whose
+// digests differ): "; tensor 3 is float32 on rank 0 and float64 on rank 1".
+std::string GroupDifference(const Signature& a, int rank_a, const Signature& b, int rank_b) {
+  if (a.ndims != b.ndims) return "";
+  for (int run = 0; run < kMaxSignatureDims; ++run) {
+    if (a.dims[run] == b.dims[run]) continue;
+    const auto [first, end] = GroupRun(a.ndims, run);
+    const std::string on_a = " on rank " + std::to_string(rank_a);
+    const std::string on_b = " on rank " + std::to_string(rank_b);
+    if (end - first > 1) {
+      return "; tensors " + std::to_string(first) + " to " + std::to_string(end - 1) +
+             " differ in dtype or shape";
+    }
+    const std::string tensor = "; tensor " + std::to_string(first);
+    const auto dtype = [](const Signature& s, int r) {
+      return std::string(DataTypeName(static_cast<DataType>(s.dims[r] >> 56)));
+    };
+    if (dtype(a, run) != dtype(b, run)) {
+      return tensor + " is " + dtype(a, run) + on_a + " and " + dtype(b, run) + on_b;
+    }
+    const int64_t count_a = a.dims[run] & kDigestCountMask, count_b = b.dims[run] & kDigestCountMask;
+    if (count_a != count_b) {
+      return tensor + " has " + std::to_string(count_a) + " elements" + on_a + " and " +
+             std::to_string(count_b) + on_b;
+    }
+    return tensor + " has the same dtype and element count in another shape";
+  }
+  return "";
 }
 
 struct Field {
@@ -194,6 +240,8 @@ std::vector<Field> FieldsFor(Kind kind) {
   if (kind == Kind::kAllgather || kind == Kind::kAlltoall) {
     f.push_back({"shape", SameRowShape,
                  [](auto& s) { return "rows of shape " + RowShapeString(s); }});
+  } else if (kind == Kind::kGroupedAllreduce) {
+    f.push_back({"dtype/shape", SameShape, ShapeString});  // of some tensor: GroupDifference
   } else {
     f.push_back({"shape", SameShape, ShapeString});
   }
@@ -245,6 +293,13 @@ Status CheckSignatures(const std::vector<Signature>& all) {
   const int size = static_cast<int>(all.size());
   for (int r : active) {
     const Signature& s = all[static_cast<size_t>(r)];
+    if (static_cast<Kind>(s.kind) == Kind::kBroadcast && s.root <= kRootNotInSet) {
+      return Status(Code::kInvalidArgument,
+                    s.Label() + ": root_rank " + std::to_string(kRootNotInSet - s.root) +
+                        " on rank " + std::to_string(r) + " of the process set is not in "
+                        "the set (root_rank is a global rank, as in Horovod)",
+                    r);
+    }
     if (static_cast<Kind>(s.kind) == Kind::kBroadcast && (s.root < 0 || s.root >= size)) {
       return Status(Code::kInvalidArgument,
                     s.Label() + ": root_rank " + std::to_string(s.root) + " on rank " +
@@ -267,6 +322,9 @@ Status CheckSignatures(const std::vector<Signature>& all) {
         << ", rank " << differ[0] << " has " << field.show(other);
     if (field.what == std::string("operation")) {
       msg << " " << other.Label().substr(other.Label().find(' ') + 1);
+    }
+    if (field.what == std::string("dtype/shape")) {
+      msg << GroupDifference(ref, ref_rank, other, differ[0]);
     }
     if (differ.size() > 1) {
       msg << " (ranks differing from rank " << ref_rank << ":";

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -25,6 +26,11 @@ enum class Kind : int32_t {
 const char* KindName(Kind k);
 
 constexpr int kMaxSignatureDims = 8;
+
+// A broadcast root at or below this is a global rank outside the collective's process set,
+// encoded as kRootNotInSet - rank by the Python layer (which alone knows global ranks), so
+// that every member reports it instead of only the rank that named it.
+constexpr int32_t kRootNotInSet = -(1 << 30);
 
 // Plain data with a fixed layout; every rank runs the same build, so it is sent as bytes.
 struct Signature {
@@ -83,5 +89,12 @@ Status CheckSignatures(const std::vector<Signature>& all);
 
 // Mixes a value into a running hash (FNV-1a on the value's bytes).
 uint64_t HashMix(uint64_t h, uint64_t v);
+
+// A grouped allreduce's tensors in kMaxSignatureDims runs of consecutive tensors, one
+// signature dim each: run `run` of `n` tensors is [first, end) (empty past the last).
+std::pair<int, int> GroupRun(int n, int run);
+// A run of one tensor is this digest of it (dtype, a 15-bit hash of its shape, and its
+// element count below 2^40), which a mismatch message can read back; longer runs a hash.
+int64_t GroupDigest(DataType dtype, uint64_t shape_hash, int64_t elements);
 
 }  // namespace keras_ring

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../core/algorithms.h"
+#include "../core/request.h"
 #include "../core/signature.h"
 #include "test_harness.h"
 #include "test_util.h"
@@ -105,6 +106,59 @@ TEST(Signatures_CountMismatchNamesBothRanks) {
     CHECK_CONTAINS(s.message(), "grad_dense");
     CHECK_EQ(s.peer(), 2);
   }
+}
+
+using Layout = std::vector<std::pair<DataType, std::vector<int64_t>>>;
+
+Signature GroupSig(const Layout& layout) {
+  keras_ring::Request r;
+  r.kind = Kind::kGroupedAllreduce;
+  for (const auto& [dtype, shape] : layout) {
+    keras_ring::TensorRef t;
+    t.dtype = dtype;
+    t.shape = shape;
+    r.tensors.push_back(t);
+  }
+  r.name = "bucket0";
+  return keras_ring::SignatureOf(r, 5);
+}
+
+std::string GroupVerdict(const Layout& rank0, const Layout& rank1) {
+  const Status s = keras_ring::CheckSignatures({GroupSig(rank0), GroupSig(rank1)});
+  CHECK(s.code() == Code::kFailedPrecondition) << s.message();
+  CHECK_EQ(s.peer(), 1);
+  return s.message();
+}
+
+TEST(Signatures_GroupRunsCoverEveryTensorOnce) {
+  for (int n = 0; n <= 40; ++n) {
+    int next = 0;
+    for (int run = 0; run < keras_ring::kMaxSignatureDims; ++run) {
+      const auto [first, end] = keras_ring::GroupRun(n, run);
+      CHECK_EQ(first, next);
+      CHECK(end >= first && end - first <= (n + 7) / 8) << n << " run " << run;
+      next = end;
+    }
+    CHECK_EQ(next, n);
+  }
+}
+
+// A grouped allreduce's mismatch names the tensor (or, among many, the run of tensors) that
+// differs, and how, instead of two opaque layout hashes.
+TEST(Signatures_GroupedMismatchNamesTheTensor) {
+  const DataType f32 = DataType::kFloat32, f64 = DataType::kFloat64;
+  std::string m = GroupVerdict({{f32, {2}}, {f32, {3}}}, {{f32, {2}}, {f64, {3}}});
+  CHECK_CONTAINS(m, "grouped_allreduce 'bucket0' dtype/shape mismatch: rank 0 has 2 tensors, 5 elements");
+  CHECK_CONTAINS(m, "tensor 1 is float32 on rank 0 and float64 on rank 1");
+  m = GroupVerdict({{f32, {2, 3}}}, {{f32, {3, 2}}});
+  CHECK_CONTAINS(m, "tensor 0 has the same dtype and element count in another shape");
+  m = GroupVerdict({{f32, {2}}, {f32, {3}}}, {{f32, {2}}, {f32, {4}}});
+  CHECK_CONTAINS(m, "tensor 1 has 3 elements on rank 0 and 4 on rank 1");
+  Layout many(20, {f32, {2}}), other = many;
+  other[13].first = f64;  // 20 tensors in 8 runs: 3 3 3 3 2 2 2 2, so run 4 is 12-13
+  CHECK_CONTAINS(GroupVerdict(many, other), "tensors 12 to 13 differ in dtype or shape");
+  m = GroupVerdict({{f32, {2}}}, {{f32, {2}}, {f32, {0}}});
+  CHECK_CONTAINS(m, "rank 0 has 1 tensors, 2 elements, rank 1 has 2 tensors, 2 elements");
 }
 
 TEST(Signatures_SameCollectiveFromAnotherStepIsAMismatch) {
