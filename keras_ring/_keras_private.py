@@ -110,13 +110,27 @@ def built_variables(optimizer: Any) -> list:
 
 def held_optimizers(model: Any) -> list[tuple[str, Any]]:
     """(attribute name, optimizer) for each optimizer ``model`` holds as an attribute besides
-    its compiled one (keras-io's GAN: ``d_optimizer``, ``g_optimizer``), in the order the
-    model set them (the same on every rank)."""
+    its compiled one (keras-io's GAN: ``d_optimizer``, ``g_optimizer``), also inside a list,
+    tuple or dict attribute (``optimizers[1]``, ``opts['d']``), in the order the model set
+    them (the same on every rank)."""
     import keras
 
-    compiled = getattr(model, "optimizer", None)
-    return [(name, value) for name, value in vars(model).items()
-            if isinstance(value, keras.optimizers.Optimizer) and value is not compiled]
+    seen = {id(getattr(model, "optimizer", None))}
+    found = []
+    for name, value in vars(model).items():
+        if name.startswith("_") and isinstance(value, (dict, list, tuple)):
+            continue  # Keras's and TensorFlow's own bookkeeping (their dependency tables)
+        if isinstance(value, dict):
+            entries = [(f"{name}[{key!r}]", item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple)):
+            entries = [(f"{name}[{i}]", item) for i, item in enumerate(value)]
+        else:
+            entries = [(name, value)]
+        for entry, item in entries:
+            if isinstance(item, keras.optimizers.Optimizer) and id(item) not in seen:
+                seen.add(id(item))
+                found.append((entry, item))
+    return found
 
 
 def has_call(layer: Any) -> bool:

@@ -63,9 +63,10 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
-    """True between ``init()`` and ``shutdown()`` (False in a process forked from a rank:
-    the runtime is its parent's)."""
-    return RUNTIME.initialized and not RUNTIME.forked
+    """True between ``init()`` and ``shutdown()``, also in a process forked from a rank:
+    there ``rank()`` and ``size()`` answer for the rank, by which data loader workers shard
+    (``rank() if is_initialized() else 0``), while ``init()`` and collectives raise."""
+    return RUNTIME.initialized
 
 
 def rank() -> int:

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import inspect
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +35,9 @@ from keras_ring.process_sets import ProcessSet, global_process_set
 _STATE = "_keras_ring_state"
 _CLASSES: dict[type, type] = {}
 _compile_hook_installed = False
-# In a compiled model's __dict__ (not tracked by Keras): True where compile() was given no
-# optimizer and chose its default.
+# In a compiled model's __dict__ (not tracked by Keras): a weak reference to the optimizer
+# compile() chose when given none (None otherwise). Compared by identity: a custom compile()
+# that calls super().compile() and then sets self.optimizer (keras-io's VAE) trains with that.
 _COMPILE_DEFAULT = "_keras_ring_compile_default"
 # Set while a wrapped optimizer applies gradients it has already reduced, so that a wrapped
 # optimizer inside it (a LossScaleOptimizer's inner one) does not reduce them a second time.
@@ -447,7 +449,8 @@ def install_compile_hook() -> None:
             given = {"optimizer": None}
         # A custom train_step's model compiled without an optimizer (keras-io's GAN) gets
         # compile()'s RMSprop, which nothing uses: not one that trains apart.
-        self.__dict__[_COMPILE_DEFAULT] = "optimizer" not in given
+        default = None if "optimizer" in given else getattr(self, "optimizer", None)
+        self.__dict__[_COMPILE_DEFAULT] = None if default is None else weakref.ref(default)
         after_compile(self, given.get("jit_compile", "auto"))
         return result
 
@@ -526,7 +529,8 @@ def _trained_optimizers(model: Any) -> list[Any]:
     silently: a ValueError naming them."""
     held = _keras_private.held_optimizers(model)
     compiled = getattr(model, "optimizer", None)
-    if compiled is not None and not model.__dict__.get(_COMPILE_DEFAULT, False):
+    default = model.__dict__.get(_COMPILE_DEFAULT)
+    if compiled is not None and (default is None or default() is not compiled):
         held.insert(0, ("optimizer", compiled))
     wrapped, plain = [], []
     for name, value in held:

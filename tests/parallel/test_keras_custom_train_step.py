@@ -67,6 +67,42 @@ class TwoOptimizers(keras.Model):
         return logs
 
 
+class HeldInAList(TwoOptimizers):
+    """The same, its optimizers kept in a list attribute."""
+
+    def compile(self, first_optimizer, second_optimizer):
+        keras.Model.compile(self)
+        self.optimizers = [first_optimizer, second_optimizer]
+
+    first_optimizer = property(lambda self: self.optimizers[0])
+    second_optimizer = property(lambda self: self.optimizers[1])
+
+
+class HeldInADict(TwoOptimizers):
+    """The same, its optimizers kept in a dict attribute."""
+
+    def compile(self, first_optimizer, second_optimizer):
+        keras.Model.compile(self)
+        self.optimizers = {"first": first_optimizer, "second": second_optimizer}
+
+    first_optimizer = property(lambda self: self.optimizers["first"])
+    second_optimizer = property(lambda self: self.optimizers["second"])
+
+
+# How each of those names its optimizers in errors.
+HOLDERS = {TwoOptimizers: ("first_optimizer", "second_optimizer"),
+           HeldInAList: (r"optimizers\[0\]", r"optimizers\[1\]"),
+           HeldInADict: (r"optimizers\['first'\]", r"optimizers\['second'\]")}
+
+
+class OptimizerSetAfterCompile(Regressor):
+    """keras-io's VAE compile: the base compile() with no optimizer, then ``self.optimizer``."""
+
+    def compile(self, optimizer):
+        super().compile()
+        self.optimizer = optimizer
+
+
 def _shards(rank: int, size: int, steps: int = 3):
     x, y = ks.classification_data(size * BATCH * steps, seed=11)
     return x, y, ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH)
@@ -138,16 +174,18 @@ def test_optimizers_kept_as_attributes_reduce_and_are_checked(world, monkeypatch
         _fit(unsynchronised, my_x, my_y, broadcast=False)
 
 
-def test_optimizers_kept_as_attributes_but_only_some_wrapped_fail_on_every_rank(world):
+@pytest.mark.parametrize("holder", HOLDERS, ids=lambda holder: holder.__name__)
+def test_optimizers_kept_as_attributes_but_only_some_wrapped_fail_on_every_rank(world, holder):
     # keras-io's GAN with one optimizer left unwrapped: its sub-model trained apart on each
     # rank, silently (the weight check runs before the first step, when all still agree).
+    # Kept in a list or dict attribute, they were not looked at.
     rank, size = world
     _, _, my_x, my_y = _shards(rank, size)
-    model = TwoOptimizers(ks.mlp(ks.rank_seed(0)), ks.mlp(ks.rank_seed(0) + 50))
+    model = holder(ks.mlp(ks.rank_seed(0)), ks.mlp(ks.rank_seed(0) + 50))
     model.compile(kr.wrap(keras.optimizers.SGD(0.1)), keras.optimizers.Adam(0.01))
-    with pytest.raises(ValueError, match=r"holds optimizers wrapped with keras_ring.wrap "
-                       r"\(first_optimizer\) and optimizers that are not "
-                       r"\(second_optimizer: Adam\)"):
+    first, second = HOLDERS[holder]
+    with pytest.raises(ValueError, match=rf"holds optimizers wrapped with keras_ring.wrap "
+                       rf"\({first}\) and optimizers that are not \({second}: Adam\)"):
         _fit(model, my_x, my_y)
 
 
@@ -187,14 +225,15 @@ def test_a_compiled_optimizer_and_one_kept_as_an_attribute_are_both_wrapped(worl
         _fit(model, my_x, my_y)
 
 
+@pytest.mark.parametrize("holder", HOLDERS, ids=lambda holder: holder.__name__)
 @pytest.mark.parametrize("built_everywhere", [True, False])
 def test_the_broadcast_gives_every_rank_the_roots_optimizers_kept_as_attributes(
-        world, built_everywhere):
+        world, built_everywhere, holder):
     # A GAN resumed Horovod's way (restored on the root, then the callback): its optimizers'
     # moments and step counts stayed each rank's own, and the ranks trained apart silently.
     rank, size = world
     _, _, my_x, my_y = _shards(rank, size)
-    model = TwoOptimizers(ks.mlp(ks.rank_seed(0)), ks.mlp(ks.rank_seed(0) + 50))
+    model = holder(ks.mlp(ks.rank_seed(0)), ks.mlp(ks.rank_seed(0) + 50))
     model.compile(kr.wrap(keras.optimizers.Adam(0.01)), kr.wrap(keras.optimizers.Adam(0.01)))
     optimizers = (model.first_optimizer, model.second_optimizer)
     for sub_model, optimizer in zip((model.first, model.second), optimizers):
@@ -206,9 +245,10 @@ def test_the_broadcast_gives_every_rank_the_roots_optimizers_kept_as_attributes(
                 if len(variable.shape) > 0:
                     variable.assign(np.full(variable.shape, 0.25, variable.dtype))
     if not built_everywhere:
-        with pytest.raises(ValueError, match=r"the optimizers it holds as attributes have "
-                           r"different variables on different ranks \(rank 0: first_optimizer "
-                           r"\d+, second_optimizer \d+; rank 1: first_optimizer 2"):
+        first, second = HOLDERS[holder]
+        with pytest.raises(ValueError, match=rf"the optimizers it holds as attributes have "
+                           rf"different variables on different ranks \(rank 0: {first} "
+                           rf"\d+, {second} \d+; rank 1: {first} 2"):
             _fit(model, my_x, my_y)
         return
     _fit(model, my_x, my_y)
@@ -216,6 +256,17 @@ def test_the_broadcast_gives_every_rank_the_roots_optimizers_kept_as_attributes(
         assert int(optimizer.iterations.numpy()) == 7 + 3
     ks.assert_same_on_all_ranks(ks.weights(model.first) + ks.weights(model.second)
                                 + [v.numpy() for o in optimizers for v in o.variables])
+
+
+def test_an_optimizer_set_after_the_base_compile_is_the_one_checked(world):
+    # compile() recorded its own default optimizer as unused, and the wrapped one set after
+    # it went unchecked: a rate set differently on one rank trained the ranks apart.
+    rank, size = world
+    _, _, my_x, my_y = _shards(rank, size)
+    model = OptimizerSetAfterCompile(ks.mlp(ks.rank_seed(0)))
+    model.compile(kr.wrap(keras.optimizers.SGD(0.1 if rank == 0 else 0.3)))
+    with pytest.raises(kr.LearningRateMismatchError, match=r"\(rank 0 0.1, rank 1 0.3"):
+        model.fit(my_x, my_y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
 
 
 def test_loss_scale_optimizers_around_wrapped_attributes_skip_overflows_together(world):
