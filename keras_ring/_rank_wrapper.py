@@ -86,8 +86,8 @@ class _SegmentWatch:
     _IN_OPEN, _IN_CREATE = 0x20, 0x100
     _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
         self.fd = -1
         try:
             import ctypes
@@ -120,7 +120,7 @@ class _SegmentWatch:
             at += length
         if not any(name.startswith(SHM_PREFIX.encode()) for name in names):
             return None
-        return _held_segment(self.pid)
+        return _held_segment(self.pgid)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -128,32 +128,79 @@ class _SegmentWatch:
             self.fd = -1
 
 
-def _held_segment(pid: int) -> tuple[str, int] | None:
-    """(name, inode) of an MPICH segment process ``pid`` has open or mapped, if any."""
+def _group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid``: the rank and what it started (a rank run by
+    a shell script is the shell's child)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()  # state, ppid, pgrp, ...
+            except (OSError, IndexError):
+                continue
+            if len(fields) > 2 and int(fields[2]) == pgid:
+                members.append(int(entry))
+    return members
+
+
+def _held_segment(pgid: int) -> tuple[str, int] | None:
+    """(name, inode) of an MPICH segment a process of group ``pgid`` has open or mapped, if
+    any (not one already removed: its path ends in " (deleted)")."""
     prefix = os.path.join(SHM_DIRECTORY, SHM_PREFIX)
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith(prefix):
-                return os.path.basename(link), os.stat(f"/proc/{pid}/fd/{fd}").st_ino
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith(prefix.encode()):
-                    return os.path.basename(fields[5].rstrip(b"\n")).decode(), int(fields[4])
-    except (OSError, ValueError):  # the rank is gone, or closed it meanwhile
-        pass
+    for pid in _group_members(pgid):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith(prefix) and not link.endswith(" (deleted)"):
+                    return os.path.basename(link), os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)
+                    path = fields[5].rstrip(b"\n") if len(fields) == 6 else b""
+                    if path.startswith(prefix.encode()) and not path.endswith(b" (deleted)"):
+                        return os.path.basename(path).decode(), int(fields[4])
+        except (OSError, ValueError):  # gone, or closed it meanwhile
+            continue
     return None
+
+
+def _guard_group(pgid: int) -> None:
+    """Forks a guard into the rank's process group that kills the group once this wrapper
+    is gone. mpirun kills a failed job's wrappers (Hydra SIGKILLs their groups); the rank
+    dies with its parent (PR_SET_PDEATHSIG), but what the rank started would live on, out
+    of every group mpirun knows. The guard ignores the signals the group is sent."""
+    wrapper = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        os.closerange(0, os.sysconf("SC_OPEN_MAX"))  # holds no pipe of mpirun's or the rank's
+        for sig in _FORWARDED_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        os.setpgid(0, pgid)
+        _die_with_parent(signal.SIGUSR1)
+        if os.getppid() == wrapper:  # not gone before the line above
+            signal.sigwait({signal.SIGUSR1})
+        _kill_group(pgid)
+    finally:
+        os._exit(0)
 
 
 def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
     """Sends the child's stdout and stderr to ours in frames, live: whole lines and
     carriage-return updates at once, the partial line after them once its stream has been
-    quiet for a moment (or has grown for a second). Reports the child's MPICH segment."""
+    quiet for a moment (or has grown for a second). Reports the child's MPICH segment.
+    Once the child has exited, kills what it left running: a process it started that holds
+    its stdout would otherwise keep the rank's report waiting."""
     selector = selectors.DefaultSelector()
     watch = _SegmentWatch(child.pid)
     if watch.fileno() >= 0 and token:
         selector.register(watch, selectors.EVENT_READ, "watch")
+    try:
+        selector.register(os.pidfd_open(child.pid), selectors.EVENT_READ, "exited")
+    except (OSError, AttributeError):  # Linux before 5.3: its leftovers die after the pipes close
+        pass
     pending: dict[int, bytes] = {}
     began: dict[int, float] = {}  # when each pending partial line began to arrive
     last: dict[int, float] = {}  # when its latest piece arrived
@@ -164,11 +211,16 @@ def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
     def due(sink: int) -> float:
         return min(last[sink] + _QUIET_SECONDS, began[sink] + _PARTIAL_MAX_SECONDS)
 
-    while any(key.data != "watch" for key in selector.get_map().values()):
+    while any(key.data in (1, 2) for key in selector.get_map().values()):
         timeout = min(map(due, last), default=None)
         events = selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
         now = time.monotonic()
         for key, _ in events:
+            if key.data == "exited":  # unreaped: the group's id is still the rank's
+                selector.unregister(key.fileobj)
+                os.close(key.fileobj)
+                _kill_group(child.pid)
+                continue
             if key.data == "watch":
                 segment = watch.found()
                 if segment is not None:
@@ -201,7 +253,17 @@ def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
             _send_frames(sink, rank, token, pending[sink])
             pending[sink] = b""
             del began[sink], last[sink]
+    for key in list(selector.get_map().values()):
+        if key.data == "exited":
+            os.close(key.fileobj)
     watch.close()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _whole_part(data: bytes) -> int:
@@ -260,7 +322,15 @@ def main(argv: list[str]) -> int:
 
     for sig in _FORWARDED_SIGNALS:
         signal.signal(sig, forward)
+    try:
+        _guard_group(child.pid)
+    except OSError:  # no fork: what the rank starts may outlive a killed job
+        pass
     _forward_output(child, rank, os.environ.get(TOKEN_ENV, "").encode())
+    # Unreaped, the rank keeps its pid, so the group's id cannot be reused while what the
+    # rank left running (and the guard) is killed.
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    _kill_group(child.pid)
     code = child.wait()
     follows = os.path.exists(status)
     if follows:

@@ -46,6 +46,7 @@ _LEAVES_WITH_OS_EXIT = """
 """
 
 
+@pytest.mark.parametrize("shell", [False, True], ids=["program", "under-a-shell"])
 @pytest.mark.parametrize("body, expected", [
     (_FAILS_WHILE_RANK_0_INITIALISES.format(failure="sys.exit(1)"), 1),
     (_FAILS_WHILE_RANK_0_INITIALISES.format(failure="os.kill(os.getpid(), signal.SIGKILL)"),
@@ -53,18 +54,22 @@ _LEAVES_WITH_OS_EXIT = """
     (_LEAVES_WITH_OS_EXIT, None),
 ], ids=["exit-1", "sigkill", "mpirun-kills-with-sigkill"])
 def test_a_stopped_job_leaves_no_mpich_segment_of_its_own_in_dev_shm(mpirun, clean_env,
-                                                                   tmp_path, body, expected):
+                                                                   tmp_path, body, expected,
+                                                                   shell):
+    # Under a shell (a run script), the process that maps the segment is the wrapper's
+    # grandchild: its segment went unreported and stayed.
     missing = [tool for tool in ("unshare", "mount") if shutil.which(tool) is None]
     if missing or os.geteuid() != 0:
         pytest.fail(f"needs root and util-linux ({missing or 'not root'}), as CI has")
     script = rank_program(tmp_path, body)
+    rank = ["sh", "-c", '"$0" "$1"; exit $?', sys.executable, script] if shell else \
+        [sys.executable, script]
     # The job runs in a private /dev/shm, so what is left there is its own.
-    shell = ('mount -t tmpfs tmpfs /dev/shm || exit 99; "$@"; echo "rc=$?"; '
-             'ls -A /dev/shm')
+    namespace = ('mount -t tmpfs tmpfs /dev/shm || exit 99; "$@"; echo "rc=$?"; '
+                 'ls -A /dev/shm')
     proc = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", shell, "sh",
-         sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, "-np", "2",
-         sys.executable, script],
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", namespace, "sh",
+         sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, "-np", "2", *rank],
         env=clean_env, capture_output=True, timeout=GUARD)
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, f"the namespace's shell failed ({proc.returncode}): {err}"
@@ -76,6 +81,51 @@ def test_a_stopped_job_leaves_no_mpich_segment_of_its_own_in_dev_shm(mpirun, cle
         assert code == expected, err
     others = ["mpich_shm_0th3rj0b_0"] if "0th3rj0b" in body else []
     assert left == others, f"left in /dev/shm: {left}\n{err}"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"  # a zombie is dead
+    except FileNotFoundError:
+        return True
+
+
+# Rank 0 starts a helper (a server, a preprocessing daemon) that shares its stdout and shrugs
+# off SIGTERM, and writes its pid for the test.
+_STARTS_A_HELPER = """
+    import subprocess, time
+    if RANK == 0:
+        helper = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                   "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                   "time.sleep(100000)"])
+        with open({pid_file!r}, "w") as f:
+            f.write(str(helper.pid))
+        {rank_0}
+    else:
+        {rank_1}
+"""
+
+
+@pytest.mark.parametrize("rank_0, rank_1, expected", [
+    ("sys.exit(0)", "sys.exit(0)", 0),
+    ("signal.signal(signal.SIGTERM, lambda *a: None); time.sleep(100000)",
+     "time.sleep(0.5); sys.exit(3)", 3),
+], ids=["rank-ends", "mpirun-kills-the-job"])
+def test_what_a_rank_started_ends_with_it(mpirun, clean_env, tmp_path, rank_0, rank_1,
+                                          expected):
+    # The helper held the rank's stdout, so its report waited for the helper to end; and
+    # where mpirun killed a failed job's wrappers, it lived on after the job.
+    pid_file = tmp_path / "helper.pid"
+    script = rank_program(tmp_path, _STARTS_A_HELPER.format(pid_file=str(pid_file),
+                                                            rank_0=rank_0, rank_1=rank_1))
+    code, _, err = run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    assert code == expected, err
+    helper = int(pid_file.read_text())
+    deadline = time.monotonic() + GUARD  # its group's guard kills it as its wrapper dies
+    while not _gone(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(helper), f"the helper {helper} outlived the job"
 
 
 def _rank_line(stream) -> bytes:
