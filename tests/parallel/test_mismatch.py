@@ -138,7 +138,7 @@ def test_grouped_shapes_that_differ_at_equal_sizes_are_a_mismatch(world, shapes)
     rank, size = world
     mine = shapes[rank == size - 1]
     with pytest.raises(kr.CollectiveMismatchError,
-                       match="dtype/shape mismatch: .*; tensor 1 has the same dtype and "
+                       match="dtype/shape mismatch: tensor 1 has the same dtype and "
                              "element count in another shape"):
         kr.grouped_allreduce([tf.ones([1]), tf.zeros(mine)], name="grouped_shapes")
     assert kr.allreduce(tf.ones([1]), op=kr.Sum).numpy().tolist() == [size]

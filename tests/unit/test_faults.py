@@ -371,7 +371,7 @@ MISMATCHES = {
     "name": ("CollectiveMismatchError", ["name mismatch", "'the_name'", "'other_name'"]),
     "kind": ("CollectiveMismatchError", ["operation mismatch", "allreduce", "allgather 'k'"]),
     "gather_rows": ("CollectiveMismatchError", ["allgather 'rows' shape mismatch", "[4]", "[5]"]),
-    "grouped": ("CollectiveMismatchError", ["grouped_allreduce 'g' shape mismatch"]),
+    "grouped": ("CollectiveMismatchError", ["grouped_allreduce 'g' dtype/shape mismatch: tensor 0 has"]),
     "only_some": ("CollectiveMismatchError", ["name mismatch", "'next'", "'only_some'"]),
     # Inside tf.function the graph runtime raises it; it is keras_ring's class there too.
     "function": ("CollectiveMismatchError", ["allreduce 'fn' shape mismatch", "[5]", "[6]"]),

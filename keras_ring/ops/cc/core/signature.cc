@@ -134,7 +134,7 @@ std::string CommunicatorString(const Signature& s) {
 }
 
 // Where two grouped allreduces of as many tensors differ (the first run of GroupRun whose
-// digests differ): "; tensor 3 is float32 on rank 0 and float64 on rank 1".
+// digests differ): "tensor 3 is float32 on rank 0 and float64 on rank 1"; "" if not found.
 std::string GroupDifference(const Signature& a, int rank_a, const Signature& b, int rank_b) {
   if (a.ndims != b.ndims) return "";
   for (int run = 0; run < kMaxSignatureDims; ++run) {
@@ -143,10 +143,10 @@ std::string GroupDifference(const Signature& a, int rank_a, const Signature& b, 
     const std::string on_a = " on rank " + std::to_string(rank_a);
     const std::string on_b = " on rank " + std::to_string(rank_b);
     if (end - first > 1) {
-      return "; tensors " + std::to_string(first) + " to " + std::to_string(end - 1) +
+      return "tensors " + std::to_string(first) + " to " + std::to_string(end - 1) +
              " differ in dtype or shape";
     }
-    const std::string tensor = "; tensor " + std::to_string(first);
+    const std::string tensor = "tensor " + std::to_string(first);
     const auto dtype = [](const Signature& s, int r) {
       return std::string(DataTypeName(static_cast<DataType>(s.dims[r] >> 56)));
     };
@@ -317,14 +317,20 @@ Status CheckSignatures(const std::vector<Signature>& all) {
     if (differ.empty()) continue;
     const Signature& other = all[static_cast<size_t>(differ[0])];
     std::ostringstream msg;
-    msg << ref.Label() << " " << field.what << " mismatch: rank " << ref_rank << " has "
-        << field.show(ref)
-        << ", rank " << differ[0] << " has " << field.show(other);
+    // A grouped allreduce's tensors that differ at equal counts: the tensor, not two equal
+    // summaries.
+    const std::string group = field.what == std::string("dtype/shape")
+                                  ? GroupDifference(ref, ref_rank, other, differ[0])
+                                  : std::string();
+    msg << ref.Label() << " " << field.what << " mismatch: ";
+    if (group.empty()) {
+      msg << "rank " << ref_rank << " has " << field.show(ref) << ", rank " << differ[0]
+          << " has " << field.show(other);
+    } else {
+      msg << group;
+    }
     if (field.what == std::string("operation")) {
       msg << " " << other.Label().substr(other.Label().find(' ') + 1);
-    }
-    if (field.what == std::string("dtype/shape")) {
-      msg << GroupDifference(ref, ref_rank, other, differ[0]);
     }
     if (differ.size() > 1) {
       msg << " (ranks differing from rank " << ref_rank << ":";
