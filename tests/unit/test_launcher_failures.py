@@ -23,8 +23,9 @@ from tests.unit.launcher_support import GUARD, LAUNCHER, run, rank_program
 
 # Rank 1 fails only once rank 0 is inside MPI_Init, where it waits for rank 1 holding the
 # segment MPICH has just made (its file appears in the private /dev/shm).
-# Another job's segment appears too, whose holders are out of sight (a container sharing
-# /dev/shm): it is not this job's to remove.
+# Another job's segment appears too, made by a process of another session (not the rank's
+# process group, whose segments its wrapper reports) and then held by nobody in sight (a
+# container sharing /dev/shm): it is not this job's to remove.
 _FAILS_WHILE_RANK_0_INITIALISES = """
     import glob, time
     if RANK == 0:
@@ -32,7 +33,9 @@ _FAILS_WHILE_RANK_0_INITIALISES = """
         signal.pause()
     while not glob.glob("/dev/shm/mpich_shm_*"):
         time.sleep(0.01)
-    open("/dev/shm/mpich_shm_0th3rj0b_0", "wb").close()
+    import subprocess  # out of the rank's process group, as another job's process is
+    subprocess.run([sys.executable, "-c", "open('/dev/shm/mpich_shm_0th3rj0b_0', 'wb')"],
+                   start_new_session=True, check=True)
     {failure}
 """
 # MPI is up on both ranks when rank 1 leaves without finalising it: MPICH's mpirun kills
