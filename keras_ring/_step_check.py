@@ -87,9 +87,12 @@ def before_reduce(sources: Sequence[Any] | None, local: set[int], process_set: P
         if int(check.state.numpy()) == _PASSED:
             check.settled = True
             return []
-        if _weight_check.compare_variables(variables, text, process_set) is None:
+        mismatch = _weight_check.compare_variables(variables, text, process_set)
+        if mismatch is None:
             _settle(check)
             return []
+        if mismatch.layout:  # no broadcast mends it
+            raise mismatch
     return [_compare_in_graph(check, variables, ranks, process_set, tolerance, text)]
 
 
@@ -102,7 +105,7 @@ def _compare_now(check: _Check, variables: list[Any], process_set: ProcessSet,
     mismatch = _weight_check.compare_variables(variables, text, process_set)
     if mismatch is None:
         _settle(check)
-    elif state >= tolerance:
+    elif state >= tolerance or mismatch.layout:
         raise mismatch
     else:
         check.state.assign(state + 1)

@@ -25,6 +25,7 @@ The ranks apply the same averaged gradients, so rounding differences do not grow
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -97,6 +98,8 @@ class _Checker:
         mismatch = compare_weights(self.model, *self.current, later=self.later)
         if mismatch is None:
             self.passed = True
+        elif mismatch.layout:  # no broadcast mends it
+            raise mismatch
         elif self.differed_at is None:
             self.differed_at = self.steps_done  # a broadcast after this step may mend it
         elif self.steps_done > self.differed_at:
@@ -200,21 +203,81 @@ FIT_ADVICE = (
     "keras_ring.broadcast_variables(model.variables, root_rank=0) before training)")
 
 
+class Layout:
+    """Which variables a rank passes, as one int64 tag per variable (equal on every rank that
+    trains the same variables), and how to name a difference. This base tags each variable by
+    its dtype and shape: all a custom loop's list of variables tells."""
+
+    def __init__(self, variables: list[Any]) -> None:
+        self.variables = variables
+        self.tags = [zlib.crc32(f"{tf.as_dtype(v.dtype).name}{list(v.shape)}".encode())
+                     for v in variables]
+
+    def describe(self, mine: list[int], other: list[int], first: int, rank: int) -> str:
+        """What differs between ``mine`` (rank ``first``'s tags) and rank ``rank``'s."""
+        if len(mine) != len(other):
+            return f"rank {first} passes {len(mine)} variables, rank {rank} passes {len(other)}"
+        index = next(i for i, (a, b) in enumerate(zip(mine, other)) if a != b)
+        return (f"variable {index} ('{label(self.variables[index])}' on this rank) has another "
+                f"dtype or shape on rank {rank} than on rank {first}")
+
+
+class ModelLayout(Layout):
+    """Tags the variables by their place in ``model.weights``, which trainable flags do not
+    change (and layer names, which may differ by rank, do not enter)."""
+
+    def __init__(self, model: Any, variables: list[Any]) -> None:
+        self.weights = list(model.weights)
+        places = {id(w): i for i, w in enumerate(self.weights)}
+        self.variables = variables
+        self.tags = [places.get(id(v), -1 - i) for i, v in enumerate(variables)]
+
+    def describe(self, mine: list[int], other: list[int], first: int, rank: int) -> str:
+        def named(tags: list[int]) -> str:
+            shown = ", ".join(f"'{label(self.weights[t])}'" for t in tags[:SHOWN] if t >= 0)
+            return (shown or f"{len(tags)} variables") + (", ..." if len(tags) > SHOWN else "")
+
+        parts = [f"rank {first} trains {len(mine)} weights, rank {rank} trains {len(other)}"]
+        if set(mine) - set(other):
+            parts.append(f"only rank {first} trains {named(sorted(set(mine) - set(other)))}")
+        if set(other) - set(mine):
+            parts.append(f"only rank {rank} trains {named(sorted(set(other) - set(mine)))}")
+        return "; ".join(parts)
+
+
+LAYOUT_TEMPLATE = (
+    f"keras_ring: {WEIGHTS_DIFFER}: {{where}}, the ranks train different weights "
+    "({detail}). Their averaged gradients would mix different weights' gradients. A layer is "
+    "frozen (trainable=False) on some ranks only, or the ranks built different models: set "
+    "the trainable flags alike on every rank, then compile (or trace the step) again.")
+
+
 def compare_variables(variables: list[Any], text: dict[str, Any],
                       process_set: ProcessSet = global_process_set,
-                      tolerance: float | None = None) -> WeightMismatchError | None:
+                      tolerance: float | None = None,
+                      layout: Layout | None = None) -> WeightMismatchError | None:
     """The error to raise on every rank of ``process_set`` when their ``variables`` differ,
     else None; a collective: every rank calls it. ``text`` fills TEMPLATE's ``where``,
     ``advice`` and ``partial``. With a ``tolerance``, weights whose bits differ are compared
-    by value (relative to their largest magnitude) too."""
+    by value (relative to their largest magnitude) too. ``layout`` tags which variables
+    these are (by default their dtypes and shapes): where the ranks' tags differ they train
+    different variables, a difference no broadcast mends (the error's ``layout`` is True)."""
     ranks = process_set.ranks or list(range(RUNTIME.topology().size))
     if len(ranks) < 2:
         return None
+    layout = layout or Layout(variables)
     with tf.init_scope():  # eager, also when called while a function traces
-        mine = tf.stack([fingerprint(value_of(v)) for v in variables]
-                        or [tf.constant(0, tf.int64)])
-        everyone = allgather(mine[tf.newaxis], name=NAME, process_set=process_set).numpy()
-    apart = everyone != everyone[0]  # by rank and weight
+        prints = [fingerprint(value_of(v)) for v in variables]
+        # One row per rank, [count, tags..., fingerprints...]: its length may differ by rank.
+        mine = tf.concat([tf.constant([len(variables)] + layout.tags, tf.int64),
+                          tf.stack(prints) if prints else tf.zeros([0], tf.int64)], 0)
+        rows = _rows(allgather(mine, name=NAME, process_set=process_set).numpy(), len(ranks))
+    for rank, (tags, _) in zip(ranks[1:], rows[1:]):
+        if tags != rows[0][0]:
+            detail = layout.describe(rows[0][0], tags, ranks[0], rank)
+            return _error(LAYOUT_TEMPLATE.format(where=text["where"], detail=detail), rank,
+                          layout=True)
+    apart = np.stack([p for _, p in rows]) != rows[0][1]  # by rank and weight
     if tolerance is not None and apart.any():
         apart = _beyond(variables, apart, tolerance, ranks[0], process_set)
     differs = apart.any(axis=0)
@@ -223,10 +286,25 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
     odd = [ranks[i] for i in range(1, len(ranks)) if apart[i].any()]
     names = [label(v) for v, d in zip(variables, differs) if d]
     shown = ", ".join(f"'{n}'" for n in names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
-    error = WeightMismatchError(TEMPLATE.format(
-        count=len(names), total=len(variables), shown=shown, first=ranks[0],
-        odd=", ".join(map(str, odd)), **text))
-    error.rank, error.reason = odd[0], str(error).removeprefix("keras_ring: ")
+    return _error(TEMPLATE.format(count=len(names), total=len(variables), shown=shown,
+                                  first=ranks[0], odd=", ".join(map(str, odd)), **text), odd[0])
+
+
+def _rows(flat: np.ndarray, count: int) -> list[tuple[list[int], np.ndarray]]:
+    """Each rank's (tags, fingerprints) out of the allgathered ``[count, tags, prints]``."""
+    rows, at = [], 0
+    for _ in range(count):
+        n = int(flat[at])
+        rows.append(([int(t) for t in flat[at + 1:at + 1 + n]], flat[at + 1 + n:at + 1 + 2 * n]))
+        at += 1 + 2 * n
+    return rows
+
+
+def _error(message: str, rank: int, layout: bool = False) -> WeightMismatchError:
+    error = WeightMismatchError(message)
+    error.rank, error.reason = rank, message.removeprefix("keras_ring: ")
+    error.layout = layout
+    error.ag_pass_through = True  # raised while a step traces: autograph keeps it as it is
     return error
 
 
@@ -265,7 +343,9 @@ def compare_weights(model: Any, local: set[int], process_set: ProcessSet = globa
                  "checkpoint loaded on one rank, or EarlyStopping(restore_best_weights=True) "
                  "restoring each rank's own best epoch, which MetricAverageCallback first in "
                  "fit's callbacks makes the same)")
+    variables = trained_variables(model, local)
     return compare_variables(
-        trained_variables(model, local),
+        variables,
         {"where": where, "advice": FIT_ADVICE, "partial": "PartialDistributedOptimizer"},
-        process_set, tolerance=LATER_TOLERANCE if later else None)
+        process_set, tolerance=LATER_TOLERANCE if later else None,
+        layout=ModelLayout(model, variables))

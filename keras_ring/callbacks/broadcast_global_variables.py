@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_ring import _adapted_state, _keras_private
+from keras_ring import _adapted_state, _keras_private, _weight_check
 from keras_ring._grouping import is_variable, variable_keys
 from keras_ring._local import check_variable
 from keras_ring.basics import size
@@ -156,7 +156,8 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
     """Every rank raises, naming the counts, where the ranks' models or optimizers differ
     (``held``: variables of each optimizer the model holds as an attribute)."""
     optimizer = type(getattr(model, "optimizer", None)).__name__
-    trainable = len(model.trainable_weights)
+    layout = _weight_check.ModelLayout(model, model.trainable_weights)
+    trainable = layout.tags  # which weights: ranks that froze different layers differ here
     counts = allgather_object((weights, slots, optimizer, trainable, sorted(held.items())),
                               name="keras_ring.broadcast_counts", process_set=process_set)
     if all(c == counts[0] for c in counts):
@@ -171,13 +172,13 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
             "optimizer makes its slots at its first update, a restored one has them: build "
             "each on every rank before the broadcast (optimizer.build(sub_model."
             "trainable_variables)), or restore the checkpoint on every rank")
-    if len({c[3] for c in counts}) > 1:  # the slots follow the trainable weights
-        listed = "; ".join(f"rank {r}: {t} of {w}" for r, (w, _, _, t, _) in zip(ranks, counts))
+    odd = next(((r, c[3]) for r, c in zip(ranks, counts) if c[3] != counts[0][3]), None)
+    if odd is not None:  # the slots follow the trainable weights
+        detail = layout.describe(counts[0][3], odd[1], ranks[0], odd[0])
         raise ValueError(
             f"keras_ring: cannot broadcast model '{model.name}': the ranks train different "
-            f"sets of its weights (trainable weights by rank: {listed}): a layer is frozen "
-            "(trainable=False) on some ranks only. Set the layers' trainable flags alike on "
-            "every rank, then compile")
+            f"sets of its weights ({detail}): a layer is frozen (trainable=False) on some "
+            "ranks only. Set the layers' trainable flags alike on every rank, then compile")
     listed = "; ".join(f"rank {r}: {w} model weights, {s} variables of its {o}"
                        for r, (w, s, o, _, _) in zip(ranks, counts))
     raise ValueError(

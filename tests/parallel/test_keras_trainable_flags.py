@@ -1,0 +1,128 @@
+"""Ranks that train different weights of one model (a layer frozen on some ranks only) fail
+on every rank, naming the weights, in fit and in custom loops.
+
+With two layers of equal shape frozen crosswise (rank 0 freezes one, rank 1 the other), the
+counts of trainable weights agree and so did everything compared before: each rank trained
+its own layer with the other rank's gradients averaged in, and the ranks ended apart with
+no error, even with the broadcast callback (equal initial values, an identity initialiser,
+left nothing else to tell them apart).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ring as kr
+from keras_ring.callbacks import BroadcastGlobalVariablesCallback
+from keras_ring.errors import WeightMismatchError
+
+from tests.parallel import keras_support as ks
+
+BATCH = 4
+
+
+def _twin_layers(*frozen: str) -> keras.Model:
+    """Two hidden layers of equal shape and equal (identity) initial values; the layers
+    named ``frozen`` are frozen."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((ks.FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="d1")(inputs)
+    for name in ("d2", "d3"):
+        hidden = keras.layers.Dense(8, activation="tanh", kernel_initializer="identity",
+                                    name=name)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(ks.CLASSES, name="out")(hidden))
+    for name in frozen:
+        model.get_layer(name).trainable = False
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.1)), loss=ks.loss())
+    return model
+
+
+def _fit(model, rank, size, callbacks=()):
+    x, y = ks.classification_data(size * 2 * BATCH, seed=3)
+    model.fit(ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH), batch_size=BATCH,
+              epochs=1, verbose=0, callbacks=list(callbacks))
+
+
+CROSSWISE = ("rank 0 trains 6 weights, rank 1 trains 6; only rank 0 trains 'd3/kernel', "
+             "'d3/bias'; only rank 1 trains 'd2/kernel', 'd2/bias'")
+
+
+def test_layers_frozen_crosswise_are_named_by_the_broadcast(world):
+    rank, size = world
+    model = _twin_layers("d3" if rank == 1 else "d2")
+    with pytest.raises(ValueError) as info:
+        _fit(model, rank, size, [BroadcastGlobalVariablesCallback(0)])
+    message = str(info.value)
+    assert f"the ranks train different sets of its weights ({CROSSWISE})" in message, message
+    assert "frozen (trainable=False) on some ranks only" in message
+
+
+def test_layers_frozen_crosswise_fail_before_the_first_step_without_a_broadcast(world):
+    rank, size = world
+    model = _twin_layers("d3" if rank == 1 else "d2")
+    before = ks.weights(model)
+    with pytest.raises(WeightMismatchError) as info:
+        _fit(model, rank, size)
+    message = str(info.value)
+    assert f"at the start of training model '{model.name}', the ranks train different " \
+           f"weights ({CROSSWISE})" in message, message
+    assert info.value.rank == 1 and info.value.layout
+    ks.assert_weights_close(ks.weights(model), before, atol=0)  # no step ran
+
+
+def test_a_layer_frozen_on_one_rank_only_is_named_not_blamed_on_the_data(world):
+    # Before, the fingerprints' allgather failed on its shapes: "uneven data shards".
+    rank, size = world
+    model = _twin_layers("d2", *(["d1"] if rank == 1 else []))
+    with pytest.raises(WeightMismatchError) as info:
+        _fit(model, rank, size)
+    message = str(info.value)
+    assert ("the ranks train different weights (rank 0 trains 6 weights, rank 1 trains 4; "
+            "only rank 0 trains 'd1/kernel', 'd1/bias'). Their averaged") in message, message
+
+
+def test_a_layer_frozen_on_one_rank_between_fits_fails_the_next_fit(world):
+    rank, size = world
+    model = _twin_layers("d2")
+    _fit(model, rank, size, [BroadcastGlobalVariablesCallback(0)])
+    if rank == 1:  # keras-io's fine-tuning step, taken on one rank only
+        model.get_layer("d1").trainable = False
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.01)), loss=ks.loss())
+    with pytest.raises(WeightMismatchError) as info:
+        _fit(model, rank, size)
+    message = str(info.value)
+    assert "as a later fit of model" in message, message
+    assert "rank 0 trains 6 weights, rank 1 trains 4; only rank 0 trains 'd1/kernel', " \
+           "'d1/bias'" in message, message
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("path", ["tape", "optimizer"])
+def test_a_custom_loop_whose_ranks_pass_different_variables_fails_on_every_rank(
+        world, path, traced):
+    rank, size = world
+    model = _twin_layers("d1" if rank == 1 else "d2")
+    kr.broadcast_variables(model.variables, root_rank=0)
+    optimizer = model.optimizer if path == "optimizer" else keras.optimizers.SGD(0.1)
+    loss_fn = ks.loss()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        if path == "tape":
+            tape = kr.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    x, y = ks.classification_data(BATCH, seed=rank)
+    before = ks.weights(model)
+    with pytest.raises(WeightMismatchError) as info:
+        (tf.function(step) if traced else step)(x, y)
+    # A list of variables tells their dtypes and shapes, not which layer they belong to.
+    mine = "d2/kernel" if rank == 1 else "d1/kernel"
+    assert f"the ranks train different weights (variable 0 ('{mine}' on this rank) has " \
+           "another dtype or shape on rank 1 than on rank 0)" in str(info.value), info.value
+    assert info.value.rank == 1
+    ks.assert_weights_close(ks.weights(model), before, atol=0)
