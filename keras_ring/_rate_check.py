@@ -1,12 +1,14 @@
-"""``fit`` checks that the ranks begin each epoch together, and with the same learning rates
-after the first.
+"""``fit`` checks that the ranks begin each epoch together, and with the same learning rates.
 
 A callback that sets the rate from this rank's own epoch metrics decides on each rank alone
 (``ReduceLROnPlateau`` without ``MetricAverageCallback`` before it). Ranks that then apply the
 same averaged gradients with different rates train apart, silently: the weight check compared
 them once, at the start. The rates are compared after every callback's ``on_epoch_begin``
 (``LearningRateScheduler`` sets the rate there) and before the epoch's first step: one
-allgather of a float64 per optimizer per epoch. A rank that stopped instead (``EarlyStopping``)
+allgather of a float64 per optimizer per epoch. A fit's first epoch compares them at its first
+batch instead, after the broadcast callback has given every rank the root's rate: a rate set
+on some ranks only between fits (keras-io's fine-tuning) would else go unseen by a one-epoch
+fit. A rank that stopped instead (``EarlyStopping``)
 has left ``fit``: its peers' check fails on its shutdown notice, as their next step would.
 The same allgather carries the epoch: ranks that resume at different epochs (a backup
 restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
@@ -42,18 +44,19 @@ def current_rate(optimizer: Any) -> float:
 
 
 class RateCheck(keras.callbacks.Callback):
-    """Compares the epoch, the optimizers' settings and (after the first epoch: the broadcast
-    callback may still set them) their learning rates over ``process_set`` as each epoch of a
-    ``fit`` begins."""
+    """Compares the epoch, the optimizers' settings and their learning rates over
+    ``process_set`` as each epoch of a ``fit`` begins (the first epoch's rates at its first
+    batch, after the broadcast callback)."""
 
     def __init__(self, optimizers: list[Any], process_set: ProcessSet) -> None:
         super().__init__()
         self.optimizers = optimizers
         self.process_set = process_set
         self._first = True
+        self._rates_pending = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._first = True
+        self._first, self._rates_pending = True, False
         # Variables assigned since the layers last read them (a broadcast_variables before
         # fit) reach the Normalization layers' copies before the step is traced.
         _adapted_state.refresh(self.model)
@@ -77,24 +80,47 @@ class RateCheck(keras.callbacks.Callback):
             raise _optimizer_settings.mismatch(self.optimizers, ranks, epoch, self.process_set)
         if (everyone[:, -1] != everyone[0, -1]).any():
             raise _adapted_state.mismatch(self.model, ranks, self.process_set)
-        if first:  # the rates: the broadcast callback may still set them
+        if first:  # the rates: the broadcast callback may still set them, at the first batch
+            self._rates_pending = True
             return
-        rates = everyone[:, 1:1 + count]
-        bits = np.ascontiguousarray(rates).view(np.int64)
-        if (bits == bits[0]).all():
+        _compare_rates(ranks, everyone[:, 1:1 + count], f"as epoch {epoch} begins", _EPOCH_CAUSE)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        # A fit's first epoch: after every callback's broadcast. Rates set on some ranks only
+        # between fits (a fine-tuning rate) would else go unseen by a one-epoch fit.
+        if not self._rates_pending:
             return
-        odd = [i for i in range(1, len(ranks)) if (bits[i] != bits[0]).any()]
-        shown = ", ".join(f"rank {ranks[i]} {_rates(rates[i])}" for i in [0] + odd)
-        error = LearningRateMismatchError(
-            f"keras_ring: the ranks train with different learning rates as epoch {epoch} "
-            f"begins ({shown}): they would apply the same averaged gradients differently and "
-            "train apart. A callback set the rate from this rank's own metrics "
-            "(ReduceLROnPlateau reads this rank's loss): put "
-            "keras_ring.callbacks.MetricAverageCallback() first in fit's callbacks, so every "
-            "later callback sees the same averaged metrics and decides alike. "
-            "KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
-        error.rank, error.reason = ranks[odd[0]], str(error).removeprefix("keras_ring: ")
-        raise error
+        self._rates_pending = False
+        mine = np.array([current_rate(o) for o in self.optimizers], np.float64)
+        everyone = allgather(tf.constant(mine[np.newaxis]), name=f"{NAME}.first_batch",
+                             process_set=self.process_set).numpy()
+        ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))
+        _compare_rates(ranks, everyone, "as training begins", _START_CAUSE)
+
+
+_EPOCH_CAUSE = (
+    "A callback set the rate from this rank's own metrics (ReduceLROnPlateau reads this "
+    "rank's loss): put keras_ring.callbacks.MetricAverageCallback() first in fit's callbacks, "
+    "so every later callback sees the same averaged metrics and decides alike.")
+_START_CAUSE = (
+    "The rate was set on some ranks only (before this fit, or when the optimizer was made): "
+    "set it alike on every rank, or put keras_ring.callbacks.BroadcastGlobalVariablesCallback"
+    "(0) in fit's callbacks, which gives every rank the root's optimizer state.")
+
+
+def _compare_rates(ranks: list[int], rates: np.ndarray, when: str, cause: str) -> None:
+    """Raises on every rank where the ranks' ``rates`` (a row per rank) differ in any bit."""
+    bits = np.ascontiguousarray(rates).view(np.int64)
+    if (bits == bits[0]).all():
+        return
+    odd = [i for i in range(1, len(ranks)) if (bits[i] != bits[0]).any()]
+    shown = ", ".join(f"rank {ranks[i]} {_rates(rates[i])}" for i in [0] + odd)
+    error = LearningRateMismatchError(
+        f"keras_ring: the ranks train with different learning rates {when} ({shown}): they "
+        f"would apply the same averaged gradients differently and train apart. {cause} "
+        "KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
+    error.rank, error.reason = ranks[odd[0]], str(error).removeprefix("keras_ring: ")
+    raise error
 
 
 def _epoch_mismatch(ranks: list[int], epochs: np.ndarray) -> EpochMismatchError:

@@ -313,6 +313,47 @@ def test_averaged_metrics_keep_the_rates_equal_and_the_epochs_run(world):
     ks.assert_same_on_all_ranks(ks.weights(model) + [model.optimizer.learning_rate.numpy()])
 
 
+def _fine_tuned(rank, size, epochs, first_rate=0.05, broadcast=False):
+    """keras-io's fine-tuning: fit, then a lower rate for one more fit, set on rank 1 only.
+    Returns the model and the second fit's steps done."""
+    model = ks.mlp(ks.rank_seed(0))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(first_rate)), loss=ks.loss())
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    if rank == 1:
+        model.optimizer.learning_rate.assign(0.01)
+    steps = []
+    probe = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: steps.append(b))
+    callbacks = [BroadcastGlobalVariablesCallback(0)] if broadcast else []
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, callbacks=callbacks + [probe])
+    finally:
+        assert steps == [] or broadcast  # refused before the first step
+    return model, steps
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_a_rate_set_on_one_rank_between_fits_fails_before_the_next_fit_trains(world, epochs):
+    # A one-epoch fit was never compared (the first epoch waits for the broadcast callback):
+    # the ranks trained apart with exit 0; with two, only after an epoch trained apart.
+    rank, size = world
+    with pytest.raises(keras_ring.LearningRateMismatchError) as info:
+        _fine_tuned(rank, size, epochs)
+    message = str(info.value)
+    others = ", ".join(f"rank {r} 0.05" for r in range(2, size))
+    assert ("different learning rates as training begins (rank 0 0.05, rank 1 0.01"
+            + (f", {others})" if others else ")")) in message, message
+    assert "set on some ranks only" in message and info.value.rank == 1
+
+
+def test_the_broadcast_callback_makes_a_rate_set_on_one_rank_alike_before_it_is_compared(world):
+    rank, size = world
+    model, steps = _fine_tuned(rank, size, 1, broadcast=True)
+    assert len(steps) == STEPS
+    assert model.optimizer.learning_rate.numpy() == np.float32(0.05)  # the root's
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
 @pytest.mark.parametrize("setting", ["momentum", "clipnorm", "inner", "class"])
 def test_optimizers_built_apart_fail_every_rank_before_the_first_epoch_trains(world, setting):
     """Momentum, clipnorm and the like are Python numbers, not variables: no broadcast makes
