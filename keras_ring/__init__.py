@@ -78,6 +78,14 @@ def _install_keras_compile_hook() -> None:
         from keras_ring.optimizer import install_compile_hook
 
         install_compile_hook()
+        _register_keras_objects()
+
+
+def _register_keras_objects() -> None:
+    # keras.models.load_model finds our layers by their registered names only, and
+    # registering means defining them: done wherever Keras is in use already.
+    if "keras" in sys.modules:
+        import keras_ring.sync_batch_normalization  # noqa: F401
 
 
 def _write_timeline(config: Config, topology: Topology, lib: Library) -> None:
@@ -125,3 +133,6 @@ if TYPE_CHECKING:
     from keras_ring.saving import load_model
     from keras_ring.sync_batch_normalization import SyncBatchNormalization
     from keras_ring.peer_table import Topology
+
+
+_register_keras_objects()  # a program that imported keras first: load_model works from here

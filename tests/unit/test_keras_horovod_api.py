@@ -1,5 +1,8 @@
 """Horovod's Keras API in one process: argument checks, load_model, SyncBatchNormalization at size 1."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -92,6 +95,33 @@ def test_sync_batch_norm_is_batch_norm_in_a_world_of_one():
     sync, plain = keras_ring.SyncBatchNormalization(), keras.layers.BatchNormalization()
     np.testing.assert_array_equal(sync(x, training=True), plain(x, training=True))
     np.testing.assert_array_equal(sync.moving_variance, plain.moving_variance)
+
+
+_LOAD_SYNC_BN = """
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+{imports}
+keras.models.load_model(sys.argv[1])
+print("LOADED")
+"""
+
+
+@pytest.mark.parametrize("imports", [
+    "import keras, keras_ring",
+    "import keras, keras_ring; keras_ring.init()",
+    "import keras_ring; import keras; keras_ring.init()",
+], ids=["keras-then-keras-ring", "and-init", "keras-ring-then-keras-then-init"])
+def test_keras_load_model_finds_sync_batch_norm_without_its_name_being_touched(tmp_path,
+                                                                              imports):
+    # The layer is a lazy export: Keras knew it only once keras_ring.SyncBatchNormalization
+    # was looked up, so plain load_model failed in a program that only trains with it.
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras_ring.SyncBatchNormalization()(inputs)))
+    model.save(tmp_path / "sync_bn.keras")
+    done = subprocess.run([sys.executable, "-c", _LOAD_SYNC_BN.format(imports=imports),
+                           str(tmp_path / "sync_bn.keras")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "LOADED" in done.stdout, done.stderr[-2000:]
 
 
 def test_load_model_of_a_mixed_precision_model_communicates_in_the_loss_scale_optimizer(tmp_path):
