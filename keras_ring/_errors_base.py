@@ -65,6 +65,9 @@ class KerasRingError(Exception):
     """
 
     __module__ = _PUBLIC_MODULE
+    # Raised while a tf.function traces: autograph passes it on as it is, where it would
+    # make a new one from the message, without the attributes below.
+    ag_pass_through = True
     collective: str | None = None
     rank: int | None = None
     reason: str = ""

@@ -36,12 +36,12 @@ import tensorflow as tf
 from keras_ring import _keras_private
 from keras_ring._grouping import variable_keys
 from keras_ring.collectives import allgather, broadcast
-from keras_ring.errors import WEIGHTS_DIFFER, WeightMismatchError
+from keras_ring.errors import WEIGHT_CHECK, WEIGHTS_DIFFER, WeightMismatchError
 from keras_ring.process_sets import ProcessSet, global_process_set
 from keras_ring.runtime import RUNTIME
 
 _INSTALLED = "_keras_ring_weight_check"
-NAME = "keras_ring.weight_check"  # the collective's name, seen in errors beside the other side's
+NAME = WEIGHT_CHECK  # the collective's name, seen in errors beside the other side's
 SHOWN = 3  # weights named in the error
 # Largest difference, relative to the weight's largest magnitude, that a later fit tolerates:
 # rounding differences of updates grow like the square root of the steps, about 1e-4 after
@@ -304,7 +304,6 @@ def _error(message: str, rank: int, layout: bool = False) -> WeightMismatchError
     error = WeightMismatchError(message)
     error.rank, error.reason = rank, message.removeprefix("keras_ring: ")
     error.layout = layout
-    error.ag_pass_through = True  # raised while a step traces: autograph keeps it as it is
     return error
 
 

@@ -73,6 +73,14 @@ class EpochMismatchError(KerasRingError, ValueError):
 # whose weights differ from the first rank's.
 WEIGHTS_DIFFER = "the ranks are training different models"
 _ODD_RANK = re.compile(r"and rank\(s\) (?P<rank>\d+)")
+# The weight check's collective (keras_ring._weight_check): a custom step compares where it
+# gets a list of variables it has not seen, so ranks whose lists differ part there.
+WEIGHT_CHECK = "keras_ring.weight_check"
+_WEIGHT_CHECK_HINT = (
+    ". The weight check ran on some ranks only: it runs where a step passes a list of "
+    "variables it has not seen before, so the ranks' lists differ (a layer frozen or "
+    "unfrozen on some ranks only, a model or optimizer made again on some ranks): set the "
+    "trainable flags alike on every rank")
 
 
 class WeightMismatchError(KerasRingError, ValueError):
@@ -142,12 +150,14 @@ def for_status_code(code: int, message: str) -> KerasRingError:
 
 
 def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
-    err = cls(node_def, op, message)
+    hint = _WEIGHT_CHECK_HINT if f"has allgather '{WEIGHT_CHECK}'" in message else ""
+    err = cls(node_def, op, message + hint)
     info = error_info(message)
     if info is not None:
         err._set(info)
     else:  # not an error the library reported: its message is all there is
         err._describe(message)
+    err.reason += hint
     return err
 
 

@@ -126,3 +126,30 @@ def test_a_custom_loop_whose_ranks_pass_different_variables_fails_on_every_rank(
            "another dtype or shape on rank 1 than on rank 0)" in str(info.value), info.value
     assert info.value.rank == 1
     ks.assert_weights_close(ks.weights(model), before, atol=0)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_layer_frozen_on_one_rank_in_a_settled_custom_loop_is_named_as_the_cause(world,
+                                                                                    traced):
+    # Only the rank whose list of variables is new compares weights; the others reduce.
+    # Every rank gets the mismatch, which now says why the ranks parted.
+    rank, size = world
+    model = _twin_layers("d2")
+    kr.broadcast_variables(model.variables, root_rank=0)
+    optimizer, loss_fn = keras.optimizers.SGD(0.1), ks.loss()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = kr.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    x, y = ks.classification_data(BATCH, seed=rank)
+    (tf.function(step) if traced else step)(x, y)
+    if rank == 1:
+        model.get_layer("d1").trainable = False
+    with pytest.raises(kr.CollectiveMismatchError) as info:
+        (tf.function(step) if traced else step)(x, y)
+    assert "allgather 'keras_ring.weight_check'" in str(info.value)
+    assert "the ranks' lists differ (a layer frozen or unfrozen on some ranks only" \
+           in info.value.reason, info.value.reason

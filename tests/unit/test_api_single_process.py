@@ -49,6 +49,19 @@ def test_every_call_before_init_says_to_call_init(name, call):
         call()
 
 
+def test_a_call_before_init_in_a_traced_function_is_the_same_error():
+    # autograph rebuilt errors from converted code out of their message: a StagingError,
+    # without the class or its attributes.
+    @tf.function
+    def step(x):
+        if x > 0:  # autograph converts the function
+            x = kr.allreduce(x)
+        return x
+
+    with pytest.raises(kr.NotInitializedError, match=r"call keras_ring.init\(\)"):
+        step(tf.constant(1.0))
+
+
 @pytest.mark.parametrize("name,call", CALLS_BEFORE_INIT[:8], ids=[c[0] for c in CALLS_BEFORE_INIT[:8]])
 def test_calls_after_shutdown_say_to_call_init(name, call):
     kr.init()
