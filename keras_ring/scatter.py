@@ -20,12 +20,6 @@ from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.process_sets import ProcessSet, global_process_set, resolve, set_rank, set_size
 
 
-def _check_rows(tensor: tf.Tensor, what: str) -> None:
-    if tensor.shape.rank == 0:
-        raise ValueError(f"keras_ring.{what} splits the first dimension, so it needs a tensor of "
-                         "rank >= 1; got a scalar")
-
-
 def _set_rows(out: tf.Tensor, tensor: tf.Tensor, rows: int | None) -> tf.Tensor:
     # The op cannot know this rank's rows; with static input shapes Python can.
     if rows is not None and tensor.shape.rank is not None:
@@ -89,7 +83,6 @@ def reducescatter(
     op, tensor_name, pre, post, set_id = _c._reduce_args(
         "reducescatter", op, name, prescale_factor, postscale_factor, process_set)
     tensor = _c._tensor(tensor, _c.REDUCE_DTYPES, "reducescatter")
-    _check_rows(tensor, "reducescatter")
     compressed, ctx = _c.compress(compression, tensor)
     out = _c._run(wrappers.reducescatter, compressed, int(op), pre, post, tensor_name, set_id)
     rows = tensor.shape[0] if tensor.shape.rank else None
@@ -187,7 +180,6 @@ def alltoall(
     del ignore_name_scope
     set_id = resolve(process_set, "alltoall")
     tensor = _c._tensor(tensor, _c.GATHER_DTYPES, "alltoall")
-    _check_rows(tensor, "alltoall")
     split_tensor = tf.constant([], tf.int32) if splits is None else _splits_tensor(splits)
     out, received = _c._run(wrappers.alltoall, tensor, split_tensor, _c._check_name(name),
                             set_id)

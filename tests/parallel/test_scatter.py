@@ -172,11 +172,25 @@ def test_alltoall_and_reducescatter_shape_mismatch_is_an_error_everywhere(world)
         kr.reducescatter(tf.zeros([size + (rank == size - 1), 2]), name="rs_rows")
 
 
-def test_scalars_and_splits_of_another_type_are_refused_before_anything_is_sent(world):
-    with pytest.raises(ValueError, match="rank >= 1; got a scalar"):
-        kr.reducescatter(tf.constant(1.0))
-    with pytest.raises(ValueError, match="rank >= 1; got a scalar"):
-        kr.alltoall(tf.constant(1.0))
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("everywhere", [True, False], ids=["every-rank", "one-rank"])
+@pytest.mark.parametrize("collective", ["reducescatter", "alltoall"])
+def test_a_scalar_is_refused_on_every_rank(world, collective, everywhere, mode):
+    # A scalar on one rank only was refused there alone: the others waited for it.
+    rank, size = world
+    odd = size - 1
+    tensor = tf.constant(1.0) if everywhere or rank == odd else tf.zeros([size])
+    run = getattr(kr, collective)
+    with pytest.raises(kr.CollectiveArgumentError) as info:
+        (tf.function(run) if mode == "graph" else run)(tensor)
+    who = 0 if everywhere else odd
+    assert (f"rank {who} passed a scalar; {collective} splits the first dimension, so it "
+            "needs a tensor of rank >= 1 on every rank") in str(info.value), info.value
+    assert info.value.rank == who
+
+
+def test_splits_of_another_type_and_unsupported_dtypes_are_refused_before_anything_is_sent(
+        world):
     with pytest.raises(TypeError, match="splits must be integers"):
         kr.alltoall(tf.zeros([2]), splits=tf.constant([1.0, 1.0]))
     with pytest.raises(TypeError, match="does not support dtype"):

@@ -300,6 +300,14 @@ Status CheckSignatures(const std::vector<Signature>& all) {
                         "the set (root_rank is a global rank, as in Horovod)",
                     r);
     }
+    const Kind kind = static_cast<Kind>(s.kind);
+    if ((kind == Kind::kReducescatter || kind == Kind::kAlltoall) && s.ndims == 0) {
+      return Status(Code::kInvalidArgument,
+                    s.Label() + ": rank " + std::to_string(r) + " passed a scalar; " +
+                        KindName(kind) + " splits the first dimension, so it needs a tensor "
+                        "of rank >= 1 on every rank",
+                    r);
+    }
     if (static_cast<Kind>(s.kind) == Kind::kBroadcast && (s.root < 0 || s.root >= size)) {
       return Status(Code::kInvalidArgument,
                     s.Label() + ": root_rank " + std::to_string(s.root) + " on rank " +

@@ -321,6 +321,25 @@ TEST(Signatures_BroadcastRootOutOfRange) {
   CHECK(v[0].code() == Code::kInvalidArgument) << v[0].message();
 }
 
+TEST(Signatures_AScalarToSplitIsRefusedOnEveryRank) {
+  // A scalar on one rank would otherwise pass an alltoall as one row of shape [].
+  for (Kind kind : {Kind::kReducescatter, Kind::kAlltoall}) {
+    static Kind k;  // captureless lambdas below read it
+    k = kind;
+    const auto v = ExchangeAndCheck(3, [](int r) {
+      Signature s = AllreduceSig(r == 2 ? 1 : 3);
+      s.kind = static_cast<int32_t>(k);
+      s.row_elems = 1;
+      if (r == 2) s.ndims = 0;
+      return s;
+    });
+    CheckSameVerdict(v);
+    CHECK(v[0].code() == Code::kInvalidArgument) << v[0].message();
+    CHECK_CONTAINS(v[0].message(), "rank 2 passed a scalar");
+    CHECK_CONTAINS(v[0].message(), "needs a tensor of rank >= 1 on every rank");
+  }
+}
+
 TEST(Transport_RecvTimesOutNamingThePeer) {
   LocalWorld world(2);
   char buf[4];

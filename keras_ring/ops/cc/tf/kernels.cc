@@ -223,13 +223,15 @@ absl::Status AllgatherKernel::Build(OpKernelContext* ctx, kr::Request* r) {
 
 absl::Status ReducescatterKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   const Tensor& in = ctx->input(0);
-  if (in.dims() == 0) return absl::InvalidArgumentError("reducescatter needs a tensor of rank >= 1");
   std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get(process_set_id_);
   if (runtime == nullptr) return ToTf(kr::NoRuntimeError(process_set_id_));
-  const int64_t rows = kr::ReducescatterRows(in.dim_size(0), runtime->size())
-                           [static_cast<size_t>(runtime->rank())];
-  TensorShape shape({rows});
-  shape.AppendShape(RowShape(in));
+  // A scalar goes on to the signatures, which refuse it on every rank (CheckSignatures).
+  TensorShape shape;
+  if (in.dims() > 0) {
+    shape.AddDim(kr::ReducescatterRows(in.dim_size(0), runtime->size())
+                     [static_cast<size_t>(runtime->rank())]);
+    shape.AppendShape(RowShape(in));
+  }
   Tensor* out = nullptr;
   TF_RETURN_IF_ERROR(Allocate(ctx, 0, shape, &out));
   r->kind = kr::Kind::kReducescatter;
@@ -241,7 +243,6 @@ absl::Status ReducescatterKernel::Build(OpKernelContext* ctx, kr::Request* r) {
 absl::Status AlltoallKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   const Tensor& in = ctx->input(0);
   const Tensor& splits = ctx->input(1);
-  if (in.dims() == 0) return absl::InvalidArgumentError("alltoall needs a tensor of rank >= 1");
   std::shared_ptr<kr::Runtime> runtime = kr::Runtime::Get(process_set_id_);
   if (runtime == nullptr) return ToTf(kr::NoRuntimeError(process_set_id_));
   Tensor* received = nullptr;

@@ -79,14 +79,14 @@ REGISTER_OP("KerasRingBroadcast")
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Every rank receives the root rank's tensor.");
 
-// The first dimension of both outputs depends on the rank; the Python wrappers set it.
+// The first dimension of both outputs depends on the rank; the Python wrappers set it. A
+// scalar is refused with the signatures (on every rank), not here (on its own rank only).
 absl::Status RowsUnknown(InferenceContext* c) {
   ShapeHandle in = c->input(0);
-  if (!c->RankKnown(in)) {
+  if (!c->RankKnown(in) || c->Rank(in) == 0) {
     c->set_output(0, c->UnknownShape());
     return absl::OkStatus();
   }
-  TF_RETURN_IF_ERROR(c->WithRankAtLeast(in, 1, &in));
   ShapeHandle out;
   TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
   c->set_output(0, out);
