@@ -60,8 +60,9 @@ def reduce_reference(inputs: list[np.ndarray], op: str, dtype: tf.DType,
                 out = np.min(stack, axis=0)
             else:
                 out = np.max(stack, axis=0)
-        if op == "Average":
-            out = np.trunc(out.astype(np.float64) / n).astype(nd)
+        if op == "Average":  # integer division toward zero, exact at any magnitude
+            out = np.array([int(v) // n if v >= 0 else -(-int(v) // n) for v in out.ravel()],
+                           dtype=nd).reshape(out.shape)
         return _scale_int(out, postscale, nd)
     stack = np.stack([x.astype(np.float64) * prescale for x in inputs])
     if op in ("Sum", "Average"):
@@ -86,8 +87,15 @@ def reduce_reference(inputs: list[np.ndarray], op: str, dtype: tf.DType,
 def _scale_int(x: np.ndarray, factor: float, nd) -> np.ndarray:
     if factor == 1.0:
         return x
+    # The library's rule: truncate, saturate at the dtype's bounds as doubles (for int64 the
+    # upper one rounds up to 2**63, which must not be cast), NaN gives 0.
     info = np.iinfo(nd)
-    return np.clip(np.trunc(x.astype(np.float64) * factor), info.min, info.max).astype(nd)
+    v = np.trunc(x.astype(np.float64) * factor)
+    out = np.where(v <= float(info.min), info.min, info.max).astype(nd)
+    inside = (v > float(info.min)) & (v < float(info.max))
+    out[inside] = v[inside].astype(nd)
+    out[np.isnan(v)] = 0
+    return out
 
 
 def assert_same(actual, expected) -> None:

@@ -101,6 +101,20 @@ def test_integer_sum_wraps(world):
     assert_same(out, expected)
 
 
+@pytest.mark.parametrize("scale", [1.0, 3.0, -3.0])
+def test_int64_averages_and_scales_exactly_at_its_extremes(world, scale):
+    # Beyond 2**53 a double loses the low bits; 2**63 does not fit an int64 (saturate).
+    rank, size = world
+    big = 2**62 // size
+    inputs = [np.array([big + r, -big - 3 * r, 2**53 + 2 * r + 1, 7 * r - 5], np.int64)
+              for r in range(size)]
+    out = kr.allreduce(tf.constant(inputs[rank]), op=kr.Average, postscale_factor=scale)
+    assert_same(out.numpy(), reduce_reference(inputs, "Average", tf.int64, postscale=scale))
+    if scale == 1.0:  # the exact average, not a double's neighbour of it
+        exact = [sum(int(x[i]) for x in inputs) for i in range(4)]
+        assert out.numpy().tolist() == [v // size if v >= 0 else -(-v // size) for v in exact]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_grouped_allreduce_mixed_dtypes_and_shapes(world, mode):
     rank, size = world
