@@ -5,11 +5,11 @@ A callback that sets the rate from this rank's own epoch metrics decides on each
 same averaged gradients with different rates train apart, silently: the weight check compared
 them once, at the start. The rates are compared after every callback's ``on_epoch_begin``
 (``LearningRateScheduler`` sets the rate there) and before the epoch's first step: one
-allgather of a float64 per optimizer per epoch. A fit's first epoch compares them at its first
-batch instead, after the broadcast callback has given every rank the root's rate: a rate set
-on some ranks only between fits (keras-io's fine-tuning) would else go unseen by a one-epoch
-fit. A rank that stopped instead (``EarlyStopping``)
-has left ``fit``: its peers' check fails on its shutdown notice, as their next step would.
+allgather of a float64 per optimizer per epoch. A rank that stopped instead
+(``EarlyStopping``) has left ``fit``: its peers' check fails on its shutdown notice, as their
+next step would. A fit's first epoch compares the rates at its first batch, after the
+broadcast callback has given every rank the root's rate: a rate set on some ranks only
+between fits (keras-io's fine-tuning) would else go unseen by a one-epoch fit.
 The same allgather carries the epoch: ranks that resume at different epochs (a backup
 restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
 digest of each optimizer's other settings (``_optimizer_settings``), and at the first epoch

@@ -25,6 +25,7 @@ import tensorflow as tf
 from keras_ring import _weight_check
 from keras_ring._accumulation import SourcesState, state_for, state_variable
 from keras_ring._grouping import is_variable, variable_keys
+from keras_ring._weight_layout import SHOWN, Layout, label, row
 from keras_ring.collectives import allgather
 from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME
@@ -118,14 +119,29 @@ def _settle(check: _Check) -> None:
 
 def _compare_in_graph(check: _Check, variables: list[Any], ranks: list[int],
                       process_set: ProcessSet, tolerance: int, text: dict[str, str]) -> tf.Tensor:
+    layout = Layout(variables)
+    width, head = 2 + len(layout.tags) + len(variables), 2 + len(layout.tags)
+    # The rows every rank's eager comparison sends too: a rank that traces the step again
+    # compares eagerly while the others run this.
+    different = _weight_check.LAYOUT_TEMPLATE.format(
+        where=text["where"], detail="a list of variables that differs in length, dtype or shape "
+        "on some rank")
+
     def compare():
         state = check.state.read_value()
         sums = [_weight_check.fingerprint(_weight_check.value_of(v)) for v in variables]
         with tf.device("/CPU:0"):  # the sums, summed where the weights are, travel by host
-            mine = tf.stack(sums)
-            everyone = allgather(mine[tf.newaxis], name=_weight_check.NAME,
+            everyone = allgather(row(layout, sums), name=_weight_check.NAME,
                                  process_set=process_set)
-        unequal = tf.not_equal(everyone, everyone[0])
+            total = len(ranks) * width
+            fits = tf.equal(tf.size(everyone), total)
+            padded = tf.concat([everyone, tf.zeros([tf.maximum(total - tf.size(everyone), 0)],
+                                                   tf.int64)], 0)[:total]
+            table = tf.reshape(padded, [len(ranks), width])
+        same = tf.logical_and(fits, tf.reduce_all(tf.equal(table[:, :head], table[0, :head])))
+        with tf.control_dependencies([tf.debugging.Assert(same, [different], summarize=1)]):
+            prints = tf.identity(table[:, head:])
+        unequal = tf.not_equal(prints, prints[0])
         differs = tf.reduce_any(unequal, axis=0)
         any_differ = tf.reduce_any(differs)
         failed = tf.logical_and(any_differ, state >= tolerance)
@@ -142,9 +158,9 @@ def _message(variables: list[Any], ranks: list[int], differs: tf.Tensor, odd_ran
              text: dict[str, str]) -> tf.Tensor:
     """``_weight_check.TEMPLATE`` as a string tensor: the counts, names and ranks are the
     step's."""
-    names = tf.boolean_mask(tf.constant([_weight_check.label(v) for v in variables]), differs)
-    first = tf.strings.reduce_join(names[:_weight_check.SHOWN], separator="', '")
-    more = tf.where(tf.size(names) > _weight_check.SHOWN, ", ...", "")
+    names = tf.boolean_mask(tf.constant([label(v) for v in variables]), differs)
+    first = tf.strings.reduce_join(names[:SHOWN], separator="', '")
+    more = tf.where(tf.size(names) > SHOWN, ", ...", "")
     shown = tf.strings.join(["'", first, "'", more])
     odd = tf.strings.reduce_join(
         tf.strings.as_string(tf.boolean_mask(tf.constant(ranks), odd_ranks)), separator=", ")

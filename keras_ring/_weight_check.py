@@ -11,8 +11,9 @@ weights are equal to the bit: per-weight fingerprints (the sum of the weight's b
 as unsigned integers, exact in any order, so equal weights give equal fingerprints whatever
 the thread count, host or kernel that sums them). Where they differ, the verdict waits for
 the second step: a program that broadcasts after its first batch (Horovod's older callback
-did) has mended them by then, to the bit again. One allgather of one int64 per weight, rarely
-two; nothing is added to the training step's graph.
+did) has mended them by then, to the bit again. The fingerprints follow tags that say which
+weights they are (``_weight_layout``): ranks that train different weights fail at once. One
+allgather of two int64 per weight, rarely two; nothing is added to the training step's graph.
 
 Each later ``fit`` compares again as it begins: between fits a program may change the weights
 on some ranks only (a checkpoint loaded on rank 0, ``EarlyStopping(restore_best_weights=True)``
@@ -25,7 +26,6 @@ The ranks apply the same averaged gradients, so rounding differences do not grow
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from keras_ring import _keras_private
 from keras_ring._grouping import variable_keys
+from keras_ring._weight_layout import SHOWN, Layout, ModelLayout, label, row, split_rows
 from keras_ring.collectives import allgather, broadcast
 from keras_ring.errors import WEIGHT_CHECK, WEIGHTS_DIFFER, WeightMismatchError
 from keras_ring.process_sets import ProcessSet, global_process_set
@@ -42,7 +43,6 @@ from keras_ring.runtime import RUNTIME
 
 _INSTALLED = "_keras_ring_weight_check"
 NAME = WEIGHT_CHECK  # the collective's name, seen in errors beside the other side's
-SHOWN = 3  # weights named in the error
 # Largest difference, relative to the weight's largest magnitude, that a later fit tolerates:
 # rounding differences of updates grow like the square root of the steps, about 1e-4 after
 # a million; weights restored from another epoch differ by far more.
@@ -183,10 +183,6 @@ def fingerprint(value: Any) -> tf.Tensor:
     return tf.cast(tf.reduce_sum(words), tf.int64)
 
 
-def label(variable: Any) -> str:
-    return str(getattr(variable, "path", None) or variable.name)
-
-
 def trained_variables(model: Any, local: set[int]) -> list[Any]:
     return [v for v in model.trainable_variables if not variable_keys(v) & local]
 
@@ -201,48 +197,6 @@ TEMPLATE = (
 FIT_ADVICE = (
     "put keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) in fit's callbacks (or call "
     "keras_ring.broadcast_variables(model.variables, root_rank=0) before training)")
-
-
-class Layout:
-    """Which variables a rank passes, as one int64 tag per variable (equal on every rank that
-    trains the same variables), and how to name a difference. This base tags each variable by
-    its dtype and shape: all a custom loop's list of variables tells."""
-
-    def __init__(self, variables: list[Any]) -> None:
-        self.variables = variables
-        self.tags = [zlib.crc32(f"{tf.as_dtype(v.dtype).name}{list(v.shape)}".encode())
-                     for v in variables]
-
-    def describe(self, mine: list[int], other: list[int], first: int, rank: int) -> str:
-        """What differs between ``mine`` (rank ``first``'s tags) and rank ``rank``'s."""
-        if len(mine) != len(other):
-            return f"rank {first} passes {len(mine)} variables, rank {rank} passes {len(other)}"
-        index = next(i for i, (a, b) in enumerate(zip(mine, other)) if a != b)
-        return (f"variable {index} ('{label(self.variables[index])}' on this rank) has another "
-                f"dtype or shape on rank {rank} than on rank {first}")
-
-
-class ModelLayout(Layout):
-    """Tags the variables by their place in ``model.weights``, which trainable flags do not
-    change (and layer names, which may differ by rank, do not enter)."""
-
-    def __init__(self, model: Any, variables: list[Any]) -> None:
-        self.weights = list(model.weights)
-        places = {id(w): i for i, w in enumerate(self.weights)}
-        self.variables = variables
-        self.tags = [places.get(id(v), -1 - i) for i, v in enumerate(variables)]
-
-    def describe(self, mine: list[int], other: list[int], first: int, rank: int) -> str:
-        def named(tags: list[int]) -> str:
-            shown = ", ".join(f"'{label(self.weights[t])}'" for t in tags[:SHOWN] if t >= 0)
-            return (shown or f"{len(tags)} variables") + (", ..." if len(tags) > SHOWN else "")
-
-        parts = [f"rank {first} trains {len(mine)} weights, rank {rank} trains {len(other)}"]
-        if set(mine) - set(other):
-            parts.append(f"only rank {first} trains {named(sorted(set(mine) - set(other)))}")
-        if set(other) - set(mine):
-            parts.append(f"only rank {rank} trains {named(sorted(set(other) - set(mine)))}")
-        return "; ".join(parts)
 
 
 LAYOUT_TEMPLATE = (
@@ -267,11 +221,9 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
         return None
     layout = layout or Layout(variables)
     with tf.init_scope():  # eager, also when called while a function traces
-        prints = [fingerprint(value_of(v)) for v in variables]
-        # One row per rank, [count, tags..., fingerprints...]: its length may differ by rank.
-        mine = tf.concat([tf.constant([len(variables)] + layout.tags, tf.int64),
-                          tf.stack(prints) if prints else tf.zeros([0], tf.int64)], 0)
-        rows = _rows(allgather(mine, name=NAME, process_set=process_set).numpy(), len(ranks))
+        mine = row(layout, [fingerprint(value_of(v)) for v in variables])
+        rows = split_rows(allgather(mine, name=NAME, process_set=process_set).numpy(),
+                          len(ranks))
     for rank, (tags, _) in zip(ranks[1:], rows[1:]):
         if tags != rows[0][0]:
             detail = layout.describe(rows[0][0], tags, ranks[0], rank)
@@ -288,16 +240,6 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
     shown = ", ".join(f"'{n}'" for n in names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
     return _error(TEMPLATE.format(count=len(names), total=len(variables), shown=shown,
                                   first=ranks[0], odd=", ".join(map(str, odd)), **text), odd[0])
-
-
-def _rows(flat: np.ndarray, count: int) -> list[tuple[list[int], np.ndarray]]:
-    """Each rank's (tags, fingerprints) out of the allgathered ``[count, tags, prints]``."""
-    rows, at = [], 0
-    for _ in range(count):
-        n = int(flat[at])
-        rows.append(([int(t) for t in flat[at + 1:at + 1 + n]], flat[at + 1 + n:at + 1 + 2 * n]))
-        at += 1 + 2 * n
-    return rows
 
 
 def _error(message: str, rank: int, layout: bool = False) -> WeightMismatchError:

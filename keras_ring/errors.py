@@ -79,8 +79,9 @@ WEIGHT_CHECK = "keras_ring.weight_check"
 _WEIGHT_CHECK_HINT = (
     ". The weight check ran on some ranks only: it runs where a step passes a list of "
     "variables it has not seen before, so the ranks' lists differ (a layer frozen or "
-    "unfrozen on some ranks only, a model or optimizer made again on some ranks): set the "
-    "trainable flags alike on every rank")
+    "unfrozen on some ranks only, a model or optimizer made again on some ranks), or the "
+    "ranks reached a new list at different steps (uneven data shards): set the trainable "
+    "flags alike on every rank, at the same step")
 
 
 class WeightMismatchError(KerasRingError, ValueError):
@@ -150,7 +151,8 @@ def for_status_code(code: int, message: str) -> KerasRingError:
 
 
 def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
-    hint = _WEIGHT_CHECK_HINT if f"has allgather '{WEIGHT_CHECK}'" in message else ""
+    hint = (_WEIGHT_CHECK_HINT if "operation mismatch" in message and f"'{WEIGHT_CHECK}'" in message
+            else "")
     err = cls(node_def, op, message + hint)
     info = error_info(message)
     if info is not None:

@@ -7,9 +7,10 @@ from typing import Any
 
 import keras
 
-from keras_ring import _adapted_state, _keras_private, _weight_check
+from keras_ring import _adapted_state, _keras_private
 from keras_ring._grouping import is_variable, variable_keys
 from keras_ring._local import check_variable
+from keras_ring._weight_layout import ModelLayout
 from keras_ring.basics import size
 from keras_ring.collectives import _shared_variables, broadcast_variables
 from keras_ring.objects import allgather_object
@@ -156,7 +157,7 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
     """Every rank raises, naming the counts, where the ranks' models or optimizers differ
     (``held``: variables of each optimizer the model holds as an attribute)."""
     optimizer = type(getattr(model, "optimizer", None)).__name__
-    layout = _weight_check.ModelLayout(model, model.trainable_weights)
+    layout = ModelLayout(model, model.trainable_weights)
     trainable = layout.tags  # which weights: ranks that froze different layers differ here
     counts = allgather_object((weights, slots, optimizer, trainable, sorted(held.items())),
                               name="keras_ring.broadcast_counts", process_set=process_set)
@@ -173,7 +174,9 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
             "each on every rank before the broadcast (optimizer.build(sub_model."
             "trainable_variables)), or restore the checkpoint on every rank")
     odd = next(((r, c[3]) for r, c in zip(ranks, counts) if c[3] != counts[0][3]), None)
-    if odd is not None:  # the slots follow the trainable weights
+    # The same model (its weights' count, dtypes and shapes: the first two tags), trained
+    # differently; the slots follow the trainable weights.
+    if odd is not None and odd[1][:2] == counts[0][3][:2]:
         detail = layout.describe(counts[0][3], odd[1], ranks[0], odd[0])
         raise ValueError(
             f"keras_ring: cannot broadcast model '{model.name}': the ranks train different "

@@ -128,9 +128,10 @@ def test_a_custom_loop_whose_ranks_pass_different_variables_fails_on_every_rank(
     ks.assert_weights_close(ks.weights(model), before, atol=0)
 
 
+@pytest.mark.parametrize("frozen_on", [0, 1], ids=["rank-0", "rank-1"])
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
-def test_a_layer_frozen_on_one_rank_in_a_settled_custom_loop_is_named_as_the_cause(world,
-                                                                                    traced):
+def test_a_layer_frozen_on_one_rank_in_a_settled_custom_loop_is_named_as_the_cause(
+        world, traced, frozen_on):
     # Only the rank whose list of variables is new compares weights; the others reduce.
     # Every rank gets the mismatch, which now says why the ranks parted.
     rank, size = world
@@ -146,10 +147,73 @@ def test_a_layer_frozen_on_one_rank_in_a_settled_custom_loop_is_named_as_the_cau
 
     x, y = ks.classification_data(BATCH, seed=rank)
     (tf.function(step) if traced else step)(x, y)
-    if rank == 1:
+    if rank == frozen_on:
         model.get_layer("d1").trainable = False
     with pytest.raises(kr.CollectiveMismatchError) as info:
         (tf.function(step) if traced else step)(x, y)
     assert "allgather 'keras_ring.weight_check'" in str(info.value)
     assert "the ranks' lists differ (a layer frozen or unfrozen on some ranks only" \
            in info.value.reason, info.value.reason
+
+
+def test_ranks_that_built_different_models_are_told_so_on_every_rank(world):
+    # Rank 1's model has one more layer: its places in model.weights index nothing on rank 0
+    # (an IndexError there), and its extra weights were blamed on trainable flags.
+    rank, size = world
+    keras.utils.set_random_seed(7)
+    layers = [keras.Input((ks.FEATURES,)), keras.layers.Dense(8, name="d1")]
+    if rank == 1:
+        layers.append(keras.layers.Dense(8, name="extra"))
+    model = keras.Sequential(layers + [keras.layers.Dense(ks.CLASSES, name="out")])
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.1)), loss=ks.loss())
+    with pytest.raises(WeightMismatchError) as info:
+        _fit(model, rank, size)
+    assert "the ranks built different models: rank 0's has 4 weights, rank 1's 6" \
+        in str(info.value), info.value
+    model = _twin_layers("d2") if rank != 1 else model
+    with pytest.raises(ValueError, match=r"the ranks hold different variables \(rank 0: 8 model "
+                                         r"weights, .*rank 1: 6 model weights"):
+        _fit(model, rank, size, [BroadcastGlobalVariablesCallback(0)])
+
+
+@pytest.mark.parametrize("path", ["tape", "optimizer"])
+def test_a_rank_that_traces_its_step_again_while_the_check_is_open_compares_alike(world, path):
+    # Horovod's examples broadcast after the first step, so the step's graph compares at its
+    # second call; a rank whose second batch is shorter traces again and compares eagerly.
+    # The two comparisons once sent rows of different shapes: a mismatch on every rank.
+    rank, size = world
+    keras.utils.set_random_seed(rank)  # apart until the broadcast
+    model = keras.Sequential([keras.Input((ks.FEATURES,)), keras.layers.Dense(ks.CLASSES)])
+    optimizer = kr.wrap(keras.optimizers.SGD(0.1)) if path == "optimizer" else \
+        keras.optimizers.SGD(0.1)
+    loss_fn = ks.loss()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        if path == "tape":
+            tape = kr.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    x, y = ks.classification_data(2 * BATCH, seed=rank)
+    step(x[:BATCH], y[:BATCH])
+    kr.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
+    last = BATCH // 2 if rank == size - 1 else BATCH
+    step(x[BATCH:BATCH + last], y[BATCH:BATCH + last])
+    step(x[:BATCH], y[:BATCH])
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
+def test_a_custom_loop_with_fewer_variables_on_the_last_rank_fails_on_every_rank(world):
+    rank, size = world
+    model = _twin_layers()
+    kr.broadcast_variables(model.variables, root_rank=0)
+    variables = model.trainable_variables[1:] if rank == size - 1 else model.trainable_variables
+    x, y = ks.classification_data(BATCH, seed=rank)
+    with tf.GradientTape() as tape:
+        loss = ks.loss()(y, model(x, training=True))
+    with pytest.raises(WeightMismatchError) as info:
+        kr.DistributedGradientTape(tape).gradient(loss, variables)
+    assert f"rank 0 passes 8 variables, rank {size - 1} passes 7" in str(info.value), info.value

@@ -72,6 +72,7 @@ LAYERS = {
     "keras_ring._accumulation": 7,
     "keras_ring._grouping": 7,  # Horovod's groups=; which variable is which
     "keras_ring._local": 7,
+    "keras_ring._weight_layout": 7,  # which weights each rank trains
     "keras_ring._weight_check": 7,
     "keras_ring._step_check": 7,
     "keras_ring._rate_check": 7,

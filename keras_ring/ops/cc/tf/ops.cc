@@ -79,7 +79,7 @@ REGISTER_OP("KerasRingBroadcast")
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Every rank receives the root rank's tensor.");
 
-// The first dimension of both outputs depends on the rank; the Python wrappers set it. A
+// The output's first dimension depends on the rank; the Python wrappers set it. A
 // scalar is refused with the signatures (on every rank), not here (on its own rank only).
 absl::Status RowsUnknown(InferenceContext* c) {
   ShapeHandle in = c->input(0);
