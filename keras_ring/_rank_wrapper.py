@@ -169,19 +169,25 @@ def _guard_group(pgid: int) -> None:
     """Forks a guard into the rank's process group that kills the group once this wrapper
     is gone. mpirun kills a failed job's wrappers (Hydra SIGKILLs their groups); the rank
     dies with its parent (PR_SET_PDEATHSIG), but what the rank started would live on, out
-    of every group mpirun knows. The guard ignores the signals the group is sent."""
-    wrapper = os.getpid()
+    of every group mpirun knows. The guard ignores the signals the group is sent, and learns
+    of the wrapper's end from a pipe, not a signal: the group may be sent any signal (a
+    scheduler's SIGUSR1 before preemption)."""
+    alive, _held = os.pipe()  # the write end stays open in the wrapper until it is gone
     if os.fork() != 0:
+        os.close(alive)
         return
     try:
-        os.closerange(0, os.sysconf("SC_OPEN_MAX"))  # holds no pipe of mpirun's or the rank's
-        for sig in _FORWARDED_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        # Holds no pipe of mpirun's or the rank's, nor the write end.
+        os.closerange(0, alive)
+        os.closerange(alive + 1, os.sysconf("SC_OPEN_MAX"))
+        for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD}:
+            try:
+                signal.signal(sig, signal.SIG_IGN)  # whatever the group is sent
+            except (OSError, ValueError):
+                pass
         os.setpgid(0, pgid)
-        _die_with_parent(signal.SIGUSR1)
-        if os.getppid() == wrapper:  # not gone before the line above
-            signal.sigwait({signal.SIGUSR1})
+        while os.read(alive, 1):  # end of file: the wrapper is gone
+            pass
         _kill_group(pgid)
     finally:
         os._exit(0)

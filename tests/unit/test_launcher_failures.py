@@ -98,11 +98,17 @@ def _gone(pid: int) -> bool:
 # off SIGTERM, and writes its pid for the test.
 _STARTS_A_HELPER = """
     import subprocess, time
+    PID_FILE = {pid_file!r}
+
+    def wait_for(condition):
+        while not condition():
+            time.sleep(0.01)
+
     if RANK == 0:
         helper = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                                    "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                    "time.sleep(100000)"])
-        with open({pid_file!r}, "w") as f:
+        with open(PID_FILE, "w") as f:
             f.write(str(helper.pid))
         {rank_0}
     else:
@@ -113,7 +119,7 @@ _STARTS_A_HELPER = """
 @pytest.mark.parametrize("rank_0, rank_1, expected", [
     ("sys.exit(0)", "sys.exit(0)", 0),
     ("signal.signal(signal.SIGTERM, lambda *a: None); time.sleep(100000)",
-     "time.sleep(0.5); sys.exit(3)", 3),
+     "wait_for(lambda: os.path.exists(PID_FILE)); sys.exit(3)", 3),
 ], ids=["rank-ends", "mpirun-kills-the-job"])
 def test_what_a_rank_started_ends_with_it(mpirun, clean_env, tmp_path, rank_0, rank_1,
                                           expected):
@@ -129,6 +135,43 @@ def test_what_a_rank_started_ends_with_it(mpirun, clean_env, tmp_path, rank_0, r
     while not _gone(helper) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(helper), f"the helper {helper} outlived the job"
+
+
+def test_a_signal_a_rank_sends_its_own_group_leaves_the_rank_running(mpirun, clean_env,
+                                                                     tmp_path):
+    # The group's guard took any SIGUSR1 for its wrapper's death and killed the group: a
+    # program that tells its workers to checkpoint with killpg (or a scheduler's signal
+    # before preemption) lost the rank.
+    script = rank_program(tmp_path, """
+        import time
+        got = []
+        signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+
+        def stat(pid):
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()
+
+        def guard():  # the wrapper's other child in this rank's group
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    fields = stat(int(pid))
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
+                if (int(pid) != os.getpid() and int(fields[1]) == os.getppid()
+                        and int(fields[2]) == os.getpgid(0)):
+                    return int(pid)
+
+        watched = guard()
+        os.killpg(0, signal.SIGUSR1)
+        # Until the guard is back at its pipe (a guard that takes the signal for its
+        # wrapper's death kills this group instead).
+        while not open(f"/proc/{watched}/wchan").read().endswith("pipe_read"):
+            time.sleep(0.01)
+        print(f"handled {len(got)}", flush=True)
+    """)
+    code, out, err = run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    assert code == 0, err
+    assert out.count("handled 1") == 2, out + err
 
 
 def _rank_line(stream) -> bytes:
