@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from keras_ring.collectives import Max, Sum, allreduce
+from keras_ring.objects import allgather_object
 from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME
 from keras_ring.threads import available_cores
@@ -131,6 +132,22 @@ class Measured:
         *timings, busy = [float(t) for t in agreed.numpy()]
         self.timings[process_set.process_set_id] = timings
         return plan(*fit(timings), cores_busy=busy > 0)
+
+    def kept(self) -> tuple[Plan, list[float]] | None:
+        """The whole job's plan and timings, if measured (to carry across an elastic reset)."""
+        with self._lock:
+            plan = self._plans.get(0)
+            return None if plan is None else (plan, self.timings.get(0, []))
+
+    def agree(self, kept: tuple[Plan, list[float]] | None) -> None:
+        """Every rank of the world takes the first plan that some rank ``kept`` (a
+        collective). In an elastic job the survivors' traced steps keep their buckets: a
+        newcomer must plan the same ones, and must not measure alone."""
+        everyone = allgather_object(kept, name="keras_ring.bucket_tuning.kept")
+        known = next((k for k in everyone if k is not None), None)
+        if known is not None:
+            with self._lock:
+                self._plans[0], self.timings[0] = known
 
     def forget(self) -> None:
         with self._lock:

@@ -52,6 +52,27 @@ class _Check(SourcesState):
 
 # (tolerance, process set, ids of the variables) -> _Check
 _CHECKS: dict[tuple, _Check] = {}
+# Ids of variables an elastic state synced from rank 0 -> the world (generation) it did.
+_SYNCED: dict[int, int] = {}
+
+
+def note_synced(variables: Sequence[Any]) -> None:
+    """The variables were just broadcast from rank 0 to every rank of this world (an elastic
+    state's sync, on every rank at once), so they are equal: their checks settle without a
+    comparison. A newcomer traces the survivors' step anew, and its comparison would be a
+    collective that the survivors' step, traced and settled in an earlier world, never runs
+    (Horovod's elastic examples do not trace it again)."""
+    for variable in variables:
+        for key in variable_keys(variable):
+            _SYNCED[key] = RUNTIME.generation
+    for key, check in _CHECKS.items():
+        if check.alive() and _synced(key[2]):
+            check.generation = RUNTIME.generation
+            _settle(check)
+
+
+def _synced(ids: tuple[int, ...]) -> bool:
+    return all(_SYNCED.get(i) == RUNTIME.generation for i in ids)
 
 
 def before_reduce(sources: Sequence[Any] | None, local: set[int], process_set: ProcessSet,
@@ -75,6 +96,8 @@ def before_reduce(sources: Sequence[Any] | None, local: set[int], process_set: P
         check.settled = False
         with tf.init_scope():
             check.state.assign(0)
+    if not check.settled and _synced(tuple(map(id, variables))):
+        _settle(check)
     if check.settled:
         return []
     text = {"where": where, "advice": _ADVICE, "partial": partial}

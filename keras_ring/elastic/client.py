@@ -108,6 +108,12 @@ class ElasticClient:
         """Tells the rendezvous that training finished: no world forms after this one."""
         self._request({"op": "finished"}, _POLL_SECONDS, "reporting the end of training")
 
+    def failed(self, reason: str) -> None:
+        """Tells the rendezvous that the program failed by its own error (not a lost peer):
+        the job ends, as a job that is not elastic would."""
+        self._request({"op": "failed", "reason": reason}, _POLL_SECONDS,
+                      "reporting the program's error")
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()

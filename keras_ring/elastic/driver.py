@@ -131,6 +131,12 @@ class ElasticDriver:
         if self._finishing and all(m not in self.processes for m in members):
             failed = [self.exit_codes[m] for m in members if self.exit_codes.get(m, 0) != 0]
             return failed[0] if failed else 0
+        failed = [self.exit_codes.get(m, 0) for m in members]
+        if members and all(failed):  # nobody holds the committed state to go on from
+            self.say(f"the job failed: every worker of the last world ({len(members)}) exited "
+                     f"with an error (exit codes {sorted(set(failed))}): none is left to carry "
+                     "its training on")
+            return failed[0]
         live = len(self.processes)
         if live >= self.limits.min_np or self._finishing:
             self._short_since = None

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 
-from keras_ring import errors
+from keras_ring import _bucket_tuning, errors
 from keras_ring.basics import init, rank, size
 from keras_ring.elastic.client import RendezvousError
 from keras_ring.elastic.state import HostsUpdatedInterrupt, State
@@ -60,8 +60,10 @@ def run(func: F) -> F:
         if RUNTIME.elastic is None:  # not started as an elastic job: one world, as usual
             state.sync()
             return func(state, *args, **kwargs)
+        kept = None  # the bucket plan, carried from world to world
         while True:
             try:
+                _bucket_tuning.MEASURED.agree(kept)
                 state.sync()
                 result = func(state, *args, **kwargs)
                 RUNTIME.elastic.finished()
@@ -71,13 +73,29 @@ def run(func: F) -> F:
             except tf.errors.OpError as e:
                 error = errors.translate(e)
                 if not isinstance(error, _WORLD_ENDED):
+                    if isinstance(error, errors.KerasRingError):  # not, say, one host's OOM
+                        _end_the_job(error)
                     raise
                 _say(f"the world of {size()} broke ({type(error).__name__}); restoring the "
                      "last commit")
                 state.restore()
+            except errors.KerasRingError as e:  # a mismatch found in Python (weights, rates)
+                if not isinstance(e, _WORLD_ENDED):
+                    _end_the_job(e)
+                raise
+            kept = _bucket_tuning.MEASURED.kept() or kept
             _next_world(state)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _end_the_job(error: Exception) -> None:
+    """Tells the rendezvous that this program's own error (a mismatch, a bad argument) ends
+    the job: a new world would meet it again. Best effort: the error is raised anyway."""
+    try:
+        RUNTIME.elastic.failed(f"{type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 - the rendezvous may be gone; the error says enough
+        pass
 
 
 def _next_world(state: State) -> None:

@@ -206,6 +206,11 @@ class WorldServer:
         elif op == "finished":
             self.finished = self.finished or worker.worker_id in self.members
             _tell(worker.conn, {"ok": True})
+        elif op == "failed":
+            self.failure = self.failure or (
+                f"worker {worker.worker_id} failed with an error of the program, which every "
+                f"world would meet again: {str(message.get('reason'))[:2000]}")
+            _tell(worker.conn, {"ok": True})
         else:
             _tell(worker.conn, {"error": f"unknown request {op!r}"})
 

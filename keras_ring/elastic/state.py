@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import _adapted_state, _keras_private
+from keras_ring import _adapted_state, _keras_private, _step_check
 from keras_ring.basics import rank
 from keras_ring.collectives import broadcast, broadcast_variables
 from keras_ring.objects import allgather_object, broadcast_object
@@ -151,6 +151,7 @@ class TensorFlowState(ObjectState):
             raise ValueError(self._count_problem(counts))
         if tracked:
             broadcast_variables(tracked, 0)
+            _step_check.note_synced(tracked)  # equal now: no step compares them again
         super().sync()
         self._save_variables(tracked)  # a restore after a failure comes back here at least
 

@@ -1,9 +1,11 @@
 """An elastic worker with a custom training loop, the way Horovod's TensorFlow 2 elastic
 example is written: ``TensorFlowState`` over the model's and optimizer's variables, a
 ``tf.function`` step with ``DistributedGradientTape``, a commit every few steps, and the step
-traced anew in a reset callback. Prints ``RESULT`` (and ``DEATH``) records like
-train_worker.py; ``KR_DIE_ON_HOST`` (or ``KR_DIE_WORKER``, a worker id) and ``KR_DIE_AT_STEP`` kill a worker in
-its first world.
+traced anew in a reset callback (not with ``KR_RETRACE=0``, as Horovod's example). Prints
+``RESULT`` (and ``DEATH``) records like train_worker.py; ``KR_DIE_ON_HOST`` (or
+``KR_DIE_WORKER``, a worker id) and ``KR_DIE_AT_STEP`` kill a worker in its first world;
+``KR_RAISE_AT_STEP`` makes every worker raise there (a bug of the program), and
+``KR_MISMATCH_AT_STEP`` makes rank 0 run another collective than the others there.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def main() -> None:
         return step
 
     holder = {"step": make_step(), "first_size": keras_ring.size(), "waited": False}
-    state.register_reset_callbacks([lambda: holder.update(step=make_step())])
+    if os.environ.get("KR_RETRACE", "1") == "1":
+        state.register_reset_callbacks([lambda: holder.update(step=make_step())])
+    raise_at = int(os.environ.get("KR_RAISE_AT_STEP", "-1"))
+    mismatch_at = int(os.environ.get("KR_MISMATCH_AT_STEP", "-1"))
 
     def wait_for_replacement():
         # KR_WAIT_NEWCOMER: rank 0 of the shrunken world waits (bounded) for the replacement
@@ -81,6 +86,10 @@ def main() -> None:
             if dying and state.step == die_at:
                 record("DEATH", host=HOST)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if state.step == raise_at:
+                raise ValueError("a bug of the program")
+            if state.step == mismatch_at:
+                keras_ring.allreduce(tf.ones([2]), name=f"mismatch.{keras_ring.rank() == 0}")
             rows = slice(state.step % 8 * 64, state.step % 8 * 64 + 64)
             holder["step"](x[rows][r::n], y[rows][r::n])
             state.step += 1

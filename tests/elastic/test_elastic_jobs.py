@@ -112,16 +112,19 @@ def test_a_killed_worker_leaves_then_a_new_host_brings_the_world_back(tmp_path):
     _no_shared_memory_left(records)
 
 
-def test_a_custom_loop_with_tensorflow_state_goes_on_after_a_death(tmp_path):
+@pytest.mark.parametrize("retrace", ["1", "0"], ids=["retraced", "as-horovod-writes-it"])
+def test_a_custom_loop_with_tensorflow_state_goes_on_after_a_death(tmp_path, retrace):
     # Horovod's TensorFlow 2 elastic shape: a tf.function step with DistributedGradientTape,
-    # commits every 5 steps, the step retraced in a reset callback. The worker that dies
-    # shares memory with a survivor (localhost.1 and .2 are started first, in that order);
-    # localhost is not blacklisted after one failure, so a replacement (localhost.4) joins.
+    # commits every 5 steps. The worker that dies shares memory with a survivor (localhost.1
+    # and .2 are started first, in that order); localhost is not blacklisted after one
+    # failure, so a replacement (localhost.4) joins. Horovod's example does not trace the
+    # step again: the newcomer's first trace then compared weights and measured buckets,
+    # collectives the survivors' step never ran (a mismatch on every rank).
     code, out, records = run_job(
         tmp_path, ["localhost:2", "hostC:1"],
         ["-np", "3", "--min-np", "2", "--max-np", "3", "--blacklist-after", "2"],
         worker="custom_loop_worker.py", KR_DIE_WORKER="localhost.2", KR_DIE_AT_STEP="23",
-        KR_WAIT_NEWCOMER="1")
+        KR_WAIT_NEWCOMER="1", KR_RETRACE=retrace)
     assert code == 0, out[-6000:]
     assert len(records["DEATH"]) == 1, out[-6000:]
     results = records["RESULT"]
@@ -130,6 +133,24 @@ def test_a_custom_loop_with_tensorflow_state_goes_on_after_a_death(tmp_path):
     assert len({r["checksum"] for r in results}) == 1, results
     assert all(r["step"] == 60 and r["loss"] < 0.05 for r in results), results
     _no_shared_memory_left(records)
+
+
+@pytest.mark.parametrize("error", ["KR_RAISE_AT_STEP", "KR_MISMATCH_AT_STEP"])
+def test_an_error_of_the_program_ends_the_job(tmp_path, error):
+    # The workers exited, their host was blacklisted, and the job waited out its elastic
+    # timeout (600 s by default) for workers to come back; with a more lenient blacklist it
+    # started fresh workers that trained from step 0 into the same error.
+    code, out, records = run_job(
+        tmp_path, ["localhost:2"], ["-np", "2", "--min-np", "1", "--max-np", "2"],
+        worker="custom_loop_worker.py", KERAS_RING_ELASTIC_TIMEOUT_SECONDS="3600",
+        **{error: "7"})
+    assert code == 1, out[-6000:]
+    expected = ("every worker of the last world (2) exited with an error"
+                if error == "KR_RAISE_AT_STEP" else
+                "failed with an error of the program, which every world would meet again: "
+                "CollectiveMismatchError")
+    assert expected in out, out[-6000:]
+    assert "RESULT" not in records
 
 
 def test_an_uninterrupted_job_reaches_the_same_accuracy_band(tmp_path):
