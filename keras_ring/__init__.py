@@ -64,8 +64,18 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
+# Horovod's names that keras_ring does not offer, and what to use instead.
+_HOROVOD_ONLY = {
+    "Adasum": "keras_ring has no Adasum reduction (Horovod's); use keras_ring.Average (the "
+              "default) or keras_ring.Sum",
+    "start_timeline": "set KERAS_RING_TIMELINE=path to record the whole run, or use "
+                      "keras_ring.timeline.record(True) inside a program",
+    "stop_timeline": "use keras_ring.timeline.record(False) (and keras_ring.timeline.recorded() "
+                     "to read this rank's events)",
+}
+
 __getattr__, __dir__ = lazy_exports("keras_ring", _EXPORTS, globals(),
-                                   submodules=("callbacks", "elastic"))
+                                   submodules=("callbacks", "elastic"), absent=_HOROVOD_ONLY)
 
 
 # The runtime sits below the modules these steps need, so the package registers them (see

@@ -54,7 +54,7 @@ class _WrapState:
 
 def wrap(
     optimizer: keras.optimizers.Optimizer | str,
-    *,
+    *positional: Any,
     op: ReduceOp = Average,
     compression: Compressor | Any = Compression.none,
     bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
@@ -159,6 +159,14 @@ def wrap(
     ```
     """
     who = "keras_ring.wrap"
+    if positional:
+        # Horovod's APIs order them differently (name second in its Keras one, use_locking
+        # third in its TensorFlow one): a value by position could land in the wrong option.
+        raise TypeError(
+            f"{who} (also keras_ring.DistributedOptimizer) takes the optimizer by position "
+            f"and its options by keyword; got {len(positional)} more positional "
+            f"argument(s) ({', '.join(repr(a)[:40] for a in positional)}): name them, e.g. "
+            "DistributedOptimizer(optimizer, name='...', compression=...)")
     del device_dense, device_sparse
     options = ReduceOptions.create(who, op, compression, bucket_bytes, sparse_as_dense,
                                    gradient_predivide_factor, process_set, first_bucket_bytes,

@@ -1,5 +1,6 @@
 """Horovod's Keras API in one process: argument checks, load_model, SyncBatchNormalization at size 1."""
 
+import re
 import subprocess
 import sys
 
@@ -225,3 +226,22 @@ def test_listed_groups_travel_together_and_the_rest_alone():
                                          "gradients are not known yet"):
         groups.plan(2, None, "t")
     assert repr(Groups(count=3)) == "Groups(3)"
+
+
+@pytest.mark.parametrize("name, instead", [
+    ("Adasum", "use keras_ring.Average"),
+    ("start_timeline", "KERAS_RING_TIMELINE=path"),
+    ("stop_timeline", "keras_ring.timeline.record(False)"),
+])
+def test_horovods_names_that_keras_ring_lacks_say_what_to_use(name, instead):
+    with pytest.raises(AttributeError, match=f"no attribute '{name}': .*{re.escape(instead)}"):
+        getattr(keras_ring, name)
+    with pytest.raises(AttributeError, match=r"no attribute 'no_such_name'$"):
+        keras_ring.no_such_name
+
+
+def test_options_given_by_position_are_refused_naming_them():
+    # Horovod's Keras API takes name second: TypeError "wrap() takes 1 positional argument".
+    with pytest.raises(TypeError, match=r"DistributedOptimizer\) takes the optimizer by "
+                                        r"position .* 1 more positional argument\(s\) \('opt'\)"):
+        keras_ring.DistributedOptimizer(keras.optimizers.SGD(0.1), "opt")
