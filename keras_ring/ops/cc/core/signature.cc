@@ -279,6 +279,34 @@ Status CheckJoined(const std::vector<Signature>& all, const std::vector<int>& ac
                 active[0]);
 }
 
+// What one rank's signature alone shows to be invalid (a root outside the set or the world,
+// a scalar to split): an error that names rank r, the same on every rank.
+Status CheckArguments(const Signature& s, int r, int size) {
+  const Kind kind = static_cast<Kind>(s.kind);
+  if (kind == Kind::kBroadcast && s.root <= kRootNotInSet) {
+    return Status(Code::kInvalidArgument,
+                  s.Label() + ": root_rank " + std::to_string(kRootNotInSet - s.root) +
+                      " on rank " + std::to_string(r) + " of the process set is not in "
+                      "the set (root_rank is a global rank, as in Horovod)",
+                  r);
+  }
+  if ((kind == Kind::kReducescatter || kind == Kind::kAlltoall) && s.ndims == 0) {
+    return Status(Code::kInvalidArgument,
+                  s.Label() + ": rank " + std::to_string(r) + " passed a scalar; " +
+                      KindName(kind) + " splits the first dimension, so it needs a tensor "
+                      "of rank >= 1 on every rank",
+                  r);
+  }
+  if (kind == Kind::kBroadcast && (s.root < 0 || s.root >= size)) {
+    return Status(Code::kInvalidArgument,
+                  s.Label() + ": root_rank " + std::to_string(s.root) + " on rank " +
+                      std::to_string(r) + " is out of range for " + std::to_string(size) +
+                      " ranks (valid: 0.." + std::to_string(size - 1) + ")",
+                  r);
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Status CheckSignatures(const std::vector<Signature>& all) {
@@ -291,31 +319,7 @@ Status CheckSignatures(const std::vector<Signature>& all) {
   const int ref_rank = active[0];
   const Signature& ref = all[static_cast<size_t>(ref_rank)];
   const int size = static_cast<int>(all.size());
-  for (int r : active) {
-    const Signature& s = all[static_cast<size_t>(r)];
-    if (static_cast<Kind>(s.kind) == Kind::kBroadcast && s.root <= kRootNotInSet) {
-      return Status(Code::kInvalidArgument,
-                    s.Label() + ": root_rank " + std::to_string(kRootNotInSet - s.root) +
-                        " on rank " + std::to_string(r) + " of the process set is not in "
-                        "the set (root_rank is a global rank, as in Horovod)",
-                    r);
-    }
-    const Kind kind = static_cast<Kind>(s.kind);
-    if ((kind == Kind::kReducescatter || kind == Kind::kAlltoall) && s.ndims == 0) {
-      return Status(Code::kInvalidArgument,
-                    s.Label() + ": rank " + std::to_string(r) + " passed a scalar; " +
-                        KindName(kind) + " splits the first dimension, so it needs a tensor "
-                        "of rank >= 1 on every rank",
-                    r);
-    }
-    if (static_cast<Kind>(s.kind) == Kind::kBroadcast && (s.root < 0 || s.root >= size)) {
-      return Status(Code::kInvalidArgument,
-                    s.Label() + ": root_rank " + std::to_string(s.root) + " on rank " +
-                        std::to_string(r) + " is out of range for " + std::to_string(size) +
-                        " ranks (valid: 0.." + std::to_string(size - 1) + ")",
-                    r);
-    }
-  }
+  for (int r : active) KR_RETURN_IF_ERROR(CheckArguments(all[static_cast<size_t>(r)], r, size));
   // Kind first: other fields only make sense when the operations agree.
   for (const Field& field : FieldsFor(static_cast<Kind>(ref.kind))) {
     std::vector<int> differ;
