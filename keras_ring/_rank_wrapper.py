@@ -193,6 +193,40 @@ def _guard_group(pgid: int) -> None:
         os._exit(0)
 
 
+class _Stream:
+    """One of the child's streams forwarded in frames: its partial line, and when the
+    line's first and latest pieces arrived."""
+
+    def __init__(self, sink: int, rank: str, token: bytes) -> None:
+        self.sink, self.rank, self.token = sink, rank, token
+        self.pending = b""
+        self.began: float | None = None
+        self.last: float | None = None
+
+    def due(self) -> float | None:
+        """When the partial line goes out though unfinished (None: there is none)."""
+        if self.began is None or self.last is None:
+            return None
+        return min(self.last + _QUIET_SECONDS, self.began + _PARTIAL_MAX_SECONDS)
+
+    def add(self, chunk: bytes, now: float) -> None:
+        data = self.pending + chunk
+        cut = _whole_part(data)
+        if cut:
+            _send_frames(self.sink, self.rank, self.token, data[:cut])
+            self.began = None  # what is left is a new partial line
+        self.pending = data[cut:]
+        if self.pending:
+            self.began = now if self.began is None else self.began
+            self.last = now
+        else:
+            self.began = self.last = None
+
+    def flush(self) -> None:
+        _send_frames(self.sink, self.rank, self.token, self.pending)
+        self.pending, self.began, self.last = b"", None, None
+
+
 def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
     """Sends the child's stdout and stderr to ours in frames, live: whole lines and
     carriage-return updates at once, the partial line after them once its stream has been
@@ -207,18 +241,11 @@ def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
         selector.register(os.pidfd_open(child.pid), selectors.EVENT_READ, "exited")
     except (OSError, AttributeError):  # Linux before 5.3: its leftovers die after the pipes close
         pass
-    pending: dict[int, bytes] = {}
-    began: dict[int, float] = {}  # when each pending partial line began to arrive
-    last: dict[int, float] = {}  # when its latest piece arrived
-    for source, sink in ((child.stdout, 1), (child.stderr, 2)):
-        selector.register(source, selectors.EVENT_READ, sink)
-        pending[sink] = b""
-
-    def due(sink: int) -> float:
-        return min(last[sink] + _QUIET_SECONDS, began[sink] + _PARTIAL_MAX_SECONDS)
-
-    while any(key.data in (1, 2) for key in selector.get_map().values()):
-        timeout = min(map(due, last), default=None)
+    streams = {sink: _Stream(sink, rank, token) for sink in (1, 2)}
+    selector.register(child.stdout, selectors.EVENT_READ, 1)
+    selector.register(child.stderr, selectors.EVENT_READ, 2)
+    while any(key.data in streams for key in selector.get_map().values()):
+        timeout = min(filter(None, (s.due() for s in streams.values())), default=None)
         events = selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
         now = time.monotonic()
         for key, _ in events:
@@ -226,43 +253,31 @@ def _forward_output(child: subprocess.Popen, rank: str, token: bytes) -> None:
                 selector.unregister(key.fileobj)
                 os.close(key.fileobj)
                 _kill_group(child.pid)
-                continue
-            if key.data == "watch":
-                segment = watch.found()
-                if segment is not None:
-                    selector.unregister(watch)
-                    watch.close()
-                    _write_all(2, b"%s%s %s shm %s %d\n" % (FRAME, token, rank.encode(),
-                                                           segment[0].encode(), segment[1]))
-                continue
-            chunk = os.read(key.fd, 65536)
-            sink = key.data
-            if not chunk:
-                selector.unregister(key.fileobj)
-                _send_frames(sink, rank, token, pending.pop(sink))
-                began.pop(sink, None)
-                last.pop(sink, None)
-                continue
-            data = pending[sink] + chunk
-            cut = _whole_part(data)
-            if cut:
-                _send_frames(sink, rank, token, data[:cut])
-                began.pop(sink, None)  # what is left is a new partial line
-            pending[sink] = data[cut:]
-            if pending[sink]:
-                began.setdefault(sink, now)
-                last[sink] = now
+            elif key.data == "watch":
+                _report_segment(selector, watch, rank, token)
+            elif chunk := os.read(key.fd, 65536):
+                streams[key.data].add(chunk, now)
             else:
-                began.pop(sink, None)
-                last.pop(sink, None)
-        for sink in [s for s in last if due(s) <= now]:
-            _send_frames(sink, rank, token, pending[sink])
-            pending[sink] = b""
-            del began[sink], last[sink]
+                selector.unregister(key.fileobj)
+                streams[key.data].flush()
+        for stream in streams.values():
+            due = stream.due()
+            if due is not None and due <= now:
+                stream.flush()
     for key in list(selector.get_map().values()):
         if key.data == "exited":
             os.close(key.fileobj)
     watch.close()
+
+
+def _report_segment(selector: selectors.BaseSelector, watch: _SegmentWatch, rank: str,
+                    token: bytes) -> None:
+    segment = watch.found()
+    if segment is not None:
+        selector.unregister(watch)
+        watch.close()
+        _write_all(2, b"%s%s %s shm %s %d\n" % (FRAME, token, rank.encode(),
+                                               segment[0].encode(), segment[1]))
 
 
 def _kill_group(pgid: int) -> None:
