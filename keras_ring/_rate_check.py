@@ -63,7 +63,7 @@ class RateCheck(keras.callbacks.Callback):
         _weight_check.new_fit(self.model)  # weights changed between fits, on some ranks only
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))
+        ranks = self.process_set.members()
         first, self._first = self._first, False
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
@@ -94,7 +94,7 @@ class RateCheck(keras.callbacks.Callback):
         mine = np.array([current_rate(o) for o in self.optimizers], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=f"{NAME}.first_batch",
                              process_set=self.process_set).numpy()
-        ranks = self.process_set.ranks or list(range(RUNTIME.topology().size))
+        ranks = self.process_set.members()
         _compare_rates(ranks, everyone, "as training begins", _START_CAUSE)
 
 

@@ -85,7 +85,7 @@ def before_reduce(sources: Sequence[Any] | None, local: set[int], process_set: P
     if (sources is None or _weight_check.in_checked_fit_step()
             or not RUNTIME.config.check_weights):
         return []
-    ranks = process_set.ranks or list(range(RUNTIME.topology().size))
+    ranks = process_set.members()
     variables = [v for v in sources if is_variable(v) and not variable_keys(v) & local]
     if len(ranks) < 2 or not variables:
         return []

@@ -216,7 +216,7 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
     by value (relative to their largest magnitude) too. ``layout`` tags which variables
     these are (by default their dtypes and shapes): where the ranks' tags differ they train
     different variables, a difference no broadcast mends (the error's ``layout`` is True)."""
-    ranks = process_set.ranks or list(range(RUNTIME.topology().size))
+    ranks = process_set.members()
     if len(ranks) < 2:
         return None
     layout = layout or Layout(variables)

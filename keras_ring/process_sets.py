@@ -61,6 +61,10 @@ class ProcessSet:
             raise ValueError(f"ProcessSet ranks must be distinct, got {ranks!r}")
         self.ranks: list[int] = sorted(ranks)
 
+    def members(self) -> list[int]:
+        """The set's global ranks: every rank of the job for the global set (after init())."""
+        return self.ranks or list(range(RUNTIME.topology().size))
+
     def size(self) -> int | None:
         """The number of ranks in the set (None before it is added)."""
         return None if self.process_set_id is None else len(self._entry()[0])

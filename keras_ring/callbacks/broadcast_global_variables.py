@@ -75,7 +75,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             check_variable(var, "BroadcastGlobalVariablesCallback: local_variables"))
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        ranks = self.process_set.ranks or range(size())
+        ranks = self.process_set.members()
         if self.root_rank not in ranks:
             where = (f"this job of size {size()}" if self.process_set is global_process_set
                      else f"{self.process_set}")
@@ -163,7 +163,7 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
                               name="keras_ring.broadcast_counts", process_set=process_set)
     if all(c == counts[0] for c in counts):
         return
-    ranks = process_set.ranks or range(len(counts))
+    ranks = process_set.members()
     if all(c[:4] == counts[0][:4] for c in counts):
         listed = "; ".join(f"rank {r}: " + ", ".join(f"{n} {k}" for n, k in c[4])
                            for r, c in zip(ranks, counts))

@@ -340,9 +340,9 @@ def test_a_rate_set_on_one_rank_between_fits_fails_before_the_next_fit_trains(wo
     with pytest.raises(keras_ring.LearningRateMismatchError) as info:
         _fine_tuned(rank, size, epochs)
     message = str(info.value)
-    others = ", ".join(f"rank {r} 0.05" for r in range(2, size))
-    assert ("different learning rates as training begins (rank 0 0.05, rank 1 0.01"
-            + (f", {others})" if others else ")")) in message, message
+    # Rank 0's rate and those that differ from it.
+    assert "different learning rates as training begins (rank 0 0.05, rank 1 0.01)" \
+        in message, message
     assert "set on some ranks only" in message and info.value.rank == 1
 
 
