@@ -46,8 +46,21 @@ def test_in_a_tf_function(world):
     _check(info.value, size)
 
 
+class RankShapedStatistic(keras.layers.Layer):
+    """Allreduces a statistic whose shape differs on the last rank (the program's bug; the
+    model's weights agree, so the weight check has nothing to say first)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def call(self, x):
+        return x + 0.0 * tf.reduce_sum(kr.allreduce(tf.ones([self.width]), name="statistic"))
+
+
 def _model(rank: int, size: int) -> keras.Model:
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(_width(rank, size))])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              RankShapedStatistic(_width(rank, size))])
     model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.1)), loss="mse")
     return model
 
@@ -56,7 +69,7 @@ def test_in_fit_and_train_on_batch(world):
     rank, size = world
     model = _model(rank, size)
     x = np.ones((8, 3), "float32")
-    y = np.ones((8, _width(rank, size)), "float32")
+    y = np.ones((8, 4), "float32")
     with pytest.raises(tf.errors.OpError) as info:
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     _check(info.value, size)

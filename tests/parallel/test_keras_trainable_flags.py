@@ -217,3 +217,17 @@ def test_a_custom_loop_with_fewer_variables_on_the_last_rank_fails_on_every_rank
     with pytest.raises(WeightMismatchError) as info:
         kr.DistributedGradientTape(tape).gradient(loss, variables)
     assert f"rank 0 passes 8 variables, rank {size - 1} passes 7" in str(info.value), info.value
+
+
+def test_ranks_whose_layers_differ_in_shape_only_are_told_so(world):
+    # Equal counts of weights, tagged by place alone, once looked alike.
+    rank, size = world
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((ks.FEATURES,)),
+                              keras.layers.Dense(9 if rank == 1 else 8),
+                              keras.layers.Dense(ks.CLASSES)])
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.1)), loss=ks.loss())
+    with pytest.raises(WeightMismatchError, match="the ranks built different models: rank 0's "
+                                                  "has 4 weights, rank 1's 4, of other dtypes "
+                                                  "or shapes"):
+        _fit(model, rank, size)
