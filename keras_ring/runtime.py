@@ -35,6 +35,7 @@ class Runtime:
         self._table: PeerTable | None = None
         self._atexit_registered = False
         self._leaving_with: str | None = None  # an uncaught exception is ending the program
+        self._peer_stalled = False  # ...one that a peer's stall caused (see _at_exit)
         self._via_mpi = False
         self._world_ranks: list[int] | None = None  # see PeerTable.world_ranks
         self._addresses: list[tuple[str, int]] = []  # every rank's, as the job connected
@@ -147,7 +148,7 @@ class Runtime:
             self._job_token = table.job_token
             self._sets = {0: (tuple(range(table.topology.size)), table.topology)}
             self._config = config
-            self._leaving_with = None
+            self._leaving_with, self._peer_stalled = None, False
             self._generation += 1
             self._pid = os.getpid()
             if not self._atexit_registered:
@@ -319,6 +320,14 @@ class Runtime:
             self._elastic.close()
         if leaving_with is not None:
             _abort_user_mpi()
+        if self._peer_stalled:
+            # A peer that cannot run (stopped, stuck in the kernel) never ends by itself, and
+            # a plain exit tells MPICH's launcher that this rank finished as MPI ranks do
+            # (the C library's exit finalizes PMI): it would wait for that peer for ever.
+            # Leaving without the C runtime's exit makes the launcher stop the job.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def note_uncaught(self, exc_type: type, exc: BaseException) -> None:
         """Records that the program is ending with an uncaught exception."""
@@ -326,13 +335,19 @@ class Runtime:
             self._leaving_with = f"{exc_type.__name__}: {_gist(exc)}"[:300]
             if _follows_a_peer(exc):
                 _rank_wrapper.mark_follow_on()
+            self._peer_stalled = _follows(exc, (errors.CollectiveTimeoutError,))
 
 
 def _follows_a_peer(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is another rank's failure reaching this one: a peer that died, left
+    or aborted."""
+    return _follows(exc, (errors.PeerFailureError, errors.CollectiveAbortedError))
+
+
+def _follows(exc: BaseException | None, following: tuple[type, ...]) -> bool:
     """Whether ``exc`` (or what it was raised from, or while handling: ``except
-    PeerFailureError: raise RuntimeError(...)``) is another rank's failure reaching this
-    one: a peer that died, left or aborted, as keras_ring's class or TensorFlow's."""
-    following = (errors.PeerFailureError, errors.CollectiveAbortedError)
+    PeerFailureError: raise RuntimeError(...)``) is one of ``following``, keras_ring's
+    classes for another rank's failure reaching this one, as itself or TensorFlow's."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -2,7 +2,9 @@
 
 Environment: ``FAULT`` = ``none``, ``stall`` (sleep 600 s in user code: a hung data loader), ``crash``
 (``os._exit(3)``: gone without a word), ``raise`` (an exception in user code, uncaught) or
-``stop`` (this rank's callback stops training: its ``fit`` returns and the program ends) or
+``stop`` (this rank's callback stops training: its ``fit`` returns and the program ends),
+``sigstop`` (the rank stops itself with SIGSTOP: it can run nothing, not even keras_ring's
+failure exit) or
 ``before_init`` (an uncaught error before ``keras_ring.init()``, under mpirun);
 ``FAULT_RANK`` (default 1) and ``FAULT_STEP`` (default 5) say where. ``JOB_DIR`` gets
 ``fault`` (the CLOCK_MONOTONIC time of the fault) and ``error.R`` (rank R's error, as JSON:
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -43,6 +46,8 @@ class Fault(keras.callbacks.Callback):
             raise ValueError("a bad record in the input")
         elif fault == "stop":  # as EarlyStopping or TerminateOnNaN decide on one rank alone
             self.model.stop_training = True
+        elif fault == "sigstop":  # a rank that cannot run at all: stopped, or stuck in the kernel
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def main() -> None:

@@ -102,6 +102,16 @@ def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
         assert "ending this process (exit code 70)" in output, output[-5000:]
 
 
+@pytest.mark.parametrize("launcher", ["mpirun", "keras-ring-run"])
+def test_a_rank_that_cannot_run_at_all_still_ends_with_the_job(launcher, job_env, tmp_path):
+    # Under plain mpirun rank 0 failed on its timeout and exited, and mpirun waited for the
+    # stopped rank for ever: a normal exit tells it a rank finished as MPI ranks do.
+    took, output = run_job(launcher, "sigstop", job_env, tmp_path)
+    assert took < TIMEOUT + GRACE + MARGIN, f"ended {took:.1f} s after the fault:\n{output[-5000:]}"
+    error = json.loads((tmp_path / "error.0").read_text())
+    assert error["type"] == "CollectiveTimeoutError" and error["rank"] == 1, error
+
+
 def test_a_rank_that_fails_before_init_ends_the_job_under_plain_mpirun(job_env, tmp_path):
     # Its peer waits inside MPI's start for a rank that never comes, where no Python runs,
     # and plain mpirun waits for that peer: keras_ring's bound must end it, saying why.
