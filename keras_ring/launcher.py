@@ -224,6 +224,18 @@ def mpirun_command(mpirun: str, flavour: str, np: int, hosts: str | None,
     return cmd + wrapper
 
 
+def _say_if_signalled(rank: int, code: int) -> None:
+    """Names a rank that a signal killed (SIGKILL: out of memory, say): mpirun's banner names
+    only a pid, the rank's wrapper's, and the other ranks are stopped before they can say."""
+    try:
+        name = signal.Signals(code - 128).name if code > 128 else None
+    except ValueError:
+        name = None
+    if name is not None:
+        print(f"keras-ring-run: rank {rank} was killed by {name} (exit code {code})",
+              file=sys.stderr, flush=True)
+
+
 class _Job:
     """mpirun running the ranks; pumps their output and stops them when asked."""
 
@@ -287,6 +299,7 @@ class _Job:
         if not follows:
             if self.cause is None and not self.gave_up_on_cause:
                 self.cause = (rank, code)
+                _say_if_signalled(rank, code)
                 self.stop(signal.SIGTERM)
         elif self.follow_on is None:
             # The rank whose failure this follows is ending too: give it time to report its

@@ -174,6 +174,19 @@ def test_a_signal_a_rank_sends_its_own_group_leaves_the_rank_running(mpirun, cle
     assert out.count("handled 1") == 2, out + err
 
 
+def test_a_rank_killed_by_a_signal_is_named(mpirun, clean_env, tmp_path):
+    # Only mpirun's banner said so, with the pid of the rank's wrapper.
+    script = rank_program(tmp_path, """
+        import time
+        if RANK == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(100000)
+    """)
+    code, _, err = run(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    assert code == 137, err
+    assert "keras-ring-run: rank 1 was killed by SIGKILL (exit code 137)" in err, err
+
+
 def _rank_line(stream) -> bytes:
     """The next line a rank wrote (Hydra's mpiexec writes its own on Ctrl-C)."""
     while (line := stream.readline()).startswith(b"[mpiexec"):
