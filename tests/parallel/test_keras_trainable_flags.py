@@ -44,6 +44,23 @@ def _fit(model, rank, size, callbacks=()):
               epochs=1, verbose=0, callbacks=list(callbacks))
 
 
+def _step(model, optimizer, path="tape"):
+    """A custom loop's step (as Horovod's examples write it) over the model's trainable
+    variables, reduced by a DistributedGradientTape (``path="tape"``) or by the optimizer."""
+    loss_fn = ks.loss()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        if path == "tape":
+            tape = kr.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
 CROSSWISE = ("rank 0 trains 6 weights, rank 1 trains 6; only rank 0 trains 'd3/kernel', "
              "'d3/bias'; only rank 1 trains 'd2/kernel', 'd2/bias'")
 
@@ -105,17 +122,7 @@ def test_a_custom_loop_whose_ranks_pass_different_variables_fails_on_every_rank(
     model = _twin_layers("d1" if rank == 1 else "d2")
     kr.broadcast_variables(model.variables, root_rank=0)
     optimizer = model.optimizer if path == "optimizer" else keras.optimizers.SGD(0.1)
-    loss_fn = ks.loss()
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        if path == "tape":
-            tape = kr.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = _step(model, optimizer, path)
     x, y = ks.classification_data(BATCH, seed=rank)
     before = ks.weights(model)
     with pytest.raises(WeightMismatchError) as info:
@@ -137,14 +144,7 @@ def test_a_layer_frozen_on_one_rank_in_a_settled_custom_loop_is_named_as_the_cau
     rank, size = world
     model = _twin_layers("d2")
     kr.broadcast_variables(model.variables, root_rank=0)
-    optimizer, loss_fn = keras.optimizers.SGD(0.1), ks.loss()
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = kr.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
+    step = _step(model, keras.optimizers.SGD(0.1))
     x, y = ks.classification_data(BATCH, seed=rank)
     (tf.function(step) if traced else step)(x, y)
     if rank == frozen_on:
@@ -186,16 +186,7 @@ def test_a_rank_that_traces_its_step_again_while_the_check_is_open_compares_alik
     model = keras.Sequential([keras.Input((ks.FEATURES,)), keras.layers.Dense(ks.CLASSES)])
     optimizer = kr.wrap(keras.optimizers.SGD(0.1)) if path == "optimizer" else \
         keras.optimizers.SGD(0.1)
-    loss_fn = ks.loss()
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        if path == "tape":
-            tape = kr.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    step = tf.function(_step(model, optimizer, path))
 
     x, y = ks.classification_data(2 * BATCH, seed=rank)
     step(x[:BATCH], y[:BATCH])
