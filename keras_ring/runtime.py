@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -315,18 +316,23 @@ class Runtime:
 
     def _at_exit(self) -> None:
         leaving_with = self._leaving_with
+        grace = self._config.failure_exit_seconds if self._config is not None else 0.0
         self.shutdown(leaving_with)
         if self._elastic is not None:
             self._elastic.close()
         if leaving_with is not None:
             _abort_user_mpi()
-        if self._peer_stalled:
-            # A peer that cannot run (stopped, stuck in the kernel) never ends by itself, and
-            # a plain exit tells MPICH's launcher that this rank finished as MPI ranks do
-            # (the C library's exit finalizes PMI): it would wait for that peer for ever.
-            # Leaving without the C runtime's exit makes the launcher stop the job.
+        if self._peer_stalled and "PMI_RANK" in os.environ and not os.environ.get(
+                _rank_wrapper.TOKEN_ENV):
+            # Under plain mpirun (keras-ring-run stops its job itself): a peer that cannot
+            # run (stopped, stuck in the kernel) never ends by itself, and a plain exit tells
+            # MPICH's launcher that this rank finished as MPI ranks do (the C library's exit
+            # finalizes PMI), so it would wait for that peer for ever. Leaving without the C
+            # runtime's exit makes it stop the job; first, a peer stuck in user code gets
+            # the time its own failure exit takes to end itself saying why.
             sys.stdout.flush()
             sys.stderr.flush()
+            time.sleep(grace + 1.0)
             os._exit(1)
 
     def note_uncaught(self, exc_type: type, exc: BaseException) -> None:
