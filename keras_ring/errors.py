@@ -88,6 +88,8 @@ class WeightMismatchError(KerasRingError, ValueError):
     """The ranks hold different weights of a model they train together (its initial weights
     were never broadcast, or a checkpoint was restored on some ranks only)."""
 
+    layout = False  # True: the ranks train different weights, which no broadcast mends
+
 
 _BY_TF_CLASS = [
     (tf.errors.FailedPreconditionError, CollectiveMismatchError),
