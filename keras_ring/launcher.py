@@ -394,11 +394,12 @@ class _Job:
             return code or 1
         if self.reported < self.ranks:
             # Killed before its wrapper could tell: MPICH's mpirun kills every rank when one
-            # that started MPI leaves without finalizing it (os._exit), and may exit 0.
+            # that started MPI leaves without finalizing it (os._exit), and exits 0 or with
+            # the signal it killed with (9), which names no rank's failure: 1, as documented.
             print(f"keras-ring-run: {self.ranks - self.reported} of {self.ranks} ranks ended "
                   "without an exit status (killed by mpirun, e.g. after another rank left "
                   "with os._exit); the job failed", file=sys.stderr)
-            return code or 1
+            return 1
         return code
 
 

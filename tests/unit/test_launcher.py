@@ -88,7 +88,7 @@ def test_a_rank_killed_by_mpirun_without_a_word_fails_the_job(mpirun, clean_env,
         signal.pause()
     """)
     code, out, err = run(mpirun, ["-np", "2", sys.executable, script], clean_env)
-    assert code != 0, (out, err)
+    assert code == 1, (out, err)
     assert "1 of 2 ranks ended without an exit status" in err, err
 
 
