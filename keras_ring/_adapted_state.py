@@ -76,7 +76,8 @@ def mismatch(model: Any, ranks: list[int], process_set: ProcessSet) -> WeightMis
         shown = (f"layer '{name}', its {what}: rank {ranks[0]} {first[at][2]} entries "
                  f"{first[at][4]}..., rank {ranks[odd]} {other[at][2]} entries "
                  f"{other[at][4]}...")
-    error = WeightMismatchError(
+    error = WeightMismatchError.about(
+        ranks[odd],
         f"keras_ring: the ranks' preprocessing layers of model '{model.name}' hold different "
         f"adapted state as fit begins ({shown}): each rank adapted them on its own data, so "
         "the same input means different things on different ranks, and no broadcast can mend "
@@ -85,5 +86,4 @@ def mismatch(model: Any, ranks: list[int], process_set: ProcessSet) -> WeightMis
         "the others its vocabulary: layer.set_vocabulary(keras_ring.broadcast_object("
         "layer.get_vocabulary(), 0)). KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this "
         "check off.")
-    error.rank, error.reason = ranks[odd], str(error).removeprefix("keras_ring: ")
     return error

@@ -77,6 +77,14 @@ class KerasRingError(Exception):
         self.rank = info.rank if info.rank >= 0 else None
         self.reason = info.reason
 
+    @classmethod
+    def about(cls, rank: int | None, message: str):
+        """The error with ``message`` (``"keras_ring: ..."``), about ``rank``: a check of
+        the ranks' agreement found it, on every rank, in Python."""
+        error = cls(message)
+        error.rank, error.reason = rank, message.removeprefix("keras_ring: ")
+        return error
+
     def _describe(self, message: str) -> None:
         """Reads the attributes from a message: only for errors that reached Python without
         their structure (keras_ring.errors.error_info)."""

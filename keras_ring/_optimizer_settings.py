@@ -72,11 +72,11 @@ def mismatch(optimizers: list[Any], ranks: list[int], epoch: int,
         shown += ", ..." if len(keys) > 4 else ""
     else:
         shown = f"rank {ranks[0]} {first!r}, rank {ranks[odd]} {other!r}"
-    error = OptimizerMismatchError(
+    error = OptimizerMismatchError.about(
+        ranks[odd],
         f"keras_ring: the ranks' optimizers differ in settings other than the learning rate as "
         f"epoch {epoch} begins (optimizer '{getattr(optimizers[which], 'name', which)}'; "
         f"{shown}): they would apply the same averaged gradients differently and train apart. "
         "Build the optimizer alike on every rank. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) "
         "turns this check off.")
-    error.rank, error.reason = ranks[odd], str(error).removeprefix("keras_ring: ")
     return error

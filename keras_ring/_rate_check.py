@@ -115,18 +115,19 @@ def _compare_rates(ranks: list[int], rates: np.ndarray, when: str, cause: str) -
         return
     odd = [i for i in range(1, len(ranks)) if (bits[i] != bits[0]).any()]
     shown = ", ".join(f"rank {ranks[i]} {_rates(rates[i])}" for i in [0] + odd)
-    error = LearningRateMismatchError(
+    error = LearningRateMismatchError.about(
+        ranks[odd[0]],
         f"keras_ring: the ranks train with different learning rates {when} ({shown}): they "
         f"would apply the same averaged gradients differently and train apart. {cause} "
         "KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
-    error.rank, error.reason = ranks[odd[0]], str(error).removeprefix("keras_ring: ")
     raise error
 
 
 def _epoch_mismatch(ranks: list[int], epochs: np.ndarray) -> EpochMismatchError:
     odd = [i for i in range(1, len(ranks)) if epochs[i] != epochs[0]]
     shown = ", ".join(f"rank {ranks[i]} at epoch {int(epochs[i])}" for i in [0] + odd)
-    error = EpochMismatchError(
+    error = EpochMismatchError.about(
+        ranks[odd[0]],
         f"keras_ring: the ranks begin an epoch of fit at different epochs ({shown}): they "
         "would run different numbers of steps. A checkpoint was restored on some ranks only "
         "(keras.callbacks.BackupAndRestore under on_rank_zero: give each rank its own "
@@ -136,7 +137,6 @@ def _epoch_mismatch(ranks: list[int], epochs: np.ndarray) -> EpochMismatchError:
         "rank's backup_dir to start over, or resume every rank from one checkpoint, e.g. "
         "rank 0's ModelCheckpoint loaded everywhere with initial_epoch); or initial_epoch "
         "differs between ranks.")
-    error.rank, error.reason = ranks[odd[0]], str(error).removeprefix("keras_ring: ")
     return error
 
 

@@ -243,8 +243,7 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
 
 
 def _error(message: str, rank: int, layout: bool = False) -> WeightMismatchError:
-    error = WeightMismatchError(message)
-    error.rank, error.reason = rank, message.removeprefix("keras_ring: ")
+    error = WeightMismatchError.about(rank, message)
     error.layout = layout
     return error
 

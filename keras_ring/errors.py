@@ -137,11 +137,8 @@ def _weight_mismatch(message: str) -> WeightMismatchError:
     """The error of a traced step's weight check (keras_ring._step_check): TensorFlow's
     Assert printed its text in brackets, quotes escaped."""
     text = message.removesuffix("]").replace("\\'", "'")
-    error = WeightMismatchError(text)
     odd = _ODD_RANK.search(text)
-    error.rank = int(odd["rank"]) if odd else None
-    error.reason = text.removeprefix("keras_ring: ")
-    return error
+    return WeightMismatchError.about(int(odd["rank"]) if odd else None, text)
 
 
 def for_status_code(code: int, message: str) -> KerasRingError:
