@@ -431,13 +431,13 @@ def _leave_failed(grace: float, caught: bool) -> None:
     that peer for ever, also where the program caught the timeout and ended normally.
     Leaving without the C runtime's exit, with a failure's code, makes it stop the job;
     first, a peer stuck in user code gets the time its own failure exit takes to end itself
-    saying why.
+    saying why. This rank's own failure exit, armed by the timeout, usually comes first.
     """
-    if caught:
-        print("keras_ring: this rank exits with code 1: a peer did not take part in a "
-              "collective in time (the program caught the CollectiveTimeoutError), and a "
-              "normal exit would leave the job waiting for that peer for ever",
-              file=sys.stderr)
+    if caught:  # the failure exit (exit code 70, armed by the timeout) usually ends it
+        print("keras_ring: this rank does not end normally, but as a failed rank: a peer did "
+              "not take part in a collective in time (the program caught the "
+              "CollectiveTimeoutError), and a normal exit would leave the job waiting for "
+              "that peer for ever", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(grace + 1.0)
