@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from keras_ring import _adapted_state, _optimizer_settings, _weight_check
 from keras_ring.collectives import allgather
-from keras_ring.errors import EpochMismatchError, LearningRateMismatchError
+from keras_ring.errors import RATE_CHECK, EpochMismatchError, LearningRateMismatchError
 from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME
 
@@ -144,9 +144,57 @@ def _rates(values: np.ndarray) -> str:
     return "/".join(f"{v:.6g}" for v in values)
 
 
+class BatchRates:
+    """``train_on_batch``'s rate check: a loop of the program's own sets the rate between
+    calls (a plateau rule on this rank's loss, code under ``if rank == 0``), where no epoch
+    begins. The rates are compared at the first call after ``init()`` and at each call that
+    finds this rank's changed since the last comparison: reading them costs ~20 us a call,
+    the allgather runs only then. A rank that changed its rate alone meets its peers' training
+    step with that allgather: the mismatch names it (``errors.py`` adds the cause). Rates
+    that a schedule computes from the step count are equal where the steps are, and left
+    out (they change on every call)."""
+
+    def __init__(self) -> None:
+        self.generation: int | None = None
+        self.rates: bytes | None = None
+
+    @staticmethod
+    def of(model: Any) -> "BatchRates":
+        """The model's own, kept in its ``__dict__`` (where Keras tracks nothing)."""
+        return model.__dict__.setdefault(_BATCH_STATE, BatchRates())
+
+    def check(self, optimizers: list[Any], process_set: ProcessSet) -> None:
+        ranks = process_set.members()
+        if len(ranks) < 2 or not RUNTIME.config.check_weights:
+            return
+        mine = np.array([0.0 if _scheduled(o) else current_rate(o) for o in optimizers],
+                        np.float64)
+        if self.generation == RUNTIME.generation and self.rates == mine.tobytes():
+            return
+        everyone = allgather(tf.constant(mine[np.newaxis]), name=BATCH_NAME,
+                             process_set=process_set).numpy()
+        _compare_rates(ranks, everyone, "at a train_on_batch call", _BATCH_CAUSE)
+        self.generation, self.rates = RUNTIME.generation, mine.tobytes()
+
+
+_BATCH_STATE = "_keras_ring_batch_rates"
+BATCH_NAME = RATE_CHECK
+_BATCH_CAUSE = (
+    "The program set the rate on some ranks only (from this rank's own loss, or in code "
+    "that runs on some ranks only): set it alike on every rank, from values every rank "
+    "shares (keras_ring.allreduce of the loss).")
+
+
+def _scheduled(optimizer: Any) -> bool:
+    """Whether a schedule (or a callable) gives the optimizer's rate from its step count."""
+    return callable(getattr(optimizer, "_learning_rate", None))
+
+
 def install_fit_hook(find: Finder) -> None:
     """Makes ``Model.fit`` add a :class:`RateCheck` for a model that ``find`` says trains
-    with keras_ring optimizers (a list of callbacks is extended, never changed in place)."""
+    with keras_ring optimizers (a list of callbacks is extended, never changed in place),
+    and ``Model.train_on_batch`` compare the rates as :class:`BatchRates` says."""
+    _install_train_on_batch_hook(find)
     owner = next(klass for klass in keras.Model.__mro__ if "fit" in vars(klass))
     original = owner.fit
     if getattr(original, "_keras_ring", False):
@@ -171,3 +219,20 @@ def install_fit_hook(find: Finder) -> None:
 
     fit._keras_ring = True
     owner.fit = fit
+
+
+def _install_train_on_batch_hook(find: Finder) -> None:
+    owner = next(klass for klass in keras.Model.__mro__ if "train_on_batch" in vars(klass))
+    original = owner.train_on_batch
+    if getattr(original, "_keras_ring", False):
+        return
+
+    @functools.wraps(original)
+    def train_on_batch(self, *args, **kwargs):
+        found = find(self)
+        if found is not None:
+            BatchRates.of(self).check(*found)
+        return original(self, *args, **kwargs)
+
+    train_on_batch._keras_ring = True
+    owner.train_on_batch = train_on_batch

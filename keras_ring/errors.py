@@ -83,6 +83,18 @@ _WEIGHT_CHECK_HINT = (
     "ranks reached a new list at different steps (uneven data shards): set the trainable "
     "flags alike on every rank, at the same step")
 
+# train_on_batch's rate check (keras_ring._rate_check.BatchRates): a rank that changed its
+# rate alone compares, and its peers train.
+RATE_CHECK = "keras_ring.rate_check.train_on_batch"
+_RATE_CHECK_HINT = (
+    ". The learning rate check of train_on_batch ran on some ranks only: it runs where a "
+    "call finds the rate changed since the last one, so the program set the rate on some "
+    "ranks only (from this rank's own loss, or in code that runs on some ranks only): set "
+    "it alike on every rank, from values every rank shares (keras_ring.allreduce of the "
+    "loss)")
+# The hint for a mismatch where a check's collective met another (see each).
+_MISMATCH_HINTS = {WEIGHT_CHECK: _WEIGHT_CHECK_HINT, RATE_CHECK: _RATE_CHECK_HINT}
+
 
 class WeightMismatchError(KerasRingError, ValueError):
     """The ranks hold different weights of a model they train together (its initial weights
@@ -150,8 +162,8 @@ def for_status_code(code: int, message: str) -> KerasRingError:
 
 
 def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
-    hint = (_WEIGHT_CHECK_HINT if "operation mismatch" in message and f"'{WEIGHT_CHECK}'" in message
-            else "")
+    hint = next((h for name, h in _MISMATCH_HINTS.items()
+                 if "operation mismatch" in message and f"'{name}'" in message), "")
     err = cls(node_def, op, message + hint)
     info = error_info(message)
     if info is not None:

@@ -442,3 +442,59 @@ def test_rates_that_differ_before_the_broadcast_are_not_an_error(world):
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
               callbacks=(BroadcastGlobalVariablesCallback(0),))
     ks.assert_same_on_all_ranks([model.optimizer.learning_rate.numpy()])
+
+
+# --- train_on_batch's rates (keras_ring._rate_check.BatchRates) ----------------------------
+
+def _batch_loop(rank, rate, set_rate=None, calls=4):
+    """A train_on_batch loop that may set the rate before each call: ``set_rate(call)``
+    returns the rate to set, or None. Returns the model."""
+    model = ks.mlp(0)
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(rate)), loss=ks.loss())
+    x, y = ks.classification_data(BATCH * calls, seed=rank)
+    for call in range(calls):
+        new = set_rate(call) if set_rate else None
+        if new is not None:
+            model.optimizer.learning_rate.assign(new)
+        model.train_on_batch(x[call * BATCH:(call + 1) * BATCH], y[call * BATCH:(call + 1) * BATCH])
+    return model
+
+
+def test_train_on_batch_compares_the_rates_at_its_first_call(world):
+    # Before, train_on_batch never compared rates: the ranks trained apart, silently.
+    rank, size = world
+    with pytest.raises(keras_ring.LearningRateMismatchError) as info:
+        _batch_loop(rank, 0.05 if rank < size - 1 else 0.2)
+    assert f"at a train_on_batch call (rank 0 0.05, rank {size - 1} 0.2)" in str(info.value)
+    assert info.value.rank == size - 1
+
+
+def test_a_rate_each_rank_sets_from_its_own_loss_fails_every_rank(world):
+    rank, size = world
+    with pytest.raises(keras_ring.LearningRateMismatchError) as info:
+        _batch_loop(rank, 0.05, lambda call: 0.01 * (rank + 1) if call == 2 else None)
+    message = str(info.value)
+    assert "at a train_on_batch call (rank 0 0.01, rank 1 0.02" in message, message
+    assert "set the rate on some ranks only" in message
+
+
+def test_a_rate_set_on_one_rank_alone_fails_every_rank_naming_the_cause(world):
+    # That rank compares while the others train: their collectives differ.
+    rank, size = world
+    with pytest.raises(keras_ring.CollectiveMismatchError) as info:
+        _batch_loop(rank, 0.05, lambda call: 0.01 if call == 2 and rank == 1 else None)
+    message = str(info.value)
+    assert "'keras_ring.rate_check.train_on_batch'" in message, message
+    assert "learning rate check of train_on_batch ran on some ranks only" in message, message
+
+
+@pytest.mark.parametrize("how", ["every rank", "schedule"])
+def test_rates_that_change_alike_train_on(world, how):
+    rank, _ = world
+    if how == "schedule":  # its rate changes at every call, from the step count
+        rate = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+        model = _batch_loop(rank, rate)
+        assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.1 * 0.5 ** 4)
+    else:
+        model = _batch_loop(rank, 0.05, lambda call: 0.1 / (call + 1))
+    ks.assert_same_on_all_ranks(ks.weights(model))
