@@ -9,10 +9,11 @@ N ranks they often adapt it on each rank's shard. Two kinds of state come out of
   (silently: the weights compared equal). :func:`refresh` does what Keras's own loader does
   after assigning those variables; it runs after every broadcast of a model's variables and
   as ``fit`` begins.
-- Lookup vocabularies (``StringLookup``, ``IntegerLookup``, ``TextVectorization``) and
-  ``Discretization``'s bin boundaries are no variables at all: no broadcast can make them
-  equal, and ranks whose token ids mean different things train one embedding on both
-  meanings. ``fit``'s epoch check carries a 48-bit :func:`digest` of them from the first
+- Lookup vocabularies (``StringLookup``, ``IntegerLookup``, ``TextVectorization``), their
+  tf-idf weights (in a ``tf.Variable`` of the layer's own, outside its weights) and
+  ``Discretization``'s bin boundaries are no Keras variables: no broadcast can make them
+  equal, and ranks whose token ids (or token weights) mean different things train one
+  model on both meanings. ``fit``'s epoch check carries a 48-bit :func:`digest` of them from the first
   epoch; where it differs, :func:`mismatch` names the layer on every rank.
 """
 
@@ -42,10 +43,18 @@ def refresh(model: Any) -> None:
 def _states(model: Any) -> list[tuple[str, str, list]]:
     """(layer name, what it holds, the values) for each adapted state outside variables."""
     found = []
-    for layer in _keras_private.nested_layers(model):
+    layers = _keras_private.nested_layers(model)
+    # A TextVectorization's own lookup: its state is the owner's, named by the owner.
+    inner = {id(_keras_private.text_vectorization_lookup(layer)) for layer in layers}
+    for layer in layers:
+        if id(layer) in inner:
+            continue
         if isinstance(layer, (keras.layers.StringLookup, keras.layers.IntegerLookup,
                               keras.layers.TextVectorization)):
             found.append((layer.name, "vocabulary", [str(v) for v in layer.get_vocabulary()]))
+            idf = _keras_private.idf_weights(layer)
+            if idf is not None:  # output_mode="tf_idf": what each token counts for
+                found.append((layer.name, "idf weights", [float(w) for w in idf]))
         elif isinstance(layer, keras.layers.Discretization):
             bins = getattr(layer, "bin_boundaries", None)
             found.append((layer.name, "bin boundaries",
@@ -81,9 +90,10 @@ def mismatch(model: Any, ranks: list[int], process_set: ProcessSet) -> WeightMis
         f"keras_ring: the ranks' preprocessing layers of model '{model.name}' hold different "
         f"adapted state as fit begins ({shown}): each rank adapted them on its own data, so "
         "the same input means different things on different ranks, and no broadcast can mend "
-        "it (a vocabulary or bin boundaries are not variables). Adapt them on the same data "
-        "on every rank (the whole dataset, before sharding it), or adapt on rank 0 and give "
-        "the others its vocabulary: layer.set_vocabulary(keras_ring.broadcast_object("
-        "layer.get_vocabulary(), 0)). KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this "
+        "it (a vocabulary, tf-idf weights or bin boundaries are not variables). Adapt them "
+        "on the same data on every rank (the whole dataset, before sharding it), or adapt on "
+        "rank 0 and give the others its vocabulary: layer.set_vocabulary(keras_ring."
+        "broadcast_object(layer.get_vocabulary(), 0)), in output_mode='tf_idf' with "
+        "idf_weights=, rank 0's too. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this "
         "check off.")
     return error

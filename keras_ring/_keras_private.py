@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 MIN_TENSORFLOW = (2, 16)
 MIN_KERAS = (3, 5, 0)
 
@@ -144,9 +146,39 @@ def has_call(layer: Any) -> bool:
 
 def unbuilt_layers(model: Any) -> list:
     """The layers of the model (itself and nested ones) that have no variables yet because
-    they have not run. Those without a ``call`` are left out: what they hold are other
-    layers, listed on their own, and variables made in ``__init__``, which exist."""
-    return [layer for layer in nested_layers(model) if not layer.built and has_call(layer)]
+    they have not run. Left out, since building them makes no variable: those without a
+    ``call`` (what they hold are other layers, listed on their own, and variables made in
+    ``__init__``, which exist) and those without a ``build`` of their own (lookups, Dropout:
+    Keras refuses variables made after building). ``TextVectorization``'s lookup is one
+    that never runs as a layer: its owner calls it by method."""
+    return [layer for layer in nested_layers(model)
+            if not layer.built and has_call(layer) and _builds_variables(layer)]
+
+
+def _builds_variables(layer: Any) -> bool:
+    """Whether building the layer may make variables: its class has a ``build`` of its own,
+    or it is a model (whose variables its layers' builds make)."""
+    import keras
+
+    return isinstance(layer, keras.Model) or type(layer).build is not keras.layers.Layer.build
+
+
+def text_vectorization_lookup(layer: Any) -> Any:
+    """The lookup layer inside a ``TextVectorization`` (it holds the vocabulary and the
+    tf-idf weights), or None."""
+    return getattr(layer, "_lookup_layer", None)
+
+
+def idf_weights(layer: Any) -> Any:
+    """A lookup's (or ``TextVectorization``'s) tf-idf weights, as NumPy, where its
+    ``output_mode`` is ``"tf_idf"`` and it has them; else None. Keras keeps them in a
+    ``tf.Variable`` of the layer's own, outside its weights: no broadcast reaches them."""
+    lookup = text_vectorization_lookup(layer)
+    lookup = layer if lookup is None else lookup
+    if getattr(lookup, "output_mode", None) != "tf_idf":
+        return None
+    weights = getattr(lookup, "idf_weights", None)
+    return None if weights is None else np.asarray(weights)
 
 
 def nested_layers(model: Any) -> list:

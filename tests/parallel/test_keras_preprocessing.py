@@ -126,3 +126,61 @@ def test_discretization_adapted_per_rank_fails_naming_the_layer(world):
     with pytest.raises(keras_ring.WeightMismatchError, match="layer 'buckets', its bin boundaries"):
         model.fit(x, x, batch_size=16, epochs=1, verbose=0,
                   callbacks=[keras_ring.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+
+# --- tf-idf weights, and TextVectorization inside the model ---------------------------------
+
+def _documents(rank: int) -> list[str]:
+    """As many documents and words on every rank (a 8, b 4, d 2), in other documents: equal
+    vocabularies, different inverse document frequencies."""
+    return ["a a"] * (4 - rank) + ["a b"] * (2 * rank) + ["b b"] * (2 - rank) + ["d d"]
+
+
+def _text_model(layer: keras.layers.Layer, shape: tuple) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(shape, dtype="string"), layer, keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    return model
+
+
+def _fit_text(model: keras.Model, x: np.ndarray, epochs: int = 1) -> None:
+    data = tf.data.Dataset.from_tensor_slices((x, np.ones((len(x), 1), "float32"))).batch(2)
+    model.fit(data, epochs=epochs, verbose=0,
+              callbacks=[keras_ring.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+
+@pytest.mark.parametrize("layer", ["StringLookup", "TextVectorization"])
+def test_tf_idf_weights_adapted_per_rank_fail_naming_the_layer(world, layer):
+    # The vocabularies compared equal and the weights in tf.Variables of the layer's own went
+    # unseen: each rank weighed tokens its own way, trained and saved apart, exit 0.
+    rank, size = world
+    if layer == "StringLookup":
+        lookup = keras.layers.StringLookup(output_mode="tf_idf", name="tokens")
+        x = np.array([d.split() for d in _documents(min(rank, 1))])
+    else:
+        lookup = keras.layers.TextVectorization(output_mode="tf_idf", name="tokens")
+        x = np.array(_documents(min(rank, 1))).reshape(-1, 1)
+    lookup.adapt(x)
+    model = _text_model(lookup, x.shape[1:])
+    with pytest.raises(keras_ring.WeightMismatchError) as caught:
+        _fit_text(model, x)
+    message = str(caught.value)
+    assert "layer 'tokens', its idf weights" in message, message
+    assert "idf_weights=" in message and caught.value.rank == 1
+
+
+@pytest.mark.parametrize("mode", ["int", "multi_hot", "tf_idf"])
+def test_text_vectorization_inside_the_model_trains(world, mode):
+    # keras-io's text classification: TextVectorization adapted on the same data everywhere.
+    # Its own lookup never runs as a layer, and fit refused the model, even in one process.
+    rank, size = world
+    text = keras.layers.TextVectorization(max_tokens=8, output_mode=mode,
+                                          output_sequence_length=4 if mode == "int" else None)
+    text.adapt(np.array(_documents(0) + _documents(1)))
+    layers = [text] + ([keras.layers.Embedding(8, 2), keras.layers.Flatten()]
+                       if mode == "int" else [])
+    keras.utils.set_random_seed(rank)
+    model = keras.Sequential([keras.Input((1,), dtype="string"), *layers, keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    _fit_text(model, np.array(_documents(min(rank, 1))).reshape(-1, 1), epochs=2)
+    assert _same_everywhere(np.concatenate([w.ravel() for w in model.get_weights()]))
