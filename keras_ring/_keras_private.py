@@ -144,6 +144,13 @@ def has_call(layer: Any) -> bool:
     return getattr(type(layer), "call", None) not in (keras.Model.call, keras.layers.Layer.call)
 
 
+def keras_train_step(model: Any) -> bool:
+    """Whether the model trains with Keras's own ``train_step`` (no class of the program's
+    overrides it)."""
+    owner = next((k for k in type(model).__mro__ if "train_step" in vars(k)), None)
+    return owner is not None and owner.__module__.startswith("keras.")
+
+
 def unbuilt_layers(model: Any) -> list:
     """The layers of the model (itself and nested ones) that have no variables yet because
     they have not run. Left out, since building them makes no variable: those without a

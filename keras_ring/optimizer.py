@@ -535,15 +535,7 @@ def _trained_optimizers(model: Any) -> list[Any]:
     those ``model`` holds as attributes (``d_optimizer``, ``g_optimizer``). Where some are
     wrapped and others not, the variables those update would train apart on each rank,
     silently: a ValueError naming them."""
-    held = _keras_private.held_optimizers(model)
-    compiled = getattr(model, "optimizer", None)
-    default = model.__dict__.get(_COMPILE_DEFAULT)
-    if compiled is not None and (default is None or default() is not compiled):
-        held.insert(0, ("optimizer", compiled))
-    wrapped, plain = [], []
-    for name, value in held:
-        _distribute_loss_scaling(value)  # a LossScaleOptimizer around a wrapped one
-        (wrapped if is_wrapped(value) else plain).append((name, value))
+    wrapped, plain = _optimizers_of(model)
     if wrapped and plain:
         raise ValueError(
             f"keras_ring: {type(model).__name__} holds optimizers wrapped with keras_ring.wrap "
@@ -554,6 +546,35 @@ def _trained_optimizers(model: Any) -> list[Any]:
             + ("; if train_step never uses compile()'s optimizer, compile without one"
                if any(name == "optimizer" for name, _ in plain) else ""))
     return [value for _, value in wrapped]
+
+
+def _optimizers_of(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """(name, optimizer) of the compiled one (unless compile() chose it, unasked) and those
+    ``model`` holds as attributes: the wrapped ones, and the others. A LossScaleOptimizer
+    around a wrapped one (wrapped after compile) is made to communicate first, so it counts
+    as wrapped."""
+    held = _keras_private.held_optimizers(model)
+    compiled = getattr(model, "optimizer", None)
+    default = model.__dict__.get(_COMPILE_DEFAULT)
+    if compiled is not None and (default is None or default() is not compiled):
+        held.insert(0, ("optimizer", compiled))
+    for _, value in held:
+        _distribute_loss_scaling(value)
+    wrapped = [(name, value) for name, value in held if is_wrapped(value)]
+    return wrapped, [(name, value) for name, value in held if not is_wrapped(value)]
+
+
+def unwrapped_training(model: Any) -> str | None:
+    """Where ``fit`` would train ``model`` on each rank alone, with no gradient averaged:
+    Keras's own ``train_step`` applies compile()'s optimizer, and no optimizer of the model
+    is wrapped (``wrap()`` forgotten). Its optimizers, described; else None. A custom
+    ``train_step`` may average through a ``DistributedGradientTape``: never said of it."""
+    if not _keras_private.keras_train_step(model):
+        return None
+    wrapped, plain = _optimizers_of(model)
+    if wrapped or not plain:
+        return None
+    return ", ".join(f"{name}: {type(o).__name__}" for name, o in plain)
 
 
 def _weight_check_settings(model: Any) -> tuple[set[int], ProcessSet] | None:

@@ -14,6 +14,7 @@ from keras_ring._weight_layout import ModelLayout
 from keras_ring.basics import size
 from keras_ring.collectives import _shared_variables, broadcast_variables
 from keras_ring.objects import allgather_object
+from keras_ring.optimizer import unwrapped_training
 from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
 
@@ -81,6 +82,18 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
                      else f"{self.process_set}")
             raise ValueError(f"BroadcastGlobalVariablesCallback: root_rank={self.root_rank} "
                              f"is not a rank of {where}")
+        plain = unwrapped_training(self.model) if len(ranks) > 1 else None
+        if plain is not None:
+            # Every rank would apply its own gradients from the root's weights: apart from
+            # the first step on, with exit 0 (Horovod trained on the same way).
+            raise ValueError(
+                f"BroadcastGlobalVariablesCallback: model '{self.model.name}' trains with "
+                f"optimizers that keras_ring does not wrap ({plain}): each rank would apply "
+                "its own gradients, and the ranks would train apart from the first step. "
+                "Compile with keras_ring.wrap(optimizer) (Horovod's DistributedOptimizer); "
+                "to train each rank alone from the root's weights on purpose, call "
+                "keras_ring.broadcast_variables(model.variables, root_rank=0) before fit "
+                "instead of this callback")
         self._pending = True
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:

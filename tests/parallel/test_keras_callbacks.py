@@ -498,3 +498,45 @@ def test_rates_that_change_alike_train_on(world, how):
     else:
         model = _batch_loop(rank, 0.05, lambda call: 0.1 / (call + 1))
     ks.assert_same_on_all_ranks(ks.weights(model))
+
+
+# --- wrap() forgotten ----------------------------------------------------------------------
+
+def test_the_broadcast_refuses_a_model_whose_optimizer_nobody_wrapped(world):
+    # Each rank applied its own gradients from the root's weights: apart, with exit 0.
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(rank))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=ks.loss())
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    steps = []
+    probe = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: steps.append(b))
+    with pytest.raises(ValueError, match=r"optimizers that keras_ring does not wrap "
+                                         r"\(optimizer: SGD\)") as info:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[BroadcastGlobalVariablesCallback(0), probe])
+    assert "keras_ring.wrap(optimizer)" in str(info.value) and steps == []
+
+
+class TapeAveraged(keras.Model):
+    """Horovod's TF2 way inside Keras: a DistributedGradientTape and a plain optimizer."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        tape = keras_ring.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_a_custom_step_that_averages_through_its_tape_is_not_refused(world):
+    rank, _ = world
+    keras.utils.set_random_seed(ks.rank_seed(rank))
+    inputs = keras.Input((ks.FEATURES,))
+    model = TapeAveraged(inputs, keras.layers.Dense(ks.CLASSES)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=ks.loss())
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+              callbacks=[BroadcastGlobalVariablesCallback(0)])
+    ks.assert_same_on_all_ranks(ks.weights(model))

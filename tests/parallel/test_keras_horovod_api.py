@@ -228,7 +228,8 @@ def test_broadcast_callback_leaves_local_variables_alone(world, form):
     kernel = model.layers[-1].kernel
     local = {"keras.Variable": [kernel], "tf.Variable": [kernel.value], "one variable": kernel}
     callback = BroadcastGlobalVariablesCallback(0, local_variables=local[form])
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=ks.loss())  # weights stay put
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.0)),  # weights stay put
+                  loss=ks.loss())
     x, y = ks.classification_data(BATCH, seed=1)
     model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
     roots = ks.weights(ks.mlp(ks.rank_seed(0)))
