@@ -160,3 +160,15 @@ def accumulator_for(sources: Sequence[Any], grads: Sequence[Any], steps: int) ->
     """The accumulator of these sources (the same objects, in this order), made on first use."""
     return state_for(_ACCUMULATORS, (steps, tuple(id(s) for s in sources)), sources,
                      lambda: Accumulator(sources, grads, steps))
+
+
+def drop_pending_passes() -> None:
+    """Empties every ``DistributedGradientTape`` accumulator: the passes summed since its
+    last update, and its pass counter. An elastic job calls it on every rank of each new
+    world: a survivor's may hold a pass of a step that the restore rolled back, or count
+    differently from a newcomer's, whose are empty (its next reduction would then meet
+    another collective). Those passes are lost, as the steps since the last commit are."""
+    for accumulator in list(_ACCUMULATORS.values()):
+        if accumulator.alive():
+            accumulator.reset()
+            accumulator.count.assign(0)

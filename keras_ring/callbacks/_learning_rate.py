@@ -9,6 +9,7 @@ import keras
 from keras_ring import _keras_private
 from keras_ring.objects import broadcast_object
 from keras_ring.optimizer import distributed_optimizers
+from keras_ring.runtime import RUNTIME
 
 
 def optimizer_of(model: Any, who: str) -> keras.optimizers.Optimizer:
@@ -48,11 +49,24 @@ def current_rate(optimizer: Any) -> float:
     return float(rate.numpy() if hasattr(rate, "numpy") else rate)
 
 
-def root_rate(model: Any, optimizer: Any) -> float:
+def root_rate(model: Any, optimizer: Any, who: str) -> float:
     """The rate a callback given no ``initial_lr`` starts from: the root's (the first rank
     the model's keras_ring optimizers average over). A checkpoint restored on the root only
     reaches the others with the broadcast, in the first batch, after ``on_train_begin``:
-    each rank's own rate would make each warm up to its own, silently."""
+    each rank's own rate would make each warm up to its own, silently.
+
+    Raises:
+        ValueError: in an elastic job, where every world after the first resumes with the
+            committed, already warmed or decayed rate (a callback made anew in ``train``
+            aimed at that, silently), and only a newcomer's callback made before ``train``
+            would ask the root (a mismatch that ended the job).
+    """
+    if RUNTIME.elastic is not None:
+        raise ValueError(
+            f"{who}: pass initial_lr in an elastic job (as Horovod requires): every world "
+            "after the first resumes from the last commit, where the optimizer's rate is "
+            "the warmed or scheduled one, not the initial rate, and a worker that joins "
+            "would read it where the others do not")
     rate = current_rate(optimizer)
     found = distributed_optimizers(model)
     if found is None:  # trains alone on each rank: nothing to agree on

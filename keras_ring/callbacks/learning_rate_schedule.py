@@ -80,7 +80,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         optimizer = lr_util.optimizer_of(self.model, "LearningRateScheduleCallback")
         lr_util.check_settable(optimizer, "LearningRateScheduleCallback")
         if self.initial_lr is None:
-            self.initial_lr = lr_util.root_rate(self.model, optimizer)
+            self.initial_lr = lr_util.root_rate(self.model, optimizer, "LearningRateScheduleCallback")
         if not self.staircase:
             self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                                   "LearningRateScheduleCallback")

@@ -82,7 +82,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         optimizer = lr_util.optimizer_of(self.model, "LearningRateWarmupCallback")
         lr_util.check_settable(optimizer, "LearningRateWarmupCallback")
         if self.initial_lr is None:
-            self.initial_lr = lr_util.root_rate(self.model, optimizer)
+            self.initial_lr = lr_util.root_rate(self.model, optimizer, "LearningRateWarmupCallback")
         self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                               "LearningRateWarmupCallback")
         self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 
-from keras_ring import _bucket_tuning, errors
+from keras_ring import _accumulation, _bucket_tuning, errors
 from keras_ring.basics import init, rank, size
 from keras_ring.elastic.client import RendezvousError
 from keras_ring.elastic.state import HostsUpdatedInterrupt, State
@@ -64,6 +64,7 @@ def run(func: F) -> F:
         while True:
             try:
                 _bucket_tuning.MEASURED.agree(kept)
+                _accumulation.drop_pending_passes()  # not part of any state: alike now
                 state.sync()
                 result = func(state, *args, **kwargs)
                 RUNTIME.elastic.finished()

@@ -5,6 +5,7 @@ import pytest
 
 import keras
 import keras_ring
+import keras_ring.runtime
 from keras_ring.callbacks import (
     BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
@@ -76,6 +77,19 @@ def test_warmup_needs_steps_per_epoch_when_fit_cannot_tell():
     with pytest.raises(ValueError, match="pass steps_per_epoch="):
         model.fit(forever(), epochs=1, verbose=0, shuffle=False,
                   callbacks=[LearningRateWarmupCallback(1)])
+
+
+@pytest.mark.parametrize("make", [lambda: LearningRateWarmupCallback(None, warmup_epochs=2),
+                                  lambda: LearningRateScheduleCallback(None, 0.5)],
+                         ids=["warmup", "schedule"])
+def test_an_elastic_job_must_give_initial_lr(make, monkeypatch):
+    # Made anew in train() after a reset, the callback aimed at the committed, already warmed
+    # or decayed rate: 4x too small after one reset, silently.
+    monkeypatch.setattr(keras_ring.runtime.RUNTIME, "_elastic", object())  # a worker's client
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match="pass initial_lr in an elastic job"):
+        model.fit(np.zeros((4, 2)), np.zeros((4, 1)), epochs=1, verbose=0, callbacks=[make()])
 
 
 def test_momentum_correction_scales_sgd_velocity_but_not_adam_moments():
