@@ -104,6 +104,12 @@ class ElasticClient:
                               "asking for new workers")
         return bool(reply.get("updated"))
 
+    def synced(self) -> None:
+        """Tells the rendezvous that this worker holds the job's state now (its world's
+        sync ended): a world whose workers all lack it must not form (they would train from
+        a newcomer's initial state)."""
+        self._request({"op": "synced"}, _POLL_SECONDS, "reporting the state's sync")
+
     def finished(self) -> None:
         """Tells the rendezvous that training finished: no world forms after this one."""
         self._request({"op": "finished"}, _POLL_SECONDS, "reporting the end of training")

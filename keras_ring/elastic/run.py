@@ -66,6 +66,7 @@ def run(func: F) -> F:
                 _bucket_tuning.MEASURED.agree(kept)
                 _accumulation.drop_pending_passes()  # not part of any state: alike now
                 state.sync()
+                RUNTIME.elastic.synced()
                 result = func(state, *args, **kwargs)
                 RUNTIME.elastic.finished()
                 return result

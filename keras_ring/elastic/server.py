@@ -47,6 +47,7 @@ class _Worker:
     order: int  # connection order, for newcomers' ranks
     offer: Offer | None = None  # set while it waits for the next world
     waiting_since: float = 0.0
+    holds_state: bool = False  # it synced the job's state in some world (see "synced")
 
 
 @dataclass
@@ -123,6 +124,7 @@ class WorldServer:
         self.members: list[str] = []  # the current world's workers, in rank order
         self.failure: str | None = None  # set when the job cannot go on
         self.finished = False  # a member reported the end of training
+        self._state_synced = False  # some worker synced the job's state: it has one to lose
         self._round = _Round()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="keras_ring-elastic",
@@ -203,6 +205,9 @@ class WorldServer:
             worker.waiting_since = time.monotonic()
         elif op == "poll":
             _tell(worker.conn, {"updated": self._updates_waiting()})
+        elif op == "synced":
+            worker.holds_state = self._state_synced = True
+            _tell(worker.conn, {"ok": True})
         elif op == "finished":
             self.finished = self.finished or worker.worker_id in self.members
             _tell(worker.conn, {"ok": True})
@@ -259,6 +264,16 @@ class WorldServer:
                 self._on_dropped(worker.worker_id)
         self._form(joining)
 
+    def _orphaned(self, chosen: list[_Worker]) -> str | None:
+        """Why no world may form of ``chosen``: none holds the state the job trained (the
+        new rank 0 would sync its own initial state to the others), or None."""
+        if not self._state_synced or any(w.holds_state for w in chosen):
+            return None
+        return (f"no worker of the next world ({', '.join(w.worker_id for w in chosen)}) "
+                "holds the job's state: every worker that had synced it is gone, the last "
+                "before handing it on to a newcomer, whose own initial state a world would "
+                "silently train from (from step 0). Start the job again, from a checkpoint")
+
     def _wait_for_more(self, joining: list[_Worker], now: float) -> None:
         if self._round.short_since is None:
             self._round.short_since = now
@@ -278,7 +293,7 @@ class WorldServer:
                                                  w.order))
         chosen = ordered[:self.limits.max_np]
         offers = [w.offer for w in chosen]
-        problem = check_world(offers, [w.seen for w in chosen])
+        problem = check_world(offers, [w.seen for w in chosen]) or self._orphaned(chosen)
         if problem is not None:
             self.failure = problem
             for worker in chosen:

@@ -153,3 +153,27 @@ def test_after_training_finished_no_world_forms_for_a_newcomer(make_server):
     a.close()
     b.close()  # the members leave; the newcomer alone must not start training afresh
     assert "the job finished training" in c.world()["error"]
+
+
+def test_no_world_forms_of_newcomers_once_every_worker_holding_the_state_is_gone(make_server):
+    # The newcomer became the only worker and trained from its own initial state (step 0),
+    # silently: its world formed while the survivor that held the state died before the sync.
+    server = make_server(min_np=1, max_np=2, initial_np=1)
+    (a,) = first_world(server, "a")
+    assert a.ask({"op": "synced"}) == {"ok": True}
+    b = Worker(server, "b")
+    b.join()  # announced at a's next commit; a dies before handing the state on
+    a.close()
+    reply = b.world(timeout=20)
+    assert "no worker of the next world (b) holds the job's state" in reply["error"], reply
+    assert server.failure is not None
+
+
+def test_newcomers_form_a_world_where_nobody_synced_yet(make_server):
+    # A first world that broke before its sync: nothing to lose, a newcomer may start.
+    server = make_server(min_np=1, max_np=2, initial_np=1)
+    (a,) = first_world(server, "a")
+    b = Worker(server, "b")
+    b.join()
+    a.close()
+    assert b.world(timeout=20)["rank"] == 0
