@@ -24,10 +24,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from keras_ring import interfaces
 from keras_ring.config import (DEFAULT_ELASTIC_TIMEOUT_SECONDS, ELASTIC_JOIN_VARIABLE,
@@ -40,6 +42,7 @@ from keras_ring._launch_output import Renderer
 
 _TICK_SECONDS = 0.1
 _STOP_GRACE_SECONDS = 10.0
+_DISCOVERY_SECONDS = 30.0  # a discovery script running longer is stopped
 # Variables a remote worker gets from the driver's environment (ssh starts afresh).
 _FORWARDED_PREFIXES = ("KERAS_RING_", "TF_", "NCCL_", "CUDA_", "PYTHON")
 
@@ -91,22 +94,32 @@ class ElasticDriver:
         self._serial = 0
         self._finishing = False
         self._short_since: float | None = None
+        self._discovery = Discovery(options.discovery_script)
         self._out = (Renderer(sys.stdout.buffer), Renderer(sys.stderr.buffer))
         self._out_lock = threading.Lock()
 
     # --- the job ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Runs the job to its end; Ctrl-C (or SIGTERM) stops every worker (exit code 130)."""
+        """Runs the job to its end; Ctrl-C (or SIGTERM) stops every worker (exit code 130,
+        143 for SIGTERM, as the launcher without elastic)."""
         self.server.start()
         next_discovery = 0.0
-        previous = signal.signal(signal.SIGTERM, _interrupt)
+        terminated = []
+
+        def on_sigterm(signum, frame):
+            terminated.append(signum)
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
             while True:
                 now = time.monotonic()
-                if now >= next_discovery and not self._finishing:
-                    self._discover()
-                    next_discovery = now + self.options.discovery_interval
+                if not self._finishing:
+                    if self._discovery.idle and now >= next_discovery:
+                        self._discovery.start(now)
+                        next_discovery = now + self.options.discovery_interval
+                    self._collect_discovery(now)
                 self._reap()
                 code = self._verdict(now)
                 if code is not None:
@@ -115,10 +128,12 @@ class ElasticDriver:
                     self._fill_slots()
                 time.sleep(_TICK_SECONDS)
         except KeyboardInterrupt:
-            self.say("interrupted: stopping every worker")
-            return 130
+            self.say("terminated by SIGTERM: stopping every worker" if terminated
+                     else "interrupted: stopping every worker")
+            return 128 + signal.SIGTERM if terminated else 130
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self._discovery.stop()  # a script still running, and what it started
             self._stop_all()
             self.server.close()
 
@@ -150,19 +165,18 @@ class ElasticDriver:
             return 1
         return None
 
-    def _discover(self) -> None:
-        try:
-            out = subprocess.run([self.options.discovery_script], capture_output=True,
-                                 text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            self.say(f"host discovery failed: {e}; keeping the last list")
+    def _collect_discovery(self, now: float) -> None:
+        """Takes the hosts of a discovery that ended (the job goes on meanwhile: a slow
+        script held up the whole driver, even a job that had finished)."""
+        result = self._discovery.result(now)
+        if result is None:
             return
-        if out.returncode != 0:
-            self.say(f"host discovery exited with {out.returncode}: "
-                     f"{out.stderr.strip()[-300:]}; keeping the last list")
+        problem, stdout = result
+        if problem is not None:
+            self.say(f"host discovery {problem}; keeping the last list")
             return
         hosts: dict[str, int] = {}
-        for line in out.stdout.splitlines():
+        for line in stdout.splitlines():
             host, _, slots = line.strip().partition(":")
             if host:
                 hosts[host] = int(slots) if slots.strip().isdigit() else 1
@@ -298,8 +312,75 @@ class ElasticDriver:
             self._out[1].raw(f"keras-ring-run: {message}\n".encode())
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+class Discovery:
+    """One run of the host discovery script at a time, in a process group of its own, never
+    waited for: the driver polls it between its other work, and a run past
+    ``_DISCOVERY_SECONDS`` (or at the job's end) is killed with what it started."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self._proc: subprocess.Popen | None = None
+        self._files: tuple[Any, Any] | None = None
+        self._started = 0.0
+        self._failed_to_start: str | None = None
+
+    @property
+    def idle(self) -> bool:
+        return self._proc is None
+
+    def start(self, now: float) -> None:
+        # Files, not pipes: nothing is read until it ends, and a full pipe would stall it.
+        self._files = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
+        try:
+            self._proc = subprocess.Popen([self.script], stdin=subprocess.DEVNULL,
+                                          stdout=self._files[0], stderr=self._files[1],
+                                          start_new_session=True)
+        except OSError as e:
+            self._close()
+            self._failed_to_start = str(e)
+            return
+        self._started = now
+
+    def result(self, now: float) -> tuple[str | None, str] | None:
+        """(problem or None, its output) once a run ended; None while none did."""
+        failed = self._failed_to_start
+        if failed is not None:
+            self._failed_to_start = None
+            return f"failed: {failed}", ""
+        if self._proc is None:
+            return None
+        code = self._proc.poll()
+        if code is None:
+            if now - self._started <= _DISCOVERY_SECONDS:
+                return None
+            self.stop()
+            return f"failed: still running after {_DISCOVERY_SECONDS:.0f} s (stopped)", ""
+        out, err = (self._read(f) for f in self._files)
+        self._proc = None
+        self._close()
+        if code != 0:
+            return f"exited with {code}: {err.strip()[-300:]}", ""
+        return None, out
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
+            self._proc = None
+        self._close()
+
+    @staticmethod
+    def _read(file: Any) -> str:
+        file.seek(0)
+        return file.read().decode(errors="replace")
+
+    def _close(self) -> None:
+        for file in self._files or ():
+            file.close()
+        self._files = None
 
 
 def _is_local(host: str) -> bool:

@@ -242,7 +242,11 @@ def test_a_scheduler_drives_the_rendezvous_without_the_launcher(tmp_path):
     assert results[0]["checksum"] == results[1]["checksum"], results
 
 
-def test_ctrl_c_stops_every_worker(tmp_path):
+@pytest.mark.parametrize("sig, code, said", [
+    (signal.SIGINT, 130, "interrupted: stopping every worker"),
+    (signal.SIGTERM, 143, "terminated by SIGTERM: stopping every worker"),  # was 130
+], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_every_worker(tmp_path, sig, code, said):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -258,10 +262,31 @@ def test_ctrl_c_stops_every_worker(tmp_path):
     for line in proc.stdout:  # wait until both workers train, then press Ctrl-C
         seen.append(line)
         if sum("RESET" in s for s in seen) == 2:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             break
     out = "".join(seen) + proc.communicate(timeout=GUARD)[0]
-    assert proc.returncode == 130, out[-4000:]
-    assert "interrupted: stopping every worker" in out
+    assert proc.returncode == code, out[-4000:]
+    assert said in out
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
     assert not left.strip(), left
+
+
+def test_a_slow_discovery_script_neither_holds_the_job_nor_outlives_it(tmp_path):
+    # The driver waited for each run of the script: a job whose workers had finished ended
+    # only at the script's 30 s timeout, and what the script started was left running.
+    hosts, flag = tmp_path / "hosts", tmp_path / "flag"
+    hosts.write_text("localhost:2\n")
+    marker = uuid.uuid4().hex
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\nif [ -f {flag} ]; then sh -c 'sleep 600' slow-{marker}; fi"
+                        f"\ntouch {flag}\ncat {hosts}\n")
+    discover.chmod(0o755)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT), KR_EPOCHS="2")
+    proc = subprocess.run([str(RUN), "-np", "2", "--min-np", "2", "--max-np", "2",
+                           "--host-discovery-script", str(discover), sys.executable,
+                           str(HERE / "train_worker.py"), marker],
+                          env=env, capture_output=True, text=True, timeout=GUARD)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert flag.exists()  # the script ran, and its later runs hung
+    left = subprocess.run(["pgrep", "-f", f"slow-{marker}"], capture_output=True, text=True)
+    assert not left.stdout.strip(), left.stdout
