@@ -148,15 +148,22 @@ class BatchRates:
     """``train_on_batch``'s rate check: a loop of the program's own sets the rate between
     calls (a plateau rule on this rank's loss, code under ``if rank == 0``), where no epoch
     begins. The rates are compared at the first call after ``init()`` and at each call that
-    finds this rank's changed since the last comparison: reading them costs ~20 us a call,
-    the allgather runs only then. A rank that changed its rate alone meets its peers' training
-    step with that allgather: the mismatch names it (``errors.py`` adds the cause). Rates
-    that a schedule computes from the step count are equal where the steps are, and left
-    out (they change on every call)."""
+    finds this rank's changed since the last comparison. Reading a rate costs a TensorFlow
+    op (100-400 us on a loaded 2-core machine, ~10% of a small model's call), so it is read
+    only where its variable was assigned since (:func:`_assignments`); the allgather runs
+    only where the value changed. A rank that changed its rate alone meets its peers'
+    training step with that allgather: the mismatch names it (``errors.py`` adds the
+    cause). Rates that a schedule computes from the step count are equal where the steps
+    are, and left out (they change on every call)."""
 
     def __init__(self) -> None:
         self.generation: int | None = None
         self.rates: bytes | None = None
+        self.assigned: tuple | None = None  # _assignments() when the rates were last read
+        # What ``find`` said, and for which optimizer and training function: compile makes
+        # new ones (walking the model's attributes on every call cost ~150 us).
+        self.found: tuple[Any, Any] = (None, None)
+        self.found_for: tuple[int, int] | None = None
 
     @staticmethod
     def of(model: Any) -> "BatchRates":
@@ -167,9 +174,14 @@ class BatchRates:
         ranks = process_set.members()
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
+        assigned = tuple(_assignments(o) for o in optimizers)
+        same_world = self.generation == RUNTIME.generation
+        if same_world and self.assigned == assigned:
+            return
+        self.assigned = assigned
         mine = np.array([0.0 if _scheduled(o) else current_rate(o) for o in optimizers],
                         np.float64)
-        if self.generation == RUNTIME.generation and self.rates == mine.tobytes():
+        if same_world and self.rates == mine.tobytes():
             return
         everyone = allgather(tf.constant(mine[np.newaxis]), name=BATCH_NAME,
                              process_set=process_set).numpy()
@@ -183,6 +195,33 @@ _BATCH_CAUSE = (
     "The program set the rate on some ranks only (from this rank's own loss, or in code "
     "that runs on some ranks only): set it alike on every rank, from values every rank "
     "shares (keras_ring.allreduce of the loss).")
+
+
+_ASSIGNED = "_keras_ring_assignments"
+
+
+def _assignments(optimizer: Any) -> tuple[int, int] | None:
+    """(identity, how many times it was assigned since watched) of the optimizer's rate
+    variable; None where a schedule gives the rate. Its ``assign`` methods are wrapped on
+    the instance, once: setting ``optimizer.learning_rate`` and assigning the variable
+    (also by a broadcast, a checkpoint load or an elastic restore) all go through them."""
+    variable = getattr(optimizer, "_learning_rate", None)
+    if not isinstance(variable, keras.Variable):
+        return None
+    counts = vars(variable)
+    if _ASSIGNED not in counts:
+        counts[_ASSIGNED] = 0
+        for name in ("assign", "assign_add", "assign_sub"):
+            setattr(variable, name, _counted(counts, getattr(variable, name)))
+    return id(variable), counts[_ASSIGNED]
+
+
+def _counted(counts: dict, assign: Callable) -> Callable:
+    @functools.wraps(assign)
+    def counted(*args, **kwargs):
+        counts[_ASSIGNED] += 1
+        return assign(*args, **kwargs)
+    return counted
 
 
 def _scheduled(optimizer: Any) -> bool:
@@ -229,9 +268,12 @@ def _install_train_on_batch_hook(find: Finder) -> None:
 
     @functools.wraps(original)
     def train_on_batch(self, *args, **kwargs):
-        found = find(self)
-        if found is not None:
-            BatchRates.of(self).check(*found)
+        rates = BatchRates.of(self)
+        key = (id(getattr(self, "optimizer", None)), id(getattr(self, "train_function", None)))
+        if rates.found_for != key:
+            rates.found, rates.found_for = find(self), key
+        if rates.found is not None:
+            rates.check(*rates.found)
         return original(self, *args, **kwargs)
 
     train_on_batch._keras_ring = True
