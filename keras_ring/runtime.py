@@ -317,21 +317,23 @@ class Runtime:
     def _at_exit(self) -> None:
         leaving_with = self._leaving_with
         grace = self._config.failure_exit_seconds if self._config is not None else 0.0
-        # Read before shutdown: a timeout the program caught counts as much as one it did not.
-        stalled = self._peer_stalled or (
-            self._generation > 0 and os.getpid() == self._pid
-            and library().c.keras_ring_peer_stalled() == 1)
         self.shutdown(leaving_with)
         if self._elastic is not None:
             self._elastic.close()
         if leaving_with is not None:
             _abort_user_mpi()
-        # keras-ring-run stops its job itself when a rank fails, as this one does where the
-        # program did not catch the timeout.
-        caught = leaving_with is None
-        if stalled and "PMI_RANK" in os.environ and (
-                caught or not os.environ.get(_rank_wrapper.TOKEN_ENV)):
-            _leave_failed(grace, caught)
+        if self._peer_stalled and "PMI_RANK" in os.environ and not os.environ.get(
+                _rank_wrapper.TOKEN_ENV):
+            # Under plain mpirun (keras-ring-run stops its job itself): a peer that cannot
+            # run (stopped, stuck in the kernel) never ends by itself, and a plain exit tells
+            # MPICH's launcher that this rank finished as MPI ranks do (the C library's exit
+            # finalizes PMI), so it would wait for that peer for ever. Leaving without the C
+            # runtime's exit makes it stop the job; first, a peer stuck in user code gets
+            # the time its own failure exit takes to end itself saying why.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            time.sleep(grace + 1.0)
+            os._exit(1)
 
     def note_uncaught(self, exc_type: type, exc: BaseException) -> None:
         """Records that the program is ending with an uncaught exception."""
@@ -420,28 +422,6 @@ def _chain_excepthook(runtime: Runtime) -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
-
-
-def _leave_failed(grace: float, caught: bool) -> None:
-    """Ends a rank whose peer stalled as a failed rank, so that the launcher ends the job.
-
-    A peer that cannot run (stopped, stuck in the kernel) never ends by itself. A plain exit
-    tells MPICH's launcher that this rank finished as MPI ranks do (the C library's exit
-    finalizes PMI), and a normal one tells keras-ring-run the same, so either would wait for
-    that peer for ever, also where the program caught the timeout and ended normally.
-    Leaving without the C runtime's exit, with a failure's code, makes it stop the job;
-    first, a peer stuck in user code gets the time its own failure exit takes to end itself
-    saying why. This rank's own failure exit, armed by the timeout, usually comes first.
-    """
-    if caught:  # the failure exit (exit code 70, armed by the timeout) usually ends it
-        print("keras_ring: this rank does not end normally, but as a failed rank: a peer did "
-              "not take part in a collective in time (the program caught the "
-              "CollectiveTimeoutError), and a normal exit would leave the job waiting for "
-              "that peer for ever", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    time.sleep(grace + 1.0)
-    os._exit(1)
 
 
 def _abort_user_mpi() -> None:

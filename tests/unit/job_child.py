@@ -9,8 +9,7 @@ failure exit) or
 ``FAULT_RANK`` (default 1) and ``FAULT_STEP`` (default 5) say where. ``JOB_DIR`` gets
 ``fault`` (the CLOCK_MONOTONIC time of the fault) and ``error.R`` (rank R's error, as JSON:
 class, keras_ring attributes, message) when a rank's ``fit`` fails. The exception is
-re-raised, as an uncaught error, so the exit path is the one real programs take; with
-``CATCH=1`` the program catches it and ends normally instead (it logged the error, say).
+re-raised, as an uncaught error, so the exit path is the one real programs take.
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ def main() -> None:
                   "keras_ring": isinstance(e, keras_ring.KerasRingError),
                   "rank": getattr(e, "rank", None), "collective": getattr(e, "collective", None)}
         Path(os.environ["JOB_DIR"], f"error.{keras_ring.rank()}").write_text(json.dumps(record))
-        if os.environ.get("CATCH") != "1":
-            raise
+        raise
 
 
 if __name__ == "__main__":

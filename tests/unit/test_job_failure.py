@@ -103,20 +103,13 @@ def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "keras-ring-run"])
-@pytest.mark.parametrize("program", ["raises", "catches"])
-def test_a_rank_that_cannot_run_at_all_still_ends_with_the_job(launcher, program, job_env,
-                                                                tmp_path):
+def test_a_rank_that_cannot_run_at_all_still_ends_with_the_job(launcher, job_env, tmp_path):
     # Under plain mpirun rank 0 failed on its timeout and exited, and mpirun waited for the
-    # stopped rank for ever: a normal exit tells it a rank finished as MPI ranks do. So it
-    # did where the program caught the timeout and ended normally.
-    env = dict(job_env, CATCH="1" if program == "catches" else "0")
-    took, output = run_job(launcher, "sigstop", env, tmp_path)
+    # stopped rank for ever: a normal exit tells it a rank finished as MPI ranks do.
+    took, output = run_job(launcher, "sigstop", job_env, tmp_path)
     assert took < TIMEOUT + GRACE + MARGIN, f"ended {took:.1f} s after the fault:\n{output[-5000:]}"
     error = json.loads((tmp_path / "error.0").read_text())
     assert error["type"] == "CollectiveTimeoutError" and error["rank"] == 1, error
-    if program == "catches":  # why its exit code is not the program's
-        assert "this rank does not end normally, but as a failed rank: a peer did not take part" \
-            in output, output[-5000:]
 
 
 def test_a_rank_that_fails_before_init_ends_the_job_under_plain_mpirun(job_env, tmp_path):

@@ -12,7 +12,6 @@ namespace {
 
 std::atomic<bool> g_armed{false};
 std::atomic<unsigned> g_generation{0};  // bumped by every disarm: an older timer stands down
-std::atomic<bool> g_peer_stalled{false};
 
 }  // namespace
 
@@ -38,11 +37,6 @@ void ArmFailureExit(double grace_seconds, int rank, const std::string& cause) {
 void DisarmFailureExit() {
   g_generation.fetch_add(1);
   g_armed.store(false);
-  g_peer_stalled.store(false);
 }
-
-void NoteStalledPeer() { g_peer_stalled.store(true); }
-
-bool PeerStalled() { return g_peer_stalled.load(); }
 
 }  // namespace keras_ring

@@ -15,16 +15,8 @@ namespace keras_ring {
 // arms nothing (the program owns the failure).
 void ArmFailureExit(double grace_seconds, int rank, const std::string& cause);
 
-// Cancels a pending failure exit: the program recovered (a new runtime was started). Forgets
-// a stalled peer too.
+// Cancels a pending failure exit: the program recovered (a new runtime was started).
 void DisarmFailureExit();
-
-// Records that this process's runtime failed because a peer did not take part in time. Such a
-// peer may be unable to run at all (stopped, stuck in the kernel), so it never ends by itself:
-// how this process leaves then decides whether the launcher ends the job (the Python
-// runtime's exit reads it, also where the program caught the timeout and ended normally).
-void NoteStalledPeer();
-bool PeerStalled();
 
 constexpr int kFailureExitCode = 70;  // EX_SOFTWARE
 
