@@ -206,7 +206,8 @@ def _assignments(optimizer: Any) -> tuple[int, int] | None:
     the instance, once: setting ``optimizer.learning_rate`` and assigning the variable
     (also by a broadcast, a checkpoint load or an elastic restore) all go through them."""
     variable = getattr(optimizer, "_learning_rate", None)
-    if not isinstance(variable, keras.Variable):
+    # Not isinstance(keras.Variable): Keras 3.5's variables are not instances of it.
+    if callable(variable) or not hasattr(variable, "assign"):
         return None
     counts = vars(variable)
     if _ASSIGNED not in counts:
