@@ -45,7 +45,8 @@ def _states(model: Any) -> list[tuple[str, str, list]]:
     found = []
     layers = _keras_private.nested_layers(model)
     # A TextVectorization's own lookup: its state is the owner's, named by the owner.
-    inner = {id(_keras_private.text_vectorization_lookup(layer)) for layer in layers}
+    inner = {id(lookup) for lookup in map(_keras_private.text_vectorization_lookup, layers)
+             if lookup is not None}
     for layer in layers:
         if id(layer) in inner:
             continue

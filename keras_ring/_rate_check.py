@@ -183,14 +183,13 @@ class BatchRates:
                         np.float64)
         if same_world and self.rates == mine.tobytes():
             return
-        everyone = allgather(tf.constant(mine[np.newaxis]), name=BATCH_NAME,
+        everyone = allgather(tf.constant(mine[np.newaxis]), name=RATE_CHECK,
                              process_set=process_set).numpy()
         _compare_rates(ranks, everyone, "at a train_on_batch call", _BATCH_CAUSE)
         self.generation, self.rates = RUNTIME.generation, mine.tobytes()
 
 
 _BATCH_STATE = "_keras_ring_batch_rates"
-BATCH_NAME = RATE_CHECK
 _BATCH_CAUSE = (
     "The program set the rate on some ranks only (from this rank's own loss, or in code "
     "that runs on some ranks only): set it alike on every rank, from values every rank "
