@@ -8,7 +8,7 @@ import os
 import re
 import threading
 
-from keras_ring._rank_wrapper import FRAME
+from keras_ring._rank_wrapper import FRAME, MARKS
 
 
 class Screen:
@@ -141,11 +141,11 @@ class FrameReader:
                 self.buffer = self.buffer[end + 1:]
                 self.on_segment(fields[3].decode(errors="replace"), int(fields[4]))
                 continue
-            if (len(fields) in (4, 5) and fields[0] == self.token and fields[2] == b"exit"
-                    and fields[4:] in ([], [b"follows"])):
+            if (len(fields) >= 4 and fields[0] == self.token and fields[2] == b"exit"
+                    and set(fields[4:]) <= set(MARKS)):
                 self.buffer = self.buffer[end + 1:]
                 self.on_exit(int(fields[1]) if fields[1].isdigit() else -1, int(fields[3]),
-                             len(fields) == 5)
+                             b"follows" in fields[4:], b"stalled" in fields[4:])
                 continue
             if len(fields) != 4 or fields[0] != self.token or not fields[3].isdigit():
                 self.renderer.raw(self.buffer[:end + 1])  # not ours after all

@@ -24,8 +24,9 @@ TOKEN_ENV = "KERAS_RING_RUN_TOKEN"
 # b"\x1eKR <token> <rank> start\n" first (a rank that never sent it was never launched),
 # b"\x1eKR <token> <rank> <sink> <n>\n" and n bytes (sink 1 or 2: stdout or stderr),
 # b"\x1eKR <token> <rank> shm <name> <inode>\n" once the rank maps MPICH's shared memory
-# (_SegmentWatch), and b"\x1eKR <token> <rank> exit <code>[ follows]\n" last ("follows": the
-# rank failed because another had, see mark_follow_on).
+# (_SegmentWatch), and b"\x1eKR <token> <rank> exit <code>[ follows][ stalled]\n" last
+# ("follows": the rank failed because another had, see mark_follow_on; "stalled": a peer
+# did not take part in time, see mark_stalled_peer).
 FRAME = b"\x1eKR "
 FRAME_PAYLOAD = 3072  # header + payload stay below PIPE_BUF: one atomic write per frame
 # A partial line (a progress bar's state after "\r") is forwarded once the stream has been
@@ -36,9 +37,9 @@ _PARTIAL_MAX_SECONDS = 1.0
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "KERAS_RING_RANK",
                   "SLURM_PROCID")
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-# "<wrapper pid>:<path>": the file the rank makes when it leaves with an error that another
-# rank's failure caused (mark_follow_on).
+# "<wrapper pid>:<path>": the file where the rank leaves words on how it ended (_mark).
 STATUS_ENV = "KERAS_RING_RUN_STATUS"
+MARKS = (b"follows", b"stalled")
 SHM_DIRECTORY = "/dev/shm"
 SHM_PREFIX = "mpich_shm_"
 
@@ -48,12 +49,39 @@ def mark_follow_on() -> None:
     another rank's failure caused: the launcher then reports that other rank's exit code,
     whichever rank ended first. Nothing outside keras-ring-run, and nothing in a process the
     wrapper did not start itself."""
+    _mark(b"follows")
+
+
+def mark_stalled_peer() -> None:
+    """Called in the rank when it leaves after a peer did not take part in a collective in
+    time: that peer may be unable to run at all (stopped), so the launcher stops the job even
+    where this rank exits with 0 (the program caught the timeout)."""
+    _mark(b"stalled")
+
+
+def _mark(word: bytes) -> None:
+    """Adds ``word`` to the status file the wrapper reads once the rank has ended."""
     wrapper, _, path = os.environ.get(STATUS_ENV, "").partition(":")
     if path and wrapper == str(os.getppid()):
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, word + b"\n")
+            finally:
+                os.close(fd)
         except OSError:
             pass
+
+
+def _marks(path: str) -> tuple[bytes, ...]:
+    """The words ``_mark`` left in the status file (which it then removes), known ones only."""
+    try:
+        with open(path, "rb") as f:
+            words = f.read().split()
+        os.unlink(path)
+    except OSError:
+        return ()
+    return tuple(m for m in MARKS if m in words)
 
 
 def _rank() -> str:
@@ -319,7 +347,7 @@ def main(argv: list[str]) -> int:
     _announce(rank)
     _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
     status = os.path.join(tempfile.gettempdir(),
-                          f"keras-ring-run-{os.getpid()}-{secrets.token_hex(4)}.follows")
+                          f"keras-ring-run-{os.getpid()}-{secrets.token_hex(4)}.status")
     env = dict(os.environ, **{STATUS_ENV: f"{os.getpid()}:{status}"})
     # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
     # Its own process group: Hydra and Open MPI signal ours, gforker only this process, so
@@ -353,10 +381,7 @@ def main(argv: list[str]) -> int:
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
     _kill_group(child.pid)
     code = child.wait()
-    follows = os.path.exists(status)
-    if follows:
-        os.unlink(status)
-    return _report(rank, code if code >= 0 else 128 - code, follows)
+    return _report(rank, code if code >= 0 else 128 - code, _marks(status))
 
 
 def _announce(rank: str) -> None:
@@ -367,12 +392,12 @@ def _announce(rank: str) -> None:
         _write_all(2, b"%s%s %s start\n" % (FRAME, token.encode(), rank.encode()))
 
 
-def _report(rank: str, code: int, follows: bool = False) -> int:
+def _report(rank: str, code: int, marks: tuple[bytes, ...] = ()) -> int:
     """Tells the launcher how this rank ended (a frame it consumes), returns ``code``."""
     token = os.environ.get(TOKEN_ENV)
     if token:
         _write_all(2, b"%s%s %s exit %d%s\n" % (FRAME, token.encode(), rank.encode(), code,
-                                                 b" follows" if follows else b""))
+                                                 b"".join(b" " + m for m in marks)))
     return code
 
 

@@ -11,7 +11,8 @@ It finds ``mpirun`` (the one next to this Python, i.e. the ``mpich`` wheel's, el
 ``PATH``, or ``--mpirun``), runs every rank under a small wrapper that prefixes each line
 the rank prints with ``[rank] `` and reports how the rank ended, stops every rank as soon as
 one fails and exits with that rank's exit code (a rank whose failure another's caused waits
-a moment for that one's), and on Ctrl-C stops every rank
+a moment for that one's; a rank that caught a peer's timeout and ended normally stops the
+job too, with exit code 1), and on Ctrl-C stops every rank
 and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0 (the others read none); when
 the reader of its output goes away (``| head``) it ends the job and exits with 141. After
 the job, it removes the MPICH shared memory its stopped ranks left (``_mpich_shm``). Plain
@@ -249,6 +250,9 @@ class _Job:
         self.follow_on: tuple[int, int] | None = None
         self._cause_wait: threading.Timer | None = None
         self.gave_up_on_cause = False  # the wait for it ended: later exits echo our stop
+        # A rank that ended normally after a peer's timeout, so the job was stopped: later
+        # exits echo that stop.
+        self.stalled: int | None = None
         self.signalled: int | None = None  # SIGINT or SIGTERM that ended the job
         self.reader_gone = False  # a broken pipe: whoever read our output stopped reading
         self._stopping = threading.Lock()
@@ -292,10 +296,18 @@ class _Job:
     def first_failure(self) -> tuple[int, int] | None:
         return self.cause or self.follow_on
 
-    def _on_exit(self, rank: int, code: int, follows: bool = False) -> None:
+    def _on_exit(self, rank: int, code: int, follows: bool = False,
+                 stalled: bool = False) -> None:
         self.reported += 1
         if code == 0:
+            if stalled and self.stalled is None and self.first_failure is None:
+                # The program caught a peer's timeout and ended normally; that peer may be
+                # unable to run at all (stopped), and would keep the job waiting for ever.
+                self.stalled = rank
+                self.stop(signal.SIGTERM)
             return
+        if self.stalled is not None:
+            return  # stopped by us: its code echoes the stop
         if not follows:
             if self.cause is None and not self.gave_up_on_cause:
                 self.cause = (rank, code)
@@ -387,6 +399,11 @@ class _Job:
             return code
         if self.first_failure is not None:
             return self.first_failure[1]
+        if self.stalled is not None:
+            print(f"keras-ring-run: rank {self.stalled} ended normally after a peer did not "
+                  "take part in a collective in time (the program caught the "
+                  "CollectiveTimeoutError); the job was stopped, and failed", file=sys.stderr)
+            return 1
         if self.started < self.ranks:
             print(f"keras-ring-run: {self.ranks - self.started} of {self.ranks} ranks never "
                   "started: mpirun could not launch them (its message above says why, e.g. a "

@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import warnings
 from typing import Any
 
@@ -317,23 +316,25 @@ class Runtime:
     def _at_exit(self) -> None:
         leaving_with = self._leaving_with
         grace = self._config.failure_exit_seconds if self._config is not None else 0.0
+        # Read before shutdown: a timeout the program caught counts as much as one it did not.
+        stalled = self._peer_stalled or (
+            self._generation > 0 and os.getpid() == self._pid
+            and library().c.keras_ring_peer_stalled() == 1)
         self.shutdown(leaving_with)
         if self._elastic is not None:
             self._elastic.close()
         if leaving_with is not None:
             _abort_user_mpi()
-        if self._peer_stalled and "PMI_RANK" in os.environ and not os.environ.get(
-                _rank_wrapper.TOKEN_ENV):
-            # Under plain mpirun (keras-ring-run stops its job itself): a peer that cannot
-            # run (stopped, stuck in the kernel) never ends by itself, and a plain exit tells
-            # MPICH's launcher that this rank finished as MPI ranks do (the C library's exit
-            # finalizes PMI), so it would wait for that peer for ever. Leaving without the C
-            # runtime's exit makes it stop the job; first, a peer stuck in user code gets
-            # the time its own failure exit takes to end itself saying why.
+        if stalled and launched_by_mpi():
+            # A peer that cannot run (stopped, stuck in the kernel) never ends by itself, and
+            # a finished rank tells MPICH's launcher nothing of it: it would wait for that
+            # peer for ever, also where the program caught the timeout and ended normally.
+            # The rank leaves with its own exit status but without finalizing PMI, which
+            # makes mpirun stop the job; keras-ring-run learns it from the wrapper.
+            _rank_wrapper.mark_stalled_peer()
             sys.stdout.flush()
             sys.stderr.flush()
-            time.sleep(grace + 1.0)
-            os._exit(1)
+            library().c.keras_ring_leave_unfinalized_at_exit(grace)
 
     def note_uncaught(self, exc_type: type, exc: BaseException) -> None:
         """Records that the program is ending with an uncaught exception."""

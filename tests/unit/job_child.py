@@ -9,7 +9,9 @@ failure exit) or
 ``FAULT_RANK`` (default 1) and ``FAULT_STEP`` (default 5) say where. ``JOB_DIR`` gets
 ``fault`` (the CLOCK_MONOTONIC time of the fault) and ``error.R`` (rank R's error, as JSON:
 class, keras_ring attributes, message) when a rank's ``fit`` fails. The exception is
-re-raised, as an uncaught error, so the exit path is the one real programs take.
+re-raised, as an uncaught error, so the exit path is the one real programs take; with
+``CATCH=<code>`` the program catches it and ends with ``sys.exit(code)`` instead (it logged
+the error, say).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -75,7 +78,9 @@ def main() -> None:
                   "keras_ring": isinstance(e, keras_ring.KerasRingError),
                   "rank": getattr(e, "rank", None), "collective": getattr(e, "collective", None)}
         Path(os.environ["JOB_DIR"], f"error.{keras_ring.rank()}").write_text(json.dumps(record))
-        raise
+        if "CATCH" not in os.environ:
+            raise
+        sys.exit(int(os.environ["CATCH"]))
 
 
 if __name__ == "__main__":

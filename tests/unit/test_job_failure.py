@@ -49,8 +49,10 @@ def launch(launcher: str, env: dict) -> list[subprocess.Popen]:
         for r in range(2)]
 
 
-def run_job(launcher: str, fault: str, env: dict, job_dir: Path) -> tuple[float, str]:
-    """Seconds from the fault until every process of the job ended, and their output."""
+def run_job(launcher: str, fault: str, env: dict,
+            job_dir: Path) -> tuple[float, str, list[int]]:
+    """Seconds from the fault until every process of the job ended, their output, and the
+    launchers' exit codes."""
     procs = launch(launcher, dict(env, FAULT=fault, JOB_DIR=str(job_dir),
                                   KERAS_RING_TIMEOUT_SECONDS=str(TIMEOUT),
                                   KERAS_RING_FAILURE_EXIT_SECONDS=str(GRACE),
@@ -62,13 +64,25 @@ def run_job(launcher: str, fault: str, env: dict, job_dir: Path) -> tuple[float,
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
+            _kill_ranks_of(job_dir)  # mpirun's proxy and a stopped rank outlive the launcher
             pytest.fail(f"{launcher}: the job with a rank that did '{fault}' was still running "
                         f"after {GUARD} s:\n" + "\n".join(p.communicate()[0][-3000:] for p in procs))
     ended = time.monotonic()
     text = "\n".join(outputs)
     fault_file = job_dir / "fault"
     assert fault_file.exists(), f"the fault never happened:\n{text[-5000:]}"
-    return ended - float(fault_file.read_text()), text
+    return ended - float(fault_file.read_text()), text, [p.returncode for p in procs]
+
+
+def _kill_ranks_of(job_dir: Path) -> None:
+    """SIGKILLs every process whose environment names ``job_dir`` (the job's ranks)."""
+    marker = f"JOB_DIR={job_dir}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
 
 
 @pytest.fixture
@@ -79,7 +93,7 @@ def job_env(clean_env):
 @pytest.mark.parametrize("fault", ["stall", "crash", "raise"])
 @pytest.mark.parametrize("launcher", ["mpirun", "keras-ring-run", "rendezvous"])
 def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
-    took, output = run_job(launcher, fault, job_env, tmp_path)
+    took, output, _ = run_job(launcher, fault, job_env, tmp_path)
     # A stalled rank is found by rank 0's timeout; a crash or an error at once.
     bound = (TIMEOUT if fault == "stall" else 0.0) + GRACE + MARGIN
     assert took < bound, f"the job ended {took:.1f} s after the fault:\n{output[-5000:]}"
@@ -102,21 +116,33 @@ def test_one_faulty_rank_ends_the_whole_job(launcher, fault, job_env, tmp_path):
         assert "ending this process (exit code 70)" in output, output[-5000:]
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "keras-ring-run"])
-def test_a_rank_that_cannot_run_at_all_still_ends_with_the_job(launcher, job_env, tmp_path):
+@pytest.mark.parametrize("launcher, caught", [
+    ("mpirun", None), ("keras-ring-run", None), ("mpirun", 0), ("keras-ring-run", 0),
+    ("mpirun", 3)])
+def test_a_rank_that_cannot_run_at_all_still_ends_with_the_job(launcher, caught, job_env,
+                                                                tmp_path):
     # Under plain mpirun rank 0 failed on its timeout and exited, and mpirun waited for the
-    # stopped rank for ever: a normal exit tells it a rank finished as MPI ranks do.
-    took, output = run_job(launcher, "sigstop", job_env, tmp_path)
+    # stopped rank for ever: a finished rank tells it nothing of a stopped peer. Where the
+    # program caught the timeout and called sys.exit, so did both launchers.
+    env = job_env if caught is None else dict(job_env, CATCH=str(caught))
+    took, output, (code,) = run_job(launcher, "sigstop", env, tmp_path)
     assert took < TIMEOUT + GRACE + MARGIN, f"ended {took:.1f} s after the fault:\n{output[-5000:]}"
     error = json.loads((tmp_path / "error.0").read_text())
     assert error["type"] == "CollectiveTimeoutError" and error["rank"] == 1, error
+    if caught is None:
+        assert code != 0, output[-5000:]
+    elif launcher == "mpirun":  # the program's own exit code, not the failure exit's
+        assert code == caught, output[-5000:]
+    else:
+        assert code == 1 and "rank 0 ended normally after a peer did not take part" in output, (
+            code, output[-5000:])
 
 
 def test_a_rank_that_fails_before_init_ends_the_job_under_plain_mpirun(job_env, tmp_path):
     # Its peer waits inside MPI's start for a rank that never comes, where no Python runs,
     # and plain mpirun waits for that peer: keras_ring's bound must end it, saying why.
     segments = set(Path("/dev/shm").glob("mpich_shm_*"))
-    took, output = run_job("mpirun", "before_init", job_env, tmp_path)
+    took, output, _ = run_job("mpirun", "before_init", job_env, tmp_path)
     assert took < TIMEOUT + MARGIN, f"the job ended {took:.1f} s after the fault:\n{output[-5000:]}"
     # MPICH's shared memory, which it removes only once every local rank has attached.
     assert set(Path("/dev/shm").glob("mpich_shm_*")) <= segments, "the failed start left it"
@@ -164,7 +190,7 @@ def _watchdog_of(pid_file: Path) -> int | None:
 def test_a_rank_that_stops_training_alone_fails_its_peer_at_once_saying_where(job_env, tmp_path):
     # EarlyStopping or TerminateOnNaN deciding on one rank's own metrics: that rank's fit
     # returns and its program ends cleanly, while its peer is already in the next step.
-    took, output = run_job("mpirun", "stop", job_env, tmp_path)
+    took, output, _ = run_job("mpirun", "stop", job_env, tmp_path)
     assert took < GRACE + MARGIN, f"the job ended {took:.1f} s after the stop:\n{output[-5000:]}"
     error_file = tmp_path / "error.0"
     assert error_file.exists(), f"rank 0's fit did not fail:\n{output[-5000:]}"

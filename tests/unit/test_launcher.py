@@ -208,7 +208,8 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
               + frame(0, b"\r 2/3") + frame(1, b"warning\n") + frame(0, b"\r 3/3\n")
               + frame(1, b"\xff\x00 binary\n") + b"\x1eKR t0k 1 shm mpich_shm_1f_0 42\n"
               + b"\x1eKR t0k 1 exit 3\n"
-              + b"\x1eKR other 9 1 3\nabc" + frame(0, b"tail") + b"\x1eKR t0k 0 exit 1 follows\n")
+              + b"\x1eKR other 9 1 3\nabc" + frame(0, b"tail") + b"\x1eKR t0k 0 exit 1 follows\n"
+              + b"\x1eKR t0k 2 exit 0 stalled\n")
     for chunk_size in (1, 2, 7, len(stream)):  # frames split anywhere by the pipes
         written, exits, starts, segments = [], [], [], []
 
@@ -228,7 +229,7 @@ def test_frames_are_rendered_whatever_the_chunks_and_ranks_never_share_a_line():
         assert b"".join(written) == (
             b"[0] \r[0]  1/3\nmpirun says hi\n[0] \r[0]  2/3\n[1] warning\n[0] \r[0]  3/3\n"
             b"[1] \xff\x00 binary\n\x1eKR other 9 1 3\nabc[0] tail\n"), chunk_size
-        assert exits == [(1, 3, False), (0, 1, True)]
+        assert exits == [(1, 3, False, False), (0, 1, True, False), (2, 0, False, True)]
         assert starts == [0]
         assert segments == [("mpich_shm_1f_0", 42)]
 

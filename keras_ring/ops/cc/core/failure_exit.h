@@ -15,8 +15,25 @@ namespace keras_ring {
 // arms nothing (the program owns the failure).
 void ArmFailureExit(double grace_seconds, int rank, const std::string& cause);
 
-// Cancels a pending failure exit: the program recovered (a new runtime was started).
+// Cancels a pending failure exit: the program recovered (a new runtime was started). Forgets
+// a stalled peer too.
 void DisarmFailureExit();
+
+// Records that this process's runtime failed because a peer did not take part in time. Such a
+// peer may be unable to run at all (stopped, stuck in the kernel), so it never ends by itself,
+// and how this process leaves decides whether its launcher ends the job.
+void NoteStalledPeer();
+bool PeerStalled();
+
+// Makes this process's exit() end it, with the program's own exit status, before the exit
+// handlers registered earlier run: MPICH's finalizes PMI there, after which its launcher
+// takes this rank for finished and waits for a stalled peer for ever, whatever the status.
+// Unfinalized, the rank's end makes the launcher stop the job. The exit first waits until
+// the failure grace (and a second) has passed since the stall, with the failure exit
+// disarmed, so a peer stuck in user code ends itself saying why, and the status stays the
+// program's. Call once the interpreter is finishing (the handler must be registered after
+// MPICH's); later calls change nothing.
+void LeaveUnfinalizedAtExit(double grace_seconds);
 
 constexpr int kFailureExitCode = 70;  // EX_SOFTWARE
 

@@ -492,6 +492,7 @@ Status Runtime::PeerFailure() {
 }
 
 void Runtime::OnFatal(const Status& cause) {
+  if (cause.code() == Code::kDeadlineExceeded) NoteStalledPeer();
   ArmFailureExit(options_.failure_exit_seconds, options_.rank, cause.message());
 }
 

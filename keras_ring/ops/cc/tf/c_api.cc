@@ -168,6 +168,12 @@ size_t keras_ring_error_info(const char* message, char* buf, size_t cap) {
 
 int keras_ring_is_initialized(void) { return Runtime::Get() != nullptr ? 1 : 0; }
 
+int keras_ring_peer_stalled(void) { return keras_ring::PeerStalled() ? 1 : 0; }
+
+void keras_ring_leave_unfinalized_at_exit(double grace_seconds) {
+  keras_ring::LeaveUnfinalizedAtExit(grace_seconds);
+}
+
 int keras_ring_barrier(int process_set_id, const char* name, char* err, size_t err_len) {
   std::shared_ptr<Runtime> runtime = Runtime::Get(process_set_id);
   if (runtime == nullptr) {

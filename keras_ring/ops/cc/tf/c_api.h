@@ -53,6 +53,12 @@ int keras_ring_shutdown_process_set(int process_set_id);
 // failure and end too, and this process ends after the failure grace if its exit hangs.
 int keras_ring_shutdown_with_error(const char* reason);
 int keras_ring_is_initialized(void);
+// 1 where a runtime of this process failed on a peer that did not take part in time (a
+// timeout, caught by the program or not), since the last init; else 0.
+int keras_ring_peer_stalled(void);
+// For the exit of an MPI rank whose peer stalled: exit() ends the process with the program's
+// status after the failure grace, without MPICH's PMI finalize (core/failure_exit.h).
+void keras_ring_leave_unfinalized_at_exit(double grace_seconds);
 // The structure of a recent error reported with this exact message (by a kernel or this API):
 // "code\nrank\ncollective\nreason", rank -1 when no rank is at fault; empty when unknown.
 // Writes up to cap-1 bytes and a NUL; returns the count.
