@@ -38,6 +38,7 @@ from keras_ring._grouping import variable_keys
 from keras_ring._weight_layout import SHOWN, Layout, ModelLayout, label, row, split_rows
 from keras_ring.collectives import allgather, broadcast
 from keras_ring.errors import WEIGHT_CHECK, WEIGHTS_DIFFER, WeightMismatchError
+from keras_ring.ops.wrappers import collectives_made
 from keras_ring.process_sets import ProcessSet, global_process_set
 from keras_ring.runtime import RUNTIME
 
@@ -72,6 +73,9 @@ class _Checker:
         self.passed = False
         self.later = False  # the weights compared equal and trained since: compare by value
         self.current: Any = _UNKNOWN  # settings() for the present training function
+        # Whether the present training function's first step made a collective (it was
+        # traced, or ran eagerly, then); None until that step ran.
+        self.communicates: bool | None = None
 
     def new_fit(self) -> None:
         """A ``fit`` begins: compare again before its first step (see above)."""
@@ -81,7 +85,7 @@ class _Checker:
     def new_function(self) -> None:
         """Keras made a new training function (compile, or fit after it): the optimizers
         that train the model may be others now."""
-        self.current = _UNKNOWN
+        self.current, self.communicates = _UNKNOWN, None
 
     def before_step(self) -> None:
         if self.generation != RUNTIME.generation:
@@ -123,10 +127,13 @@ class _CheckedFunction:
         # custom loops) stays out of the step while Keras traces it here.
         outer = getattr(_fit_step, "checked", False)
         _fit_step.checked = self._checker.current not in (None, _UNKNOWN)
+        made = collectives_made()
         try:
             result = self._keras_ring_checked(*args, **kwargs)
         finally:
             _fit_step.checked = outer
+        if self._checker.communicates is None:  # the first call: Python ran the step
+            self._checker.communicates = collectives_made() > made
         self._checker.after_step()
         return result
 
@@ -156,6 +163,14 @@ def install(model: Any, settings: Settings) -> None:
 
     model.make_train_function = make_train_function
     setattr(model, _INSTALLED, checker)
+
+
+def communicates(model: Any) -> bool | None:
+    """Whether the first step of the training function of ``model`` made a keras_ring
+    collective (averaged gradients, say); None where no step ran since it was made, or the
+    check is not installed."""
+    checker = getattr(model, _INSTALLED, None)
+    return checker.communicates if isinstance(checker, _Checker) else None
 
 
 def new_fit(model: Any) -> None:

@@ -13,6 +13,7 @@ from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from keras_ring._local import LocalSources, check_local_layers, check_scale, reduce_partially
 from keras_ring.collectives import Average, ReduceOp
 from keras_ring.compression import Compression, Compressor
+from keras_ring.ops.wrappers import note_collective
 from keras_ring.process_sets import ProcessSet, global_process_set
 
 _WHO = "keras_ring.DistributedGradientTape"
@@ -171,6 +172,7 @@ class DistributedGradientTape:
         steps = self._passes.steps
         accumulator = accumulator_for(sources, grads, steps)
         totals, self._update_step = accumulator.add(grads)
+        note_collective()  # run eagerly, a pass that only adds up makes none, yet averages
         live = [i for i, t in enumerate(totals) if t is not None]
 
         def update():

@@ -571,6 +571,12 @@ def unwrapped_training(model: Any) -> str | None:
     ``train_step`` may average through a ``DistributedGradientTape``: never said of it."""
     if not _keras_private.keras_train_step(model):
         return None
+    return unwrapped_optimizers(model)
+
+
+def unwrapped_optimizers(model: Any) -> str | None:
+    """The optimizers of ``model`` (compiled, or held as attributes), described, where it has
+    some and keras_ring wraps none of them; else None."""
     wrapped, plain = _optimizers_of(model)
     if wrapped or not plain:
         return None

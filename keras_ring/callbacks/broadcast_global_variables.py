@@ -7,14 +7,14 @@ from typing import Any
 
 import keras
 
-from keras_ring import _adapted_state, _keras_private
+from keras_ring import _adapted_state, _keras_private, _weight_check
 from keras_ring._grouping import is_variable, variable_keys
 from keras_ring._local import check_variable
 from keras_ring._weight_layout import ModelLayout
 from keras_ring.basics import size
 from keras_ring.collectives import _shared_variables, broadcast_variables
 from keras_ring.objects import allgather_object
-from keras_ring.optimizer import unwrapped_training
+from keras_ring.optimizer import unwrapped_optimizers, unwrapped_training
 from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
 
@@ -62,6 +62,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.root_rank = _check_root(root_rank)
         self.process_set = process_set
         self._pending = True
+        self._first_step = False  # the first step of a fit is still to be looked at
         self._local_variables: list[Any] = []
         if local_variables is None:
             local_variables = []
@@ -95,12 +96,32 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
                 "keras_ring.broadcast_variables(model.variables, root_rank=0) before fit "
                 "instead of this callback")
         self._pending = True
+        self._first_step = len(ranks) > 1
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._pending:
             broadcast_model(self.model, self.root_rank, local_variables=self._local_variables,
                             process_set=self.process_set)
             self._pending = False
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if not self._first_step:
+            return
+        self._first_step = False
+        # A custom train_step may average through a DistributedGradientTape, so its
+        # optimizers are not refused before training; a first step that made no collective
+        # at all averaged nothing (keras-io's GAN with wrap() forgotten), on every rank alike.
+        plain = unwrapped_optimizers(self.model)
+        if plain is not None and _weight_check.communicates(self.model) is False:
+            raise ValueError(
+                f"BroadcastGlobalVariablesCallback: the train_step of model "
+                f"'{self.model.name}' averaged no gradients in its first step (it made no "
+                f"keras_ring collective), and keras_ring wraps none of its optimizers "
+                f"({plain}): each rank applies its own gradients, and the ranks train apart. "
+                "Wrap them with keras_ring.wrap(optimizer), or take the gradients through "
+                "keras_ring.DistributedGradientTape(tape); to train each rank alone from the "
+                "root's weights on purpose, call keras_ring.broadcast_variables("
+                "model.variables, root_rank=0) before fit instead of this callback")
 
 
 def broadcast_model(model: keras.Model, root_rank: int = 0,

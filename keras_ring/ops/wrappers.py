@@ -96,10 +96,26 @@ def _order_write(bodies: list[tf.Graph]) -> tf.Operation:
                                           value=tf.constant(1, tf.int64))
 
 
+_MADE = threading.local()  # count: collective ops this thread ran or put into a graph
+
+
+def collectives_made() -> int:
+    """How many collective ops this thread has run eagerly or made in a graph so far: a
+    training step traced between two readings communicates where they differ."""
+    return getattr(_MADE, "count", 0)
+
+
+def note_collective() -> None:
+    """Counts a collective that the caller will make, though not now (an eager pass whose
+    gradients a later one averages)."""
+    _MADE.count = getattr(_MADE, "count", 0) + 1
+
+
 def _call(op: Callable, *args, **attrs):
     """``op(*args, **attrs)``: a collective op, run eagerly (in program order anyway) or, in a
     function, made in order with every other collective made there, also where it or they
     run inside a conditional or a loop."""
+    note_collective()
     bodies = None if attrs["eager"] or not tf.inside_function() else _bodies()
     if bodies is None:  # eager (program order anyway), a TF1 graph, a backward function
         return op(*args, **attrs)

@@ -524,19 +524,54 @@ class TapeAveraged(keras.Model):
         x, y = data
         with tf.GradientTape() as tape:
             loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        tape = keras_ring.DistributedGradientTape(tape)
+        tape = keras_ring.DistributedGradientTape(
+            tape, backward_passes_per_step=getattr(self, "passes", 1))
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply(grads, self.trainable_variables)
         return {"loss": loss}
 
 
-def test_a_custom_step_that_averages_through_its_tape_is_not_refused(world):
+@pytest.mark.parametrize("passes, run_eagerly", [(1, False), (2, False), (2, True)])
+def test_a_custom_step_that_averages_through_its_tape_is_not_refused(world, passes,
+                                                                       run_eagerly):
+    # Run eagerly, a first pass that only adds up its gradients makes no collective.
     rank, _ = world
     keras.utils.set_random_seed(ks.rank_seed(rank))
     inputs = keras.Input((ks.FEATURES,))
     model = TapeAveraged(inputs, keras.layers.Dense(ks.CLASSES)(inputs))
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=ks.loss())
+    model.passes = passes
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=ks.loss(), run_eagerly=run_eagerly)
     x, y = ks.classification_data(BATCH * STEPS, seed=rank)
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
               callbacks=[BroadcastGlobalVariablesCallback(0)])
     ks.assert_same_on_all_ranks(ks.weights(model))
+
+
+class PlainTape(keras.Model):
+    """keras-io's custom train_step, ported without wrap() or a DistributedGradientTape."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_the_broadcast_refuses_a_custom_step_that_averages_nothing(world, run_eagerly):
+    # Each rank applied its own gradients from the root's weights: apart, with exit 0.
+    rank, _ = world
+    keras.utils.set_random_seed(ks.rank_seed(rank))
+    inputs = keras.Input((ks.FEATURES,))
+    model = PlainTape(inputs, keras.layers.Dense(ks.CLASSES)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=ks.loss(), run_eagerly=run_eagerly)
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    steps = []
+    probe = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: steps.append(b))
+    with pytest.raises(ValueError, match=r"averaged no gradients in its first step .* wraps "
+                                         r"none of its optimizers \(optimizer: SGD\)"):
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                  callbacks=[BroadcastGlobalVariablesCallback(0), probe])
+    assert steps == []  # the callback raised at the end of the first step
