@@ -22,8 +22,9 @@ def test_the_parallel_suite_passes_on_two_hosts_of_two_ranks(cluster, env):
     c = cluster(["h0", "h1"])
     argv = mpirun_argv("h0,h1", 4, [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                     "tests/parallel"], ppn=2)
+    # About 10 minutes on 2 cores (4 ranks, each test's TensorFlow work four times over).
     [(rc, out, err)] = finish([c.popen("h0", argv, env, cwd=ROOT, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)])
+                                       stderr=subprocess.PIPE, text=True)], guard=1500)
     summaries = re.findall(r"(\d+) passed[^\n]*? in [\d.]+s", out)  # ranks may share a line
     assert rc == 0 and len(summaries) == 4, describe([(rc, out, err)])
     assert len(set(summaries)) == 1 and int(summaries[0]) > 100, summaries
