@@ -73,8 +73,8 @@ test-unit: venv
 # At 2 ranks over shared memory: everything. Without the Keras modules (three quarters of a
 # run's time on 2 cores; the Keras layer never sees the transport): at 2 ranks over TCP
 # between ranks of one host (the path of multi-host jobs) and at 4 over shared memory.
-# test-multihost runs everything, the Keras modules too, at 4 ranks (2 hosts x 2, shared
-# memory and TCP in one ring). Then the randomized suite at 4 ranks over
+# test-multihost runs the same and the Keras modules that depend on the world's size at 4
+# ranks (2 hosts x 2, shared memory and TCP in one ring). Then the randomized suite at 4 ranks over
 # TCP with 8 KiB segments, so its large tensors cross segment boundaries. Last, the
 # collectives at 5 ranks: a world that is no power of two (recursive doubling folds a rank
 # in, ring segments split unevenly) and larger than the others, through real processes.
@@ -96,8 +96,9 @@ test-elastic: venv
 	$(GUARD) $(VPY) -m pytest tests/elastic -q
 
 # Hosts made of network namespaces (needs root, as in CI): the parallel suite on 2 hosts x 2
-# ranks under mpirun, keras-ring-run -H, uneven hosts, faults and misconfigurations. About 13
-# minutes on a 2-core AMD EPYC VM, 10 of them the parallel suite: the unit suite's bound.
+# ranks under mpirun, keras-ring-run -H, uneven hosts, faults and misconfigurations. It took
+# 13 minutes on a 2-core AMD EPYC VM when the parallel suite ran whole there: the unit
+# suite's bound.
 test-multihost: venv
 	$(GUARD_UNIT) $(VPY) -m pytest tests/multihost -q
 
