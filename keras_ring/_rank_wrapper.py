@@ -52,15 +52,17 @@ def mark_follow_on() -> None:
     _mark(b"follows")
 
 
-def mark_stalled_peer() -> None:
+def mark_stalled_peer() -> bool:
     """Called in the rank when it leaves after a peer did not take part in a collective in
     time: that peer may be unable to run at all (stopped), so the launcher stops the job even
-    where this rank exits with 0 (the program caught the timeout)."""
-    _mark(b"stalled")
+    where this rank exits with 0 (the program caught the timeout). Returns whether a wrapper
+    will tell keras-ring-run."""
+    return _mark(b"stalled")
 
 
-def _mark(word: bytes) -> None:
-    """Adds ``word`` to the status file the wrapper reads once the rank has ended."""
+def _mark(word: bytes) -> bool:
+    """Adds ``word`` to the status file the wrapper reads once the rank has ended; returns
+    whether it did."""
     wrapper, _, path = os.environ.get(STATUS_ENV, "").partition(":")
     if path and wrapper == str(os.getppid()):
         try:
@@ -69,8 +71,10 @@ def _mark(word: bytes) -> None:
                 os.write(fd, word + b"\n")
             finally:
                 os.close(fd)
+            return True
         except OSError:
             pass
+    return False
 
 
 def _marks(path: str) -> tuple[bytes, ...]:

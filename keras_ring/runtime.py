@@ -320,21 +320,24 @@ class Runtime:
         stalled = self._peer_stalled or (
             self._generation > 0 and os.getpid() == self._pid
             and library().c.keras_ring_peer_stalled() == 1)
-        self.shutdown(leaving_with)
-        if self._elastic is not None:
-            self._elastic.close()
-        if leaving_with is not None:
-            _abort_user_mpi()
         if stalled and launched_by_mpi():
             # A peer that cannot run (stopped, stuck in the kernel) never ends by itself, and
             # a finished rank tells MPICH's launcher nothing of it: it would wait for that
             # peer for ever, also where the program caught the timeout and ended normally.
             # The rank leaves with its own exit status but without finalizing PMI, which
-            # makes mpirun stop the job; keras-ring-run learns it from the wrapper.
-            _rank_wrapper.mark_stalled_peer()
+            # makes mpirun stop the job; so does the abort it asks of mpirun (its launcher
+            # socket), except under keras-ring-run, which learns it from the wrapper and
+            # stops the job itself. First thing here: the rest of the exit (shutdown,
+            # teardown) is bounded from now on.
+            wrapped = _rank_wrapper.mark_stalled_peer()
             sys.stdout.flush()
             sys.stderr.flush()
-            library().c.keras_ring_leave_unfinalized_at_exit(grace)
+            library().c.keras_ring_leave_unfinalized_at_exit(grace, 0 if wrapped else 1)
+        self.shutdown(leaving_with)
+        if self._elastic is not None:
+            self._elastic.close()
+        if leaving_with is not None:
+            _abort_user_mpi()
 
     def note_uncaught(self, exc_type: type, exc: BaseException) -> None:
         """Records that the program is ending with an uncaught exception."""

@@ -73,7 +73,7 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_is_initialized.restype = ctypes.c_int
     c.keras_ring_peer_stalled.argtypes = []
     c.keras_ring_peer_stalled.restype = ctypes.c_int
-    c.keras_ring_leave_unfinalized_at_exit.argtypes = [ctypes.c_double]
+    c.keras_ring_leave_unfinalized_at_exit.argtypes = [ctypes.c_double, ctypes.c_int]
     c.keras_ring_leave_unfinalized_at_exit.restype = None
     c.keras_ring_barrier.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
                                      ctypes.c_size_t]

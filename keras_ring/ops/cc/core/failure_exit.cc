@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -11,21 +12,84 @@
 namespace keras_ring {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 std::atomic<bool> g_armed{false};
-std::atomic<unsigned> g_generation{0};  // bumped by every disarm: an older timer stands down
+std::atomic<unsigned> g_generation{0};  // bumped by every disarm or re-arm: an older timer stands down
+std::atomic<int> g_rank{-1};
 std::atomic<bool> g_peer_stalled{false};
 // When the peer stalled (steady clock), and the grace the exit waits from then.
-std::atomic<std::chrono::steady_clock::rep> g_stalled_at{0};
+std::atomic<Clock::rep> g_stalled_at{0};
 std::atomic<double> g_exit_grace{0.0};
+std::atomic<bool> g_ask_launcher{false};
+// The program's exit status, once its exit() has begun: a timer that fires after that ends
+// the process with it rather than with kFailureExitCode.
+std::atomic<int> g_exit_status{-1};
+
+Clock::duration Seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+Clock::time_point StalledAt() { return Clock::time_point(Clock::duration(g_stalled_at.load())); }
+
+// write(2), not stdio: a stdio lock held by a thread stopped elsewhere must not keep this
+// process from ending.
+void WriteStderr(const std::string& text) {
+  const char* p = text.data();
+  size_t left = text.size();
+  while (left > 0) {
+    const ssize_t n = write(STDERR_FILENO, p, left);
+    if (n <= 0) return;
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+}
+
+int ExitCode() {
+  const int status = g_exit_status.load();
+  return status >= 0 ? status : kFailureExitCode;
+}
+
+// Detached: it must outlive the runtime (destroyed at shutdown, before teardown may hang)
+// and must not hold the process open; exit() ends it with everything else. `why` gets the
+// exit code the process ends with.
+template <typename Why>
+void StartTimer(Clock::time_point deadline, Why why) {
+  const unsigned generation = g_generation.load();
+  std::thread([deadline, why, generation] {
+    std::this_thread::sleep_until(deadline);
+    if (g_generation.load() != generation) return;
+    const int code = ExitCode();
+    WriteStderr(why(code));
+    _exit(code);
+  }).detach();
+}
+
+// Asks MPICH's launcher (Hydra) to end the whole job with `status`: PMI-1's abort command on
+// the socket it gave this process. Hydra also ends a job whose rank exits without finalizing
+// PMI, but it missed that about once in 20 jobs (the stalled peer then kept mpirun up for
+// ever); the abort ended every try at once. Not under keras-ring-run, whose launcher stops
+// the job itself and would take the abort's kills for ranks that ended without a status.
+void AskMpichToEndTheJob(int status) {
+  const char* fd_text = getenv("PMI_FD");
+  if (fd_text == nullptr || *fd_text == '\0') return;
+  char* end = nullptr;
+  const long fd = strtol(fd_text, &end, 10);
+  if (*end != '\0' || fd < 0) return;
+  char command[48];
+  const int n = std::snprintf(command, sizeof(command), "cmd=abort exitcode=%d\n", status);
+  if (n <= 0) return;
+  const ssize_t sent = write(static_cast<int>(fd), command, static_cast<size_t>(n));
+  (void)sent;  // on failure the unfinalized exit below is all there is
+}
 
 void LeaveUnfinalized(int status, void* /*unused*/) {
-  DisarmFailureExit();  // its 70 would replace the program's status during the wait below
-  const auto since = std::chrono::steady_clock::duration(g_stalled_at.load());
-  const auto until = std::chrono::steady_clock::time_point(since) +
-                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                         std::chrono::duration<double>(g_exit_grace.load() + 1.0));
-  std::this_thread::sleep_until(until);
-  std::fflush(nullptr);
+  // A timer still running now ends the process with this status, not with its 70.
+  g_exit_status.store(status);
+  std::this_thread::sleep_until(StalledAt() + Seconds(g_exit_grace.load() + 1.0));
+  // Unlocked, as exit() itself flushes: a thread may hold a stream's lock for good.
+  fflush_unlocked(stdout);
+  if (g_ask_launcher.load()) AskMpichToEndTheJob(status);
   _exit(status);
 }
 
@@ -33,21 +97,17 @@ void LeaveUnfinalized(int status, void* /*unused*/) {
 
 void ArmFailureExit(double grace_seconds, int rank, const std::string& cause) {
   if (!(grace_seconds > 0) || g_armed.exchange(true)) return;
-  const unsigned generation = g_generation.load();
-  // Detached: it must outlive the runtime (destroyed at shutdown, before teardown may hang)
-  // and must not hold the process open; exit() ends it with everything else.
-  std::thread([grace_seconds, rank, cause, generation] {
-    std::this_thread::sleep_for(std::chrono::duration<double>(grace_seconds));
-    if (g_generation.load() != generation) return;
-    std::fprintf(stderr,
-                 "keras_ring: rank %d: ending this process (exit code %d) because the job "
-                 "failed %g s ago and the process is still running: %s. Every process of a "
-                 "failed job ends so the job ends; KERAS_RING_FAILURE_EXIT_SECONDS sets the "
-                 "grace, 0 keeps failed processes running.\n",
-                 rank, kFailureExitCode, grace_seconds, cause.c_str());
-    std::fflush(stderr);
-    _exit(kFailureExitCode);
-  }).detach();
+  g_rank.store(rank);
+  StartTimer(Clock::now() + Seconds(grace_seconds), [grace_seconds, rank, cause](int code) {
+    char head[160];
+    std::snprintf(head, sizeof(head),
+                  "keras_ring: rank %d: ending this process (exit code %d) because the job "
+                  "failed %g s ago and the process is still running: ",
+                  rank, code, grace_seconds);
+    return head + cause +
+           ". Every process of a failed job ends so the job ends; "
+           "KERAS_RING_FAILURE_EXIT_SECONDS sets the grace, 0 keeps failed processes running.\n";
+  });
 }
 
 void DisarmFailureExit() {
@@ -57,17 +117,39 @@ void DisarmFailureExit() {
 }
 
 void NoteStalledPeer() {
-  g_stalled_at.store(std::chrono::steady_clock::now().time_since_epoch().count());
+  g_stalled_at.store(Clock::now().time_since_epoch().count());
   g_peer_stalled.store(true);
 }
 
 bool PeerStalled() { return g_peer_stalled.load(); }
 
-void LeaveUnfinalizedAtExit(double grace_seconds) {
+void LeaveUnfinalizedAtExit(double grace_seconds, bool ask_launcher) {
   static std::atomic<bool> registered{false};
   if (!g_peer_stalled.load()) NoteStalledPeer();  // the wait then runs from now
-  g_exit_grace.store(grace_seconds > 0 ? grace_seconds : 0.0);
-  if (!registered.exchange(true)) on_exit(LeaveUnfinalized, nullptr);
+  const double grace = grace_seconds > 0 ? grace_seconds : 0.0;
+  g_exit_grace.store(grace);
+  g_ask_launcher.store(ask_launcher);
+  if (registered.exchange(true)) return;
+  on_exit(LeaveUnfinalized, nullptr);
+  if (grace <= 0) return;  // failed processes are the program's to end: no bound
+  // The exit gets a bound of its own, measured from now: interpreter teardown (freeing
+  // TensorFlow's dataset iterators) can take seconds after a failure, and the failure exit's
+  // bound, running since the stall, then ended with 70 a program leaving with its own status.
+  const Clock::time_point deadline =
+      std::max(StalledAt() + Seconds(grace + 1.0), Clock::now() + Seconds(grace)) + Seconds(1.0);
+  g_generation.fetch_add(1);  // the failure exit's timer stands down for this one
+  g_armed.store(true);
+  const int rank = g_rank.load();
+  const double bound = std::chrono::duration<double>(deadline - Clock::now()).count();
+  StartTimer(deadline, [rank, bound](int code) {
+    char text[320];
+    std::snprintf(text, sizeof(text),
+                  "keras_ring: rank %d: ending this process (exit code %d) because its exit, "
+                  "after a peer did not take part in time, had not finished %.0f s later "
+                  "(KERAS_RING_FAILURE_EXIT_SECONDS)\n",
+                  rank, code, bound);
+    return std::string(text);
+  });
 }
 
 }  // namespace keras_ring

@@ -9,7 +9,8 @@
 
 namespace keras_ring {
 
-// Ends this process (stderr message, exit code kFailureExitCode) `grace_seconds` from now
+// Ends this process (stderr message, exit code kFailureExitCode, or the program's own status
+// once LeaveUnfinalizedAtExit's handler has seen it) `grace_seconds` from now
 // unless it has exited by then or DisarmFailureExit() is called first. The program gets the
 // grace to raise and exit on its own. A second call while armed changes nothing; a grace <= 0
 // arms nothing (the program owns the failure).
@@ -29,11 +30,14 @@ bool PeerStalled();
 // handlers registered earlier run: MPICH's finalizes PMI there, after which its launcher
 // takes this rank for finished and waits for a stalled peer for ever, whatever the status.
 // Unfinalized, the rank's end makes the launcher stop the job. The exit first waits until
-// the failure grace (and a second) has passed since the stall, with the failure exit
-// disarmed, so a peer stuck in user code ends itself saying why, and the status stays the
-// program's. Call once the interpreter is finishing (the handler must be registered after
-// MPICH's); later calls change nothing.
-void LeaveUnfinalizedAtExit(double grace_seconds);
+// the failure grace (and a second) has passed since the stall, so a peer stuck in user code
+// ends itself saying why. The failure exit's timer is replaced by one bounding the exit from
+// now (a grace, and a second past that wait): it ends a teardown that hangs, with the
+// program's status once exit() has begun. With `ask_launcher`, the exit first asks MPICH's
+// launcher to end the job (PMI's abort, with the program's status): Hydra missed the
+// unfinalized end about once in 20 jobs. Call once the interpreter is finishing (the
+// handler must be registered after MPICH's); later calls change nothing.
+void LeaveUnfinalizedAtExit(double grace_seconds, bool ask_launcher);
 
 constexpr int kFailureExitCode = 70;  // EX_SOFTWARE
 

@@ -170,8 +170,8 @@ int keras_ring_is_initialized(void) { return Runtime::Get() != nullptr ? 1 : 0; 
 
 int keras_ring_peer_stalled(void) { return keras_ring::PeerStalled() ? 1 : 0; }
 
-void keras_ring_leave_unfinalized_at_exit(double grace_seconds) {
-  keras_ring::LeaveUnfinalizedAtExit(grace_seconds);
+void keras_ring_leave_unfinalized_at_exit(double grace_seconds, int ask_launcher) {
+  keras_ring::LeaveUnfinalizedAtExit(grace_seconds, ask_launcher != 0);
 }
 
 int keras_ring_barrier(int process_set_id, const char* name, char* err, size_t err_len) {

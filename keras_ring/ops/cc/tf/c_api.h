@@ -57,8 +57,9 @@ int keras_ring_is_initialized(void);
 // timeout, caught by the program or not), since the last init; else 0.
 int keras_ring_peer_stalled(void);
 // For the exit of an MPI rank whose peer stalled: exit() ends the process with the program's
-// status after the failure grace, without MPICH's PMI finalize (core/failure_exit.h).
-void keras_ring_leave_unfinalized_at_exit(double grace_seconds);
+// status after the failure grace, without MPICH's PMI finalize, asking MPICH's launcher to
+// end the job where ask_launcher is nonzero (core/failure_exit.h).
+void keras_ring_leave_unfinalized_at_exit(double grace_seconds, int ask_launcher);
 // The structure of a recent error reported with this exact message (by a kernel or this API):
 // "code\nrank\ncollective\nreason", rank -1 when no rank is at fault; empty when unknown.
 // Writes up to cap-1 bytes and a NUL; returns the count.
