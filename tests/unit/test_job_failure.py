@@ -129,7 +129,11 @@ def test_a_rank_that_cannot_run_at_all_still_ends_with_the_job(launcher, caught,
     assert took < TIMEOUT + GRACE + MARGIN, f"ended {took:.1f} s after the fault:\n{output[-5000:]}"
     error = json.loads((tmp_path / "error.0").read_text())
     assert error["type"] == "CollectiveTimeoutError" and error["rank"] == 1, error
-    if caught is None:
+    if "because its exit, after a peer did not take part in time" in output:
+        # Interpreter teardown outlived the exit's own bound (about 1 job in 20 here: freeing
+        # TensorFlow's dataset iterator waited on its threads): ended, saying so, with 70.
+        assert code == 70, output[-5000:]
+    elif caught is None:
         assert code != 0, output[-5000:]
     elif launcher == "mpirun":  # the program's own exit code, not the failure exit's
         assert code == caught, output[-5000:]

@@ -67,7 +67,7 @@ void StartTimer(Clock::time_point deadline, Why why) {
 
 // Asks MPICH's launcher (Hydra) to end the whole job with `status`: PMI-1's abort command on
 // the socket it gave this process. Hydra also ends a job whose rank exits without finalizing
-// PMI, but it missed that about once in 20 jobs (the stalled peer then kept mpirun up for
+// PMI, but it missed that in 2 of about 60 jobs (the stalled peer then kept mpirun up for
 // ever); the abort ended every try at once. Not under keras-ring-run, whose launcher stops
 // the job itself and would take the abort's kills for ranks that ended without a status.
 void AskMpichToEndTheJob(int status) {

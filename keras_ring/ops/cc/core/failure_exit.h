@@ -35,7 +35,7 @@ bool PeerStalled();
 // now (a grace, and a second past that wait): it ends a teardown that hangs, with the
 // program's status once exit() has begun. With `ask_launcher`, the exit first asks MPICH's
 // launcher to end the job (PMI's abort, with the program's status): Hydra missed the
-// unfinalized end about once in 20 jobs. Call once the interpreter is finishing (the
+// unfinalized end in 2 of about 60 jobs. Call once the interpreter is finishing (the
 // handler must be registered after MPICH's); later calls change nothing.
 void LeaveUnfinalizedAtExit(double grace_seconds, bool ask_launcher);
 
