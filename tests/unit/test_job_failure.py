@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 CHILD = Path(__file__).with_name("job_child.py")
+PRIVATE_SHM = Path(__file__).with_name("private_shm.py")
 VENV_BIN = Path(sys.executable).parent
 TIMEOUT = 10.0  # KERAS_RING_TIMEOUT_SECONDS in these jobs
 GRACE = 5.0  # KERAS_RING_FAILURE_EXIT_SECONDS
@@ -36,11 +38,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(launcher: str, env: dict) -> list[subprocess.Popen]:
+def launch(launcher: str, env: dict, private_shm: bool = False) -> list[subprocess.Popen]:
+    """Starts the job; ``private_shm``: mpirun in a /dev/shm of its own (``private_shm.py``)."""
     python = [sys.executable, str(CHILD)]
     opts = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if launcher == "mpirun":
-        return [subprocess.Popen([str(VENV_BIN / "mpirun"), "-np", "2", *python], **opts)]
+        own_shm = [sys.executable, str(PRIVATE_SHM)] if private_shm else []
+        return [subprocess.Popen([*own_shm, str(VENV_BIN / "mpirun"), "-np", "2", *python],
+                                 **opts)]
     if launcher == "keras-ring-run":
         return [subprocess.Popen([str(VENV_BIN / "keras-ring-run"), "-np", "2", *python], **opts)]
     rendezvous = f"127.0.0.1:{free_port()}"
@@ -49,14 +54,14 @@ def launch(launcher: str, env: dict) -> list[subprocess.Popen]:
         for r in range(2)]
 
 
-def run_job(launcher: str, fault: str, env: dict,
-            job_dir: Path) -> tuple[float, str, list[int]]:
+def run_job(launcher: str, fault: str, env: dict, job_dir: Path,
+            private_shm: bool = False) -> tuple[float, str, list[int]]:
     """Seconds from the fault until every process of the job ended, their output, and the
     launchers' exit codes."""
     procs = launch(launcher, dict(env, FAULT=fault, JOB_DIR=str(job_dir),
                                   KERAS_RING_TIMEOUT_SECONDS=str(TIMEOUT),
                                   KERAS_RING_FAILURE_EXIT_SECONDS=str(GRACE),
-                                  KERAS_RING_STALL_WARNING_SECONDS="3"))
+                                  KERAS_RING_STALL_WARNING_SECONDS="3"), private_shm)
     outputs = []
     for proc in procs:
         try:
@@ -146,10 +151,15 @@ def test_a_rank_that_fails_before_init_ends_the_job_under_plain_mpirun(job_env, 
     # Its peer waits inside MPI's start for a rank that never comes, where no Python runs,
     # and plain mpirun waits for that peer: keras_ring's bound must end it, saying why.
     segments = set(Path("/dev/shm").glob("mpich_shm_*"))
-    took, output, _ = run_job("mpirun", "before_init", job_env, tmp_path)
+    took, output, _ = run_job("mpirun", "before_init", job_env, tmp_path, private_shm=True)
     assert took < TIMEOUT + MARGIN, f"the job ended {took:.1f} s after the fault:\n{output[-5000:]}"
-    # MPICH's shared memory, which it removes only once every local rank has attached.
-    assert set(Path("/dev/shm").glob("mpich_shm_*")) <= segments, "the failed start left it"
+    # MPICH's shared memory, which it removes only once every local rank has attached: in
+    # the job's own /dev/shm where one could be made (root), else in the shared one.
+    private = re.search(r"^PRIVATE_SHM left=(.*)$", output, re.M)
+    if private:
+        assert not private[1], f"the failed start left {private[1]}"
+    else:
+        assert set(Path("/dev/shm").glob("mpich_shm_*")) <= segments, "the failed start left it"
     assert "this rank's data shard is missing" in output, output[-5000:]
     assert ("keras_ring: InitError on rank 0: not every rank reached keras_ring.init() within "
             "10 s") in output, output[-5000:]
