@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <string>
 #include <thread>
 
 namespace keras_ring {
@@ -15,7 +16,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::atomic<bool> g_armed{false};
-std::atomic<unsigned> g_generation{0};  // bumped by every disarm or re-arm: an older timer stands down
+// Bumped by every disarm or re-arm: an older timer stands down.
+std::atomic<unsigned> g_generation{0};
 std::atomic<int> g_rank{-1};
 std::atomic<bool> g_peer_stalled{false};
 // When the peer stalled (steady clock), and the grace the exit waits from then.
@@ -139,15 +141,18 @@ void LeaveUnfinalizedAtExit(double grace_seconds, bool ask_launcher) {
       std::max(StalledAt() + Seconds(grace + 1.0), Clock::now() + Seconds(grace)) + Seconds(1.0);
   g_generation.fetch_add(1);  // the failure exit's timer stands down for this one
   g_armed.store(true);
+  // The rank is known where a collective armed the failure exit; not where the stall was
+  // found before any (a peer that never reached init()).
   const int rank = g_rank.load();
+  const std::string who = rank >= 0 ? "rank " + std::to_string(rank) + ": " : "";
   const double bound = std::chrono::duration<double>(deadline - Clock::now()).count();
-  StartTimer(deadline, [rank, bound](int code) {
+  StartTimer(deadline, [who, bound](int code) {
     char text[320];
     std::snprintf(text, sizeof(text),
-                  "keras_ring: rank %d: ending this process (exit code %d) because its exit, "
+                  "keras_ring: %sending this process (exit code %d) because its exit, "
                   "after a peer did not take part in time, had not finished %.0f s later "
                   "(KERAS_RING_FAILURE_EXIT_SECONDS)\n",
-                  rank, code, bound);
+                  who.c_str(), code, bound);
     return std::string(text);
   });
 }

@@ -147,7 +147,22 @@ TEST(FailureExit_ATeardownThatNeverReachesExitIsEndedSayingSo) {
   });
   CHECK(e.exited) << "the process hung";
   CHECK_EQ(e.code, kFailureExitCode);
-  CHECK_CONTAINS(e.stderr_text, "because its exit, after a peer did not take part in time");
+  CHECK_CONTAINS(e.stderr_text, "keras_ring: rank 0: ending this process (exit code 70) "
+                                "because its exit, after a peer did not take part in time");
+}
+
+TEST(FailureExit_AStallFoundBeforeAnyCollectiveNamesNoRank) {
+  // A peer that never reached init(): no collective armed the failure exit, so no rank is
+  // known to the core, and the message must not make one up.
+  const Ended e = RunChild([] {
+    LeaveUnfinalizedAtExit(0.2, false);
+    for (;;) pause();
+  });
+  CHECK(e.exited) << "the process hung";
+  CHECK_EQ(e.code, kFailureExitCode);
+  CHECK_CONTAINS(e.stderr_text, "keras_ring: ending this process (exit code 70) because its "
+                                "exit, after a peer did not take part in time");
+  CHECK(e.stderr_text.find("rank -1") == std::string::npos) << e.stderr_text;
 }
 
 TEST(FailureExit_AnExitHandlerThatHangsBeforeKerasRingsIsBounded) {
