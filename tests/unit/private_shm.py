@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,17 @@ import time
 
 CLONE_NEWNS = 0x00020000
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+# Put in front of a command line: runs it here.
+COMMAND = [sys.executable, __file__]
+
+
+def leftovers(output: str) -> list[str] | None:
+    """What the job whose ``output`` this is left in its own /dev/shm; None where it ran in
+    the shared one (no report, or no namespace could be made)."""
+    report = re.search(r"^PRIVATE_SHM left=(.*)$", output, re.M)
+    if report is None:
+        return None
+    return report[1].split(",") if report[1] else []
 
 
 def _private_shm() -> str | None:
@@ -64,7 +76,6 @@ def main(argv: list[str]) -> int:
         report = "left=" + ",".join(sorted(os.listdir("/dev/shm")))
     else:
         report = f"unavailable: {why_not}"
-    sys.stdout.flush()
     print(f"\nPRIVATE_SHM {report}", flush=True)
     return 128 - status if status < 0 else status
 

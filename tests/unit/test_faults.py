@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit import private_shm
+
 CHILD = Path(__file__).with_name("fault_child.py")
-# Runs mpirun in a /dev/shm of its own and reports what the job left there.
-PRIVATE_SHM = [sys.executable, str(Path(__file__).with_name("private_shm.py"))]
 GUARD = 150  # seconds: a hang guard per job, never a timing assertion
 SHM = Path("/dev/shm")
 # Runs `python fault_child.py ARGS` and reports how it ended: 128+N means killed by signal N.
@@ -170,9 +170,8 @@ def _check_clean(before: set[str], job: Job) -> None:
     one: every process of the job has ended by now, so a new file that a live process still
     maps belongs to another job on this machine; one that nobody maps was left behind.
     """
-    private = re.search(r"^PRIVATE_SHM left=(.*)$", job.stdout, re.M)
-    if private:
-        left = private[1].split(",") if private[1] else []
+    left = private_shm.leftovers(job.stdout)
+    if left is not None:
         assert not left, f"left in /dev/shm: {left}\n{job.log()}"
         return
     leftover = {n for n in _shm_names() - before if not _in_use(n)}
@@ -194,8 +193,9 @@ def _env(clean_env, transport: str, timeout: float) -> dict:
 def _run_job(mpirun, clean_env, np_: int, scenario: str, fault_rank: int, transport: str,
              timeout: float, auto_cleanup: bool = False) -> Job:
     before = _shm_names()
-    cmd = [*PRIVATE_SHM, mpirun, *([] if auto_cleanup else ["-disable-auto-cleanup"]),
-           "-np", str(np_), "sh", "-c", WRAPPER, sys.executable, str(CHILD), scenario, str(fault_rank)]
+    cmd = [*private_shm.COMMAND, mpirun, *([] if auto_cleanup else ["-disable-auto-cleanup"]),
+           "-np", str(np_), "sh", "-c", WRAPPER, sys.executable, str(CHILD), scenario,
+           str(fault_rank)]
     proc = subprocess.Popen(cmd, env=_env(clean_env, transport, timeout), cwd=CHILD.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -493,7 +493,7 @@ def test_signal_to_mpirun_ends_every_rank(mpirun, clean_env, np_, transport, sig
                                           auto_cleanup):
     sig = getattr(signal, signame)
     before = _shm_names()
-    cmd = [*PRIVATE_SHM, mpirun, *([] if auto_cleanup else ["-disable-auto-cleanup"]),
+    cmd = [*private_shm.COMMAND, mpirun, *([] if auto_cleanup else ["-disable-auto-cleanup"]),
            "-np", str(np_), sys.executable, str(CHILD), "signal", "0"]
     proc = subprocess.Popen(cmd, env=_env(clean_env, transport, 30), cwd=CHILD.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit import private_shm
+
 CHILD = Path(__file__).with_name("job_child.py")
-PRIVATE_SHM = Path(__file__).with_name("private_shm.py")
 VENV_BIN = Path(sys.executable).parent
 TIMEOUT = 10.0  # KERAS_RING_TIMEOUT_SECONDS in these jobs
 GRACE = 5.0  # KERAS_RING_FAILURE_EXIT_SECONDS
@@ -38,13 +38,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(launcher: str, env: dict, private_shm: bool = False) -> list[subprocess.Popen]:
-    """Starts the job; ``private_shm``: mpirun in a /dev/shm of its own (``private_shm.py``)."""
+def launch(launcher: str, env: dict, own_shm: bool = False) -> list[subprocess.Popen]:
+    """Starts the job; ``own_shm``: mpirun in a /dev/shm of its own (``private_shm.py``)."""
     python = [sys.executable, str(CHILD)]
     opts = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if launcher == "mpirun":
-        own_shm = [sys.executable, str(PRIVATE_SHM)] if private_shm else []
-        return [subprocess.Popen([*own_shm, str(VENV_BIN / "mpirun"), "-np", "2", *python],
+        wrapper = private_shm.COMMAND if own_shm else []
+        return [subprocess.Popen([*wrapper, str(VENV_BIN / "mpirun"), "-np", "2", *python],
                                  **opts)]
     if launcher == "keras-ring-run":
         return [subprocess.Popen([str(VENV_BIN / "keras-ring-run"), "-np", "2", *python], **opts)]
@@ -55,13 +55,13 @@ def launch(launcher: str, env: dict, private_shm: bool = False) -> list[subproce
 
 
 def run_job(launcher: str, fault: str, env: dict, job_dir: Path,
-            private_shm: bool = False) -> tuple[float, str, list[int]]:
+            own_shm: bool = False) -> tuple[float, str, list[int]]:
     """Seconds from the fault until every process of the job ended, their output, and the
     launchers' exit codes."""
     procs = launch(launcher, dict(env, FAULT=fault, JOB_DIR=str(job_dir),
                                   KERAS_RING_TIMEOUT_SECONDS=str(TIMEOUT),
                                   KERAS_RING_FAILURE_EXIT_SECONDS=str(GRACE),
-                                  KERAS_RING_STALL_WARNING_SECONDS="3"), private_shm)
+                                  KERAS_RING_STALL_WARNING_SECONDS="3"), own_shm)
     outputs = []
     for proc in procs:
         try:
@@ -151,13 +151,13 @@ def test_a_rank_that_fails_before_init_ends_the_job_under_plain_mpirun(job_env, 
     # Its peer waits inside MPI's start for a rank that never comes, where no Python runs,
     # and plain mpirun waits for that peer: keras_ring's bound must end it, saying why.
     segments = set(Path("/dev/shm").glob("mpich_shm_*"))
-    took, output, _ = run_job("mpirun", "before_init", job_env, tmp_path, private_shm=True)
+    took, output, _ = run_job("mpirun", "before_init", job_env, tmp_path, own_shm=True)
     assert took < TIMEOUT + MARGIN, f"the job ended {took:.1f} s after the fault:\n{output[-5000:]}"
     # MPICH's shared memory, which it removes only once every local rank has attached: in
     # the job's own /dev/shm where one could be made (root), else in the shared one.
-    private = re.search(r"^PRIVATE_SHM left=(.*)$", output, re.M)
-    if private:
-        assert not private[1], f"the failed start left {private[1]}"
+    left = private_shm.leftovers(output)
+    if left is not None:
+        assert not left, f"the failed start left {left}"
     else:
         assert set(Path("/dev/shm").glob("mpich_shm_*")) <= segments, "the failed start left it"
     assert "this rank's data shard is missing" in output, output[-5000:]
