@@ -85,7 +85,7 @@ def _install_keras_compile_hook() -> None:
     # `model.compile(optimizer=keras_ring.wrap(...))` looks compile up before wrap runs, so
     # the hook for models compiled with wrapped optimizers must be in place at init().
     if "keras" in sys.modules:
-        from keras_ring.optimizer import install_compile_hook
+        from keras_ring._model_optimizers import install_compile_hook
 
         install_compile_hook()
         _register_keras_objects()

@@ -8,8 +8,9 @@ from typing import Any
 
 import keras
 
+from keras_ring._model_optimizers import after_compile
 from keras_ring.compression import Compression, Compressor
-from keras_ring.optimizer import after_compile, is_wrapped, wrap
+from keras_ring.optimizer import is_wrapped, wrap
 # Imported for its registration: a saved SyncBatchNormalization loads by its registered name.
 from keras_ring.sync_batch_normalization import SyncBatchNormalization  # noqa: F401
 

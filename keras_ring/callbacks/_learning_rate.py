@@ -7,8 +7,8 @@ from typing import Any
 import keras
 
 from keras_ring import _keras_private
+from keras_ring._model_optimizers import distributed_optimizers
 from keras_ring.objects import broadcast_object
-from keras_ring.optimizer import distributed_optimizers
 from keras_ring.runtime import RUNTIME
 
 

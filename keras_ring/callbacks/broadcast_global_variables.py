@@ -10,11 +10,11 @@ import keras
 from keras_ring import _adapted_state, _keras_private, _weight_check
 from keras_ring._grouping import is_variable, variable_keys
 from keras_ring._local import check_variable
+from keras_ring._model_optimizers import unwrapped_optimizers, unwrapped_training
 from keras_ring._weight_layout import ModelLayout
 from keras_ring.basics import size
 from keras_ring.collectives import _shared_variables, broadcast_variables
 from keras_ring.objects import allgather_object
-from keras_ring.optimizer import unwrapped_optimizers, unwrapped_training
 from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
 

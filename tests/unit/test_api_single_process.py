@@ -42,14 +42,21 @@ def initialized():
     kr.shutdown()
 
 
-@pytest.mark.parametrize("name,call", CALLS_BEFORE_INIT, ids=[c[0] for c in CALLS_BEFORE_INIT])
-def test_every_call_before_init_says_to_call_init(name, call):
+@pytest.fixture
+def not_initialized():
+    # A module that ran before this one on the same pytest-xdist worker may have left a
+    # world of one running; shutdown() is what a program calls to leave it.
+    kr.shutdown()
     assert not kr.is_initialized()
+
+
+@pytest.mark.parametrize("name,call", CALLS_BEFORE_INIT, ids=[c[0] for c in CALLS_BEFORE_INIT])
+def test_every_call_before_init_says_to_call_init(name, call, not_initialized):
     with pytest.raises(kr.NotInitializedError, match=r"call keras_ring.init\(\)"):
         call()
 
 
-def test_a_call_before_init_in_a_traced_function_is_the_same_error():
+def test_a_call_before_init_in_a_traced_function_is_the_same_error(not_initialized):
     # autograph rebuilt errors from converted code out of their message: a StagingError,
     # without the class or its attributes.
     @tf.function
