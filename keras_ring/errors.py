@@ -94,6 +94,15 @@ _RATE_CHECK_HINT = (
     "loss)")
 # The hint for a mismatch where a check's collective met another (see each).
 _MISMATCH_HINTS = {WEIGHT_CHECK: _WEIGHT_CHECK_HINT, RATE_CHECK: _RATE_CHECK_HINT}
+# A collective built in a tf.cond or tf.while_loop body carries its place in its name
+# (keras_ring.ops.wrappers._place): ranks that met it in different places diverged there.
+_PLACE_HINT = (
+    ". The ranks reached this collective in different places of a function's control flow: "
+    "a loop (tf.while_loop, or a Python loop over tensors in a tf.function) that ran more "
+    "times on some ranks, or a branch (tf.cond, or a Python if on a tensor) taken "
+    "differently by data. Run the same collectives in the same order on every rank: the "
+    "same number of iterations (e.g. the ranks' largest count, keras_ring.allreduce with "
+    "op=keras_ring.Max), and collectives outside branches that depend on a rank's data")
 
 
 class WeightMismatchError(KerasRingError, ValueError):
@@ -162,8 +171,11 @@ def for_status_code(code: int, message: str) -> KerasRingError:
 
 
 def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
+    # A check's name may carry a place (" (in tf.cond true branch)"): matched up to it.
     hint = next((h for name, h in _MISMATCH_HINTS.items()
-                 if "operation mismatch" in message and f"'{name}'" in message), "")
+                 if "operation mismatch" in message and f"'{name}" in message), "")
+    if not hint and "name mismatch" in message and "(in tf." in message:
+        hint = _PLACE_HINT
     err = cls(node_def, op, message + hint)
     info = error_info(message)
     if info is not None:

@@ -147,16 +147,54 @@ def _unordered(gradient: Callable) -> Callable:
     return build
 
 
+# Where in a function's control flow a collective was built: the kinds of the bodies around
+# it (never their names, whose name scopes and ids may differ by rank), outermost first.
+_BRANCH = re.compile(r"(?:^|_)(true|false)_\d+$|branch(\d+)_\d+$")
+_PLACE = re.compile(r" \(in tf\.[^()]*\)$")
+
+
+def _body_kind(graph: tf.Graph) -> str:
+    kind = type(graph).__name__
+    if kind == "WhileBodyFuncGraph":
+        return "tf.while_loop body"
+    if kind == "WhileCondFuncGraph":
+        return "tf.while_loop condition"
+    branch = _BRANCH.search(graph.name)
+    if branch is None:
+        return "tf.cond branch"
+    return (f"tf.cond {branch[1]} branch" if branch[1] else
+            f"tf.switch_case branch {branch[2]}")
+
+
+def _place() -> str:
+    """`` (in tf.while_loop body > tf.cond true branch)`` for a collective being built in
+    those bodies, else "". It joins the collective's name, so the signature check tells apart
+    collectives that ranks reached in different places of a function: a loop that ran more
+    times on one rank, a branch taken by data. Unnamed, such collectives were told apart by
+    kind, dtype and shape alone, and one rank's loop collective paired silently with the
+    other's next."""
+    graph, kinds = tf.compat.v1.get_default_graph(), []
+    while isinstance(graph, ControlFlowFuncGraph):
+        kinds.append(_body_kind(graph))
+        graph = graph.outer_graph
+    return f" (in {' > '.join(reversed(kinds))})" if kinds else ""
+
+
 def _common(kind: str, tensor_name: str, process_set_id: int) -> dict:
     # `eager`: called eagerly, the waiting thread is the user's, so waits may yield the core
     # to the peers (the kernel's Request::may_yield); graphs' pool threads sleep at once.
-    return _attrs(kind, tensor_name, process_set_id, tf.executing_eagerly())
+    eager = tf.executing_eagerly()
+    # keras_ring's own checks ("keras_ring.weight_check") are placeless: they pair by design
+    # across places (a custom step's weight check runs as one rank traces its step and, on
+    # another, inside the traced step's If).
+    placed = not eager and not tensor_name.startswith("keras_ring.")
+    return _attrs(kind, tensor_name, _place() if placed else "", process_set_id, eager)
 
 
 @functools.lru_cache(maxsize=4096)  # the attrs of the same few calls; read, never changed
-def _attrs(kind: str, tensor_name: str, process_set_id: int, eager: bool) -> dict:
-    return dict(eager=eager, tensor_name=tensor_name, process_set_id=process_set_id,
-                name=_node_name(kind, tensor_name))
+def _attrs(kind: str, tensor_name: str, place: str, process_set_id: int, eager: bool) -> dict:
+    return dict(eager=eager, tensor_name=(tensor_name + place).strip(),
+                process_set_id=process_set_id, name=_node_name(kind, tensor_name))
 
 
 def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str,
@@ -202,7 +240,9 @@ def alltoall(tensor, splits, tensor_name: str, process_set_id: int = 0):
 
 def _grad_name(op) -> str:
     name = op.get_attr("tensor_name")
-    name = name.decode() if isinstance(name, bytes) else name
+    name = _PLACE.sub("", name.decode() if isinstance(name, bytes) else name)
+    if name.startswith("(in tf."):
+        name = ""  # an unnamed one's place: the gradient's own place is added anew
     return f"{name}_grad" if name else ""
 
 

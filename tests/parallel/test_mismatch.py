@@ -131,6 +131,62 @@ def test_mismatch_inside_tf_function(world):
     assert step(tf.ones([5])).numpy().tolist() == [1.0] * 5
 
 
+# Unnamed collectives of one kind, dtype and shape in a function's loop and after it: where
+# the loop ran more times on one rank, its next loop collective met the others' next one and
+# paired with it, silently (a probe: every rank exited 0 with different sums).
+def test_a_loop_that_runs_more_times_on_one_rank_fails_on_every_rank_saying_where(world):
+    rank, size = world
+
+    @tf.function
+    def step(x, iterations):
+        i = tf.constant(0)
+        while i < iterations:  # autograph: a tf.while_loop
+            x = kr.allreduce(x, op=kr.Sum)
+            i += 1
+        return kr.allreduce(x * 10, op=kr.Sum)
+
+    assert step(tf.ones([3]), tf.constant(2)).numpy().tolist() == [10.0 * size ** 3] * 3
+    _expect_on_every_rank(lambda: step(tf.ones([3]), tf.constant(1 + (rank == 0))),
+                          kr.CollectiveMismatchError, "name mismatch",
+                          "'(in tf.while_loop body)'", "no name", "ran more times")
+
+
+def test_a_branch_taken_by_data_fails_on_every_rank_naming_both_branches(world):
+    rank, size = world
+
+    @tf.function
+    def step(x):
+        return tf.cond(tf.reduce_sum(x) > 0, lambda: kr.allreduce(x, op=kr.Sum),
+                       lambda: kr.allreduce(-x, op=kr.Sum))
+
+    # Every rank in one branch: as before.
+    assert step(tf.ones([2])).numpy().tolist() == [float(size)] * 2
+    assert step(-tf.ones([2])).numpy().tolist() == [float(size)] * 2
+    _expect_on_every_rank(lambda: step(tf.ones([2]) * (1 if rank == 0 else -1)),
+                          kr.CollectiveMismatchError, "name mismatch",
+                          "'(in tf.cond true branch)'", "'(in tf.cond false branch)'")
+
+
+def test_tapes_in_branches_taken_by_data_fail_instead_of_averaging_different_variables(world):
+    # A multi-task step: each branch reduces its own head's gradient, and both heads have
+    # one shape. Ranks in different branches averaged one head's gradient with the other's.
+    rank, size = world
+    heads = [tf.Variable(tf.ones([3])), tf.Variable(tf.ones([3]) * 2)]
+
+    @tf.function
+    def step(task):
+        def train(head):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(head * head)
+            return kr.DistributedGradientTape(tape).gradient(loss, [head])[0]
+        return tf.cond(task == 0, lambda: train(heads[0]), lambda: train(heads[1]))
+
+    assert step(tf.constant(1)).numpy().tolist() == [4.0] * 3
+    _expect_on_every_rank(lambda: step(tf.constant(0 if rank == 0 else 1)),
+                          kr.CollectiveMismatchError, "name mismatch",
+                          "(in tf.cond true branch)", "(in tf.cond false branch)")
+
+
 @pytest.mark.parametrize("shapes", [((2, 3), (3, 2)), ((6, 0, 1), (6, 0, 2))], ids=["transposed", "empty"])
 def test_grouped_shapes_that_differ_at_equal_sizes_are_a_mismatch(world, shapes):
     # A single allreduce compares the whole shape; a grouped one must too, even when the
