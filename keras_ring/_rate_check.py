@@ -135,8 +135,10 @@ def _epoch_mismatch(ranks: list[int], epochs: np.ndarray) -> EpochMismatchError:
         "ranks' own backups hold different epochs (a rank stopped between the ranks' "
         "epoch-end saves, and each BackupAndRestore keeps only its latest: remove every "
         "rank's backup_dir to start over, or resume every rank from one checkpoint, e.g. "
-        "rank 0's ModelCheckpoint loaded everywhere with initial_epoch); or initial_epoch "
-        "differs between ranks.")
+        "rank 0's ModelCheckpoint loaded everywhere with initial_epoch); initial_epoch "
+        "differs between ranks; or an earlier fit ended early on some ranks only (a "
+        "callback that set model.stop_training from this rank's own metrics: put "
+        "keras_ring.callbacks.MetricAverageCallback() before it).")
     return error
 
 

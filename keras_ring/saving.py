@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,9 +47,13 @@ def load_model(
             and nothing is wrapped.
         safe_mode: as for ``keras.models.load_model``.
         **wrap_options: more keyword arguments of :func:`keras_ring.wrap` (``op``,
-            ``backward_passes_per_step``, ...). Pass the ``backward_passes_per_step`` the
-            model was trained with: the saved optimizer has it as
-            ``gradient_accumulation_steps``.
+            ``backward_passes_per_step``, ...). Pass the ``backward_passes_per_step`` and
+            ``average_aggregated_gradients`` the model was trained with: the saved
+            optimizer has only the first, as ``gradient_accumulation_steps`` (a warning
+            says so where it accumulates and neither was given). A checkpoint saved in the
+            middle of an update holds the saving rank's own sum of that update's passes,
+            which the next update adds as every rank's: that update differs from an
+            uninterrupted run's; save where updates end to resume exactly.
 
     Returns:
         The model; ``model.optimizer`` is distributed.
@@ -75,6 +80,25 @@ def load_model(
         # Wrap the inner one, as compile under mixed_float16 does; after_compile then
         # moves the communication to the LossScaleOptimizer.
         optimizer = optimizer.inner_optimizer
+    _warn_about_accumulation(optimizer, wrap_options)
     wrap(optimizer, compression=compression, **wrap_options)
     after_compile(model, "auto")
     return model
+
+
+def _warn_about_accumulation(optimizer: Any, wrap_options: dict[str, Any]) -> None:
+    """Warns where the restored optimizer accumulates passes and nothing says how: the file
+    cannot tell keras_ring's ``backward_passes_per_step`` (the passes' sum, by default) from
+    Keras's own ``gradient_accumulation_steps`` (their mean), and the wrong one scales every
+    resumed update silently."""
+    steps = getattr(optimizer, "gradient_accumulation_steps", None) or 1
+    if steps > 1 and "backward_passes_per_step" not in wrap_options:
+        warnings.warn(
+            f"keras_ring.load_model: the saved {type(optimizer).__name__} accumulates {steps} "
+            "passes per update, and no backward_passes_per_step was given, so its updates "
+            "take the passes' mean. If it was trained with keras_ring's "
+            f"backward_passes_per_step={steps}, pass that again (with the same "
+            f"average_aggregated_gradients), or the sum it trained with becomes a {steps}x "
+            "smaller mean; if with Keras's gradient_accumulation_steps, pass "
+            f"backward_passes_per_step={steps}, average_aggregated_gradients=True",
+            stacklevel=3)

@@ -53,8 +53,17 @@ class MetricAverageCallback(keras.callbacks.Callback):
     ``ModelCheckpoint``, ``CSVLogger``, ...): they then see the same numbers on every rank
     and so make the same decisions. ``fit()``'s returned ``History`` holds the averages.
 
-    The average of per-rank averages equals the global average when every rank has the
-    same number of samples, which is how data should be sharded for synchronous training.
+    ``evaluate()`` has no epoch end: given this callback it still returns this rank's own
+    results (as Horovod's did; Keras hands callbacks a copy of what it returns). Average
+    them yourself: ``keras_ring.callbacks.average_logs(model.evaluate(..., return_dict=True))``
+    on every rank.
+
+    The average of per-rank averages equals the global value for metrics that are means
+    over samples (loss, accuracy, MAE) when every rank has the same number of samples, which
+    is how data should be sharded for synchronous training. For other metrics (AUC,
+    precision, recall, a maximum) it is the ranks' average of their own values, not the
+    value over the whole data: compute such a metric from every rank's predictions
+    (``keras_ring.allgather``) where a decision depends on it.
 
     Args:
         device: Horovod's placement of the averaging; accepted (a string) and ignored.

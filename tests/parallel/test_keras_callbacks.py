@@ -12,6 +12,7 @@ from keras_ring.callbacks import (
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
     MetricAverageCallback,
+    average_logs,
     on_rank_zero,
 )
 
@@ -111,6 +112,24 @@ def test_metric_average_gives_every_rank_the_average(world):
         assert [after.epoch_logs[epoch][k] for k in keys] == list(averaged)
     assert not np.allclose(everyone[0], everyone[-1])  # the ranks really did differ
     ks.assert_same_on_all_ranks([np.array([history.history[k] for k in keys])])
+
+
+def test_evaluate_results_average_with_average_logs_as_documented(world):
+    # evaluate() has no epoch end: MetricAverageCallback leaves its results per rank (Keras
+    # hands callbacks a copy of what it returns); average_logs is the documented remedy.
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(0))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss=ks.loss(),
+                  metrics=["accuracy"])
+    x, y = ks.classification_data(8, seed=200 + rank)  # differs per rank
+    mine = model.evaluate(x, y, verbose=0, return_dict=True,
+                          callbacks=[MetricAverageCallback()])
+    everyone = keras_ring.allgather(tf.constant([[mine["loss"], mine["accuracy"]]]),
+                                    name="test.evaluate").numpy()
+    assert not np.allclose(everyone[0], everyone[-1])  # the ranks really did differ
+    averaged = average_logs(dict(mine))
+    np.testing.assert_allclose([averaged["loss"], averaged["accuracy"]], everyone.mean(axis=0),
+                               rtol=1e-12)
 
 
 def test_metric_average_averages_per_class_arrays_too(world):

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -182,6 +183,31 @@ def test_a_checkpoint_taken_mid_accumulation_resumes_as_one_process_would(world,
         keras.mixed_precision.set_global_policy("float32")
     ks.assert_same_on_all_ranks(ks.weights(model))
     ks.assert_weights_close(ks.weights(model), ks.weights(reference), atol=1e-4, rtol=1e-4)
+
+
+def test_load_model_warns_where_the_saved_optimizer_accumulates_and_nothing_says_how(
+        world, tmp_path):
+    # The file keeps backward_passes_per_step only as Keras's gradient_accumulation_steps:
+    # loaded without it, the trained sum of 3 passes silently became their mean (a probe: the
+    # resumed weights 9x off the uninterrupted run's).
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(0))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05),
+                                            backward_passes_per_step=3), loss=ks.loss())
+    x, y = ks.classification_data(size * 4 * 6, seed=7)
+    model.fit(ks.shard(x, rank, size, 4), ks.shard(y, rank, size, 4), batch_size=4,
+              shuffle=False, verbose=0)
+    path = str(tmp_path / f"accumulating.{rank}.keras")
+    model.save(path)
+    with pytest.warns(UserWarning, match=r"accumulates 3 passes per update, and no "
+                      r"backward_passes_per_step was given.*backward_passes_per_step=3"):
+        keras_ring.load_model(path)
+    for options in ({"backward_passes_per_step": 3},
+                    {"backward_passes_per_step": 3, "average_aggregated_gradients": True}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            loaded = keras_ring.load_model(path, **options)
+        assert loaded.optimizer.gradient_accumulation_steps == 3
 
 
 def test_each_optimizers_sums_follow_its_own_step_counter(world):
