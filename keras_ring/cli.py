@@ -4,6 +4,7 @@ are given."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from keras_ring import launcher
@@ -15,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = launcher.parse_args(argv)
     if not args.elastic:
-        return launcher.main(argv)
+        return launcher.run(args)
+    # Workers inherit the driver's environment (remote ones get its KERAS_RING_* variables).
+    os.environ.update(args.horovodrun.env)
     options = ElasticOptions(
         np=args.np, min_np=args.min_np, max_np=args.max_np,
         discovery_script=args.host_discovery_script, command=args.command,

@@ -33,9 +33,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
-from keras_ring import _mpich_shm, _rank_wrapper
+from keras_ring import _horovodrun_flags, _mpich_shm, _rank_wrapper
 from keras_ring._launch_output import FrameReader, Renderer, Screen, Sink, same_file
 
 _WRAPPER = str(Path(_rank_wrapper.__file__).resolve())
@@ -88,9 +89,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     elastic.add_argument("--rendezvous-address", default=None, metavar="ADDRESS",
                          help="where workers reach this launcher (default: its first "
                          "non-loopback address, loopback when every host is this one)")
+    _horovodrun_flags.add_to(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the program each rank runs, e.g. python train.py")
     args = parser.parse_args(argv)
+    args.horovodrun = _horovodrun_flags.settings(parser, args)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if not args.command:
@@ -99,6 +102,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                  args.host_discovery_script))
     if args.elastic:
         _check_elastic(parser, args)
+        if args.horovodrun.mpi_args:
+            parser.error("--mpi-args: an elastic job starts its workers without mpirun")
     elif args.np is None:
         parser.error("-np is required: e.g. keras-ring-run -np 2 python train.py")
     if args.np < 1:
@@ -209,20 +214,24 @@ def mpi_flavour(mpirun: str) -> str:
 
 
 def mpirun_command(mpirun: str, flavour: str, np: int, hosts: str | None,
-                   command: list[str]) -> list[str]:
-    """The full mpirun command line: every rank runs ``command`` under the wrapper."""
+                   command: list[str], exported: Iterable[str] = (),
+                   mpi_args: Iterable[str] = ()) -> list[str]:
+    """The full mpirun command line: every rank runs ``command`` under the wrapper.
+    ``exported``: variables set here for the ranks (Hydra passes the whole environment on,
+    Open MPI only what ``-x`` names); ``mpi_args``: more of mpirun's own arguments."""
     wrapper = [sys.executable, "-I", _WRAPPER, "--", *command]
     if flavour == "openmpi":
         # Open MPI refuses more ranks than cores unless told; Hydra never refuses.
-        cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none", "-x",
-               _rank_wrapper.TOKEN_ENV]
+        cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none"]
+        for name in (_rank_wrapper.TOKEN_ENV, *exported):
+            cmd += ["-x", name]
         if hosts:
             cmd += ["-H", hosts]
     else:
         cmd = [mpirun, "-np", str(np)]
         if hosts:
             cmd += ["-hosts", hosts]
-    return cmd + wrapper
+    return cmd + list(mpi_args) + wrapper
 
 
 def _say_if_signalled(rank: int, code: int) -> None:
@@ -422,16 +431,20 @@ class _Job:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``keras-ring-run``; returns the job's exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the job ``parse_args`` describes (not elastic); returns its exit code."""
     try:
         mpirun = find_mpirun(args.mpirun)
-        cmd = mpirun_command(mpirun, mpi_flavour(mpirun), args.np, args.hosts, args.command)
+        cmd = mpirun_command(mpirun, mpi_flavour(mpirun), args.np, args.hosts, args.command,
+                             args.horovodrun.env, args.horovodrun.mpi_args)
     except LaunchError as e:
         print(f"keras-ring-run: {e}", file=sys.stderr)
         return 2
     token = secrets.token_hex(8)
-    env = dict(os.environ, **{_rank_wrapper.TOKEN_ENV: token})
+    env = dict(os.environ, **args.horovodrun.env, **{_rank_wrapper.TOKEN_ENV: token})
     job = _Job(cmd, env, token.encode(), args.np)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
