@@ -117,6 +117,7 @@ def _add_process_sets(process_sets: list) -> None:
 
 
 _lifecycle.AFTER_INIT.append(_install_keras_compile_hook)
+_lifecycle.AFTER_WRAP.append(_install_keras_compile_hook)
 _lifecycle.ADD_PROCESS_SETS.append(_add_process_sets)
 _lifecycle.BEFORE_SHUTDOWN.append(_write_timeline)
 _lifecycle.BEFORE_SHUTDOWN.append(_forget_bucket_tuning)

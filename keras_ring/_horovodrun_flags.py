@@ -65,6 +65,10 @@ TRANSLATED = {
     "--tcp": ("KERAS_RING_SHM", lambda _: "0"),
 }
 _REPEATED = {"--network-interfaces"}  # also given as --network-interface, once per name
+# Translated flags whose 0 is Horovod's "never" (its default), which keras_ring has not.
+_ZERO_IS_NEVER = {
+    "--stall-check-shutdown-time-seconds": "keras_ring's waits always end, after "
+                                           "KERAS_RING_TIMEOUT_SECONDS (300 s by default)"}
 
 # flag -> (takes a value, why it does nothing here)
 WITHOUT_EFFECT = {
@@ -179,6 +183,10 @@ def settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setti
     result = Settings()
     for flag, (variable, convert) in TRANSLATED.items():
         value = _given(args, flag)
+        if flag in _ZERO_IS_NEVER and value is not None and value.strip() in ("0", "0.0"):
+            print(f"keras-ring-run: {flag} 0 (horovodrun's 'never') has no effect: "
+                  f"{_ZERO_IS_NEVER[flag]}", file=sys.stderr)
+            continue
         if value is not None:
             try:
                 result.env[variable] = convert(value)

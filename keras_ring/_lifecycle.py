@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 # Run by keras_ring.init() once the runtime is up.
 AFTER_INIT: list[Callable[[], None]] = []
+# Run by keras_ring.wrap() for each optimizer it wraps: the Keras layer's Model.compile hook,
+# which init() installs only where Keras was already imported (it sits above wrap()'s module).
+AFTER_WRAP: list[Callable[[], None]] = []
 # Run by keras_ring.init(process_sets=[...]) after AFTER_INIT, with that list.
 ADD_PROCESS_SETS: list[Callable[[list], None]] = []
 # Run by Runtime.shutdown() while the peers are still connected, with the runtime's config,

@@ -61,7 +61,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="Run a command as a keras_ring job of N ranks through mpirun.",
         epilog="Example: keras-ring-run -np 4 python train.py",
     )
-    parser.add_argument("-np", "-n", dest="np", type=int, default=None, metavar="N",
+    parser.add_argument("-np", "-n", "--num-proc", dest="np", type=int, default=None, metavar="N",
                         help="number of ranks (may exceed the number of cores); in an "
                         "elastic job, the initial number of workers (default --min-np)")
     parser.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",

@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_ring import _keras_private, _step_check
+from keras_ring import _keras_private, _lifecycle, _step_check
 from keras_ring._accumulation import Passes
 from keras_ring._buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, ReduceOptions, map_gradient
 from keras_ring._local import (LocalSources, check_local_layers, check_scale, check_variable,
@@ -169,10 +169,8 @@ def wrap(
     if getattr(optimizer, "gradient_accumulation_steps", None):
         _keras_private.check_accumulation(optimizer)
     _wrap_in_place(optimizer, _WrapState(type(optimizer), options, passes, local))
-    # Not imported above: that module finds wrapped optimizers with this one's is_wrapped.
-    from keras_ring._model_optimizers import install_compile_hook
-
-    install_compile_hook()
+    for step in _lifecycle.AFTER_WRAP:  # Model.compile's hook (keras_ring._model_optimizers)
+        step()
     return optimizer
 
 

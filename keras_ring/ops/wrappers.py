@@ -16,7 +16,9 @@ import tensorflow as tf
 # A function's graph and the bodies of tf.cond and tf.while_loop: no public names.
 from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
+from tensorflow.python.ops.control_flow_v2_func_graphs import (ControlFlowFuncGraph,
+                                                                 WhileBodyFuncGraph,
+                                                                 WhileCondFuncGraph)
 
 from keras_ring.ops.loader import library
 from keras_ring.ops.reduce_op import ReduceOp
@@ -149,21 +151,28 @@ def _unordered(gradient: Callable) -> Callable:
 
 # Where in a function's control flow a collective was built: the kinds of the bodies around
 # it (never their names, whose name scopes and ids may differ by rank), outermost first.
-_BRANCH = re.compile(r"(?:^|_)(true|false)_\d+$|branch(\d+)_\d+$")
-_PLACE = re.compile(r" \(in tf\.[^()]*\)$")
+_BRANCH = re.compile(r"(?:^|_)(true|false)_\d+(?:_rewritten)?(?:_grad_\d+)?$"
+                     r"|branch(\d+)_\d+(?:_rewritten)?(?:_grad_\d+)?$")
+_GRADIENT = re.compile(r"_grad_\d+$")
+_PLACE = re.compile(r" \(in tf\.[^()]*(?:\([^()]*\)[^()]*)*\)$")
 
 
-def _body_kind(graph: tf.Graph) -> str:
-    kind = type(graph).__name__
-    if kind == "WhileBodyFuncGraph":
-        return "tf.while_loop body"
-    if kind == "WhileCondFuncGraph":
-        return "tf.while_loop condition"
-    branch = _BRANCH.search(graph.name)
-    if branch is None:
-        return "tf.cond branch"
-    return (f"tf.cond {branch[1]} branch" if branch[1] else
-            f"tf.switch_case branch {branch[2]}")
+def _body_kind(graph: tf.Graph) -> str | None:
+    """What kind of body ``graph`` is; None for a function's own graph."""
+    if isinstance(graph, WhileBodyFuncGraph):
+        kind = "tf.while_loop body"
+    elif isinstance(graph, WhileCondFuncGraph):
+        kind = "tf.while_loop condition"
+    elif isinstance(graph, ControlFlowFuncGraph):
+        branch = _BRANCH.search(graph.name)
+        kind = ("tf.cond branch" if branch is None else f"tf.cond {branch[1]} branch"
+                if branch[1] else f"tf.switch_case branch {branch[2]}")
+    elif graph.name.startswith("Dataset_"):
+        # A tf.data function: autograph's `for x in dataset:` is a scan over the dataset.
+        kind = f"tf.data {graph.name.split('_')[1]} function"
+    else:
+        return None
+    return f"{kind} (gradient)" if _GRADIENT.search(graph.name) else kind
 
 
 def _place() -> str:
@@ -172,10 +181,13 @@ def _place() -> str:
     collectives that ranks reached in different places of a function: a loop that ran more
     times on one rank, a branch taken by data. Unnamed, such collectives were told apart by
     kind, dtype and shape alone, and one rank's loop collective paired silently with the
-    other's next."""
+    other's next. A nested tf.function counts where it was traced (its graph's outer
+    graph), which is the same on every rank that runs the same program."""
     graph, kinds = tf.compat.v1.get_default_graph(), []
-    while isinstance(graph, ControlFlowFuncGraph):
-        kinds.append(_body_kind(graph))
+    while isinstance(graph, FuncGraph):
+        kind = _body_kind(graph)
+        if kind is not None:
+            kinds.append(kind)
         graph = graph.outer_graph
     return f" (in {' > '.join(reversed(kinds))})" if kinds else ""
 

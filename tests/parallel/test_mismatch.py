@@ -151,6 +151,63 @@ def test_a_loop_that_runs_more_times_on_one_rank_fails_on_every_rank_saying_wher
                           "'(in tf.while_loop body)'", "no name", "ran more times")
 
 
+def _nested_function_in_a_loop(rank):
+    @tf.function
+    def inner(x):
+        return kr.allreduce(x, op=kr.Sum)
+
+    @tf.function
+    def step(x, iterations):
+        for _ in tf.range(iterations):
+            x = inner(x)
+        return kr.allreduce(x * 10, op=kr.Sum)
+
+    return lambda: step(tf.ones([3]), tf.constant(1 + (rank == 0))), "tf.while_loop body"
+
+
+def _loop_over_a_dataset(rank):
+    @tf.function
+    def step(x, dataset):
+        for batch in dataset:  # autograph: a scan over the dataset
+            x = kr.allreduce(x + batch, op=kr.Sum)
+        return kr.allreduce(x * 10, op=kr.Sum)
+
+    rows = tf.data.Dataset.from_tensor_slices(tf.zeros([1 + (rank == 0), 3]))
+    return lambda: step(tf.ones([3]), rows), "tf.data scan function"
+
+
+def _gradients_of_a_branch_taken_by_data(rank):
+    # A custom gradient that synchronises in each branch: the branches' gradients are
+    # bodies of their own, told apart as the branches are.
+    def synced(scale):
+        @tf.custom_gradient
+        def f(a):
+            return a * scale, lambda dy: kr.allreduce(dy * scale, op=kr.Sum)
+        return f
+
+    @tf.function
+    def step(v, take_first):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            y = tf.cond(take_first, lambda: synced(2.0)(v), lambda: synced(3.0)(v))
+        return tape.gradient(y, v)
+
+    return (lambda: step(tf.ones([3]), tf.constant(rank == 0)),
+            "tf.cond true branch (gradient)")
+
+
+# Places outside a plain loop body: a nested tf.function called in the loop (it counts where it
+# was traced), autograph's `for x in dataset:`, and a branch's gradient. A probe found each
+# pairing silently.
+@pytest.mark.parametrize("program", [_nested_function_in_a_loop, _loop_over_a_dataset,
+                                     _gradients_of_a_branch_taken_by_data],
+                         ids=["nested_function", "dataset", "branch_gradient"])
+def test_divergent_places_beyond_a_loop_body_fail_on_every_rank(world, program):
+    rank, _ = world
+    run, place = program(rank)
+    _expect_on_every_rank(run, kr.CollectiveMismatchError, "name mismatch", f"(in {place})")
+
+
 def test_a_branch_taken_by_data_fails_on_every_rank_naming_both_branches(world):
     rank, size = world
 

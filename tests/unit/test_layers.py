@@ -25,6 +25,7 @@ LAYERS = {
     "keras_ring._launch_output": 0,
     "keras_ring._mpich_shm": 0,
     "keras_ring.launcher": 0,
+    "keras_ring._horovodrun_flags": 0,  # keras-ring-run's share of horovodrun's flags
     "keras_ring.ops.build": 0,
     "keras_ring.ops.build_cache": 0,
     "keras_ring.ops.reduce_op": 0,
@@ -80,6 +81,7 @@ LAYERS = {
     "keras_ring._adapted_state": 7,  # preprocessing layers' state, refreshed and compared
     "keras_ring.sync_batch_normalization": 7,
     "keras_ring.optimizer": 7,
+    "keras_ring._model_optimizers": 7,  # Model.compile's hook; which optimizers are wrapped
     "keras_ring.gradient_tape": 7,
     "keras_ring.callbacks": 7,
     "keras_ring.callbacks._learning_rate": 7,
