@@ -165,8 +165,12 @@ def _body_kind(graph: tf.Graph) -> str | None:
         kind = "tf.while_loop condition"
     elif isinstance(graph, ControlFlowFuncGraph):
         branch = _BRANCH.search(graph.name)
-        kind = ("tf.cond branch" if branch is None else f"tf.cond {branch[1]} branch"
-                if branch[1] else f"tf.switch_case branch {branch[2]}")
+        if branch is None:
+            kind = "tf.cond branch"
+        elif branch[1]:
+            kind = f"tf.cond {branch[1]} branch"
+        else:
+            kind = f"tf.switch_case branch {branch[2]}"
     elif graph.name.startswith("Dataset_"):
         # A tf.data function: autograph's `for x in dataset:` is a scan over the dataset.
         kind = f"tf.data {graph.name.split('_')[1]} function"
