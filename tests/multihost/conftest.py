@@ -82,3 +82,9 @@ def describe(outputs: list[tuple[int, str, str]]) -> str:
     """Every process's story, for assertion messages."""
     return "\n".join(f"--- process {i} exited {rc}\n{out[-3000:]}\n{err[-3000:]}"
                      for i, (rc, out, err) in enumerate(outputs))
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """The parallel suite's job first: it is half of this suite's time, and the second xdist
+    worker takes the other tests beside it (after it, they would wait for it)."""
+    items.sort(key=lambda item: item.name != "test_the_parallel_suite_passes_on_two_hosts_of_two_ranks")

@@ -2,7 +2,8 @@
 
 ``python fit_rank.py [--epochs N] [--die-at-step S --die-rank R]``
 
-Prints ``STEP n`` after every batch (the test pulls a cable or waits on it), and at the end
+Prints ``START {json}`` with the rank and its process id once ``init()`` returned (the test
+finds the job's shared-memory segments by it), ``STEP n`` after every batch (the test pulls a cable or waits on it), and at the end
 ``RESULT {json}`` with the rank, its host, the final accuracy and a digest of its weights, or
 ``ERROR {json}`` with the exception's class and message (exit code 1). ``--die-at-step``
 makes rank R kill itself with SIGKILL after that step (a crash: no error, no goodbye).
@@ -33,6 +34,7 @@ def _line(text: str) -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
+
 def make_data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     centers = np.random.default_rng(7).normal(size=(2 * CLASSES, FEATURES)) * 2.0
     rng = np.random.default_rng(seed)
@@ -60,6 +62,7 @@ def main() -> int:
     parser.add_argument("--die-rank", type=int, default=-1)
     args = parser.parse_args()
     keras_ring.init()
+    _line("START " + json.dumps({"rank": keras_ring.rank(), "pid": os.getpid()}))
     x, y = make_data(2048, seed=keras_ring.rank())  # each rank its own shard
     # No Input: Keras builds it lazily, as in Horovod's own Keras examples.
     model = keras.Sequential([keras.layers.Dense(32, activation="relu"),

@@ -40,13 +40,18 @@ def named_rank(message: str) -> set[int]:
     return named
 
 
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("keras_ring.*")}
+def segments_left(outputs: list[tuple[int, str, str]]) -> list[str]:
+    """The job's shared-memory segments still in /dev/shm. A segment's name ends in its
+    owner's process id (keras_ring.TOKEN.RANK.PID), so jobs of other tests running beside
+    this one (the suite runs on two pytest-xdist workers) are not mistaken for a leak."""
+    pids = {r["pid"] for _, out, _ in outputs for r in records(out, "START")}
+    assert len(pids) == len(PLACEMENT), describe(outputs)  # else the check would see nothing
+    return [p.name for p in Path("/dev/shm").glob("keras_ring.*")
+            if p.name.rpartition(".")[2].isdigit() and int(p.name.rpartition(".")[2]) in pids]
 
 
 def test_a_rank_killed_mid_training_ends_the_job_with_errors_naming_it(cluster, env):
     c = cluster(["h0", "h1"])
-    before = shm_segments()
     outputs = finish(start(c, env, ["--die-at-step", "5", "--die-rank", "3"]))
     assert outputs[3][0] == -9, describe(outputs)  # the crash itself
     for rank in (0, 1, 2):
@@ -54,16 +59,17 @@ def test_a_rank_killed_mid_training_ends_the_job_with_errors_naming_it(cluster, 
         errors = records(out, "ERROR")
         assert rc in ENDED and len(errors) == 1, describe(outputs)
         assert 3 in named_rank(errors[0]["message"]), errors[0]
-    assert shm_segments() <= before
+    assert segments_left(outputs) == []
 
 
 def test_a_pulled_cable_ends_every_process_on_both_sides_within_the_timeout(cluster, env):
     c = cluster(["h0", "h1"])
     procs = start(c, env, [])
-    pulled = {}
+    pulled, read = {}, []
 
     def pull_when_training():  # after a few steps on rank 0, cut h1 off the bridge
         for line in procs[0].stdout:
+            read.append(line)
             if line.startswith("STEP 5"):
                 c.link_down("h1")
                 pulled["at"] = time.monotonic()
@@ -75,6 +81,8 @@ def test_a_pulled_cable_ends_every_process_on_both_sides_within_the_timeout(clus
     assert "at" in pulled, "training never reached step 5"
     outputs = finish(procs)
     ended = time.monotonic() - pulled["at"]
+    rc, out, err = outputs[0]
+    outputs[0] = (rc, "".join(read) + out, err)  # with what the watcher read
     # Each side waits at most the timeout for the other, then every process exits.
     assert ended < 3 * TIMEOUT + 30, ended
     for rank, (rc, out, err) in enumerate(outputs):
@@ -82,3 +90,4 @@ def test_a_pulled_cable_ends_every_process_on_both_sides_within_the_timeout(clus
         assert rc in ENDED and len(errors) == 1, describe(outputs)
         other_side = {2, 3} if PLACEMENT[rank] == "h0" else {0, 1}
         assert named_rank(errors[0]["message"]) & other_side, (rank, errors[0])
+    assert segments_left(outputs) == []
