@@ -24,6 +24,7 @@ The wrapper is ``_rank_wrapper``; the launcher's side of its frames is ``_launch
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import secrets
@@ -47,6 +48,7 @@ _BROKEN_PIPE_EXIT = 141
 _STOP_GRACE_SECONDS = 15.0
 # How long a rank's failure that another rank's caused waits for that rank to report its own.
 _CAUSE_WAIT_SECONDS = 10.0
+_PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 
 
 class LaunchError(Exception):
@@ -246,6 +248,19 @@ def _say_if_signalled(rank: int, code: int) -> None:
               file=sys.stderr, flush=True)
 
 
+def _end_with(launcher: int) -> None:
+    """In mpirun's process before it starts: SIGTERM when the launcher dies. mpirun runs in
+    a session of its own (a Ctrl-C reaches the ranks once, through us), so a launcher killed
+    by SIGKILL (the OOM killer, ``kill -9``) would otherwise leave the whole job running."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: no such guard
+        return
+    if os.getppid() != launcher:  # it died before the guard was set
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class _Job:
     """mpirun running the ranks; pumps their output and stops them when asked."""
 
@@ -270,8 +285,10 @@ class _Job:
         self.began = time.time() - 1.0
         self.segments: set[tuple[str, int]] = set()  # MPICH's, that the ranks held
         # stdin is inherited: mpirun forwards it to rank 0, as it does without the launcher.
+        launcher = os.getpid()
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=lambda: _end_with(launcher))
         # One screen where stdout and stderr are one file (a terminal, 2>&1): a rank's
         # partial line on one is ended before a line on the other.
         screen = Screen() if same_file(sys.stdout, sys.stderr) else None
@@ -361,7 +378,8 @@ class _Job:
                 pass
 
     def on_signal(self, signum: int) -> None:
-        """SIGINT or SIGTERM to the launcher: stop every rank."""
+        """SIGINT, SIGTERM or SIGHUP (its terminal or ssh session closed) to the launcher:
+        stop every rank."""
         # A SIGTERM after a rank failed leaves that rank's exit code; Ctrl-C is always 130.
         if self.signalled != signal.SIGINT and (signum == signal.SIGINT
                                                 or self.first_failure is None):
@@ -447,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, **args.horovodrun.env, **{_rank_wrapper.TOKEN_ENV: token})
     job = _Job(cmd, env, token.encode(), args.np)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: job.on_signal(signum))
     return job.wait()
 

@@ -7,6 +7,7 @@ without TensorFlow, so these tests stay fast.
 
 import mmap
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 from keras_ring import _mpich_shm
 
-from tests.unit.launcher_support import GUARD, LAUNCHER, run, rank_program
+from tests.unit.launcher_support import GUARD, LAUNCHER, launch, run, rank_program
 
 
 # Rank 1 fails only once rank 0 is inside MPI_Init, where it waits for rank 1 holding the
@@ -329,3 +330,37 @@ def test_only_the_jobs_segments_nobody_holds_made_since_it_began_are_removed(tmp
     assert removed == [str(orphan)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in (mapped, opened, others, renewed, other))
+
+
+def _ends_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` (not our child) ends within ``seconds``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], seconds)[0])  # readable once it has ended
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_a_launcher_killed_or_hung_up_on_ends_every_rank(mpirun, clean_env, tmp_path, sig):
+    # mpirun runs in a session of its own, so the launcher's end did not reach it: after a
+    # SIGKILL (the OOM killer, kill -9) or a SIGHUP (its terminal or ssh session closed)
+    # mpirun and every rank went on running, orphaned.
+    script = rank_program(tmp_path, """
+        print("up", os.getpid(), flush=True)
+        signal.pause()
+    """)
+    proc = launch(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=GUARD)
+    left = [pid for pid in pids if not _ends_within(pid, GUARD)]
+    for pid in left:  # not to leave them to the tests after this one
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], err
+    if sig == signal.SIGHUP:
+        assert proc.returncode == 128 + signal.SIGHUP, err
+        assert b"terminated by SIGHUP" in err, err
