@@ -25,14 +25,18 @@ _CLASS = "class"  # shown alone where it differs: the other settings then differ
 
 def settings(optimizer: Any) -> Any:
     """The optimizer's configuration without its name and learning rate (also those of an
-    optimizer inside it), in a form whose ``repr`` is the same on every rank; None where the
+    optimizer inside it), but with its learning-rate schedule's, in a form whose ``repr`` is the same on every rank; None where the
     optimizer cannot say (a custom one without ``get_config``)."""
     try:
         config = optimizer.get_config()
     except Exception as e:  # noqa: BLE001 - every rank must still take part in the check
         return f"no get_config ({type(e).__name__})"
     # __class__: a wrapped optimizer's reports the class it wraps.
-    return {**_canonical(config), _CLASS: optimizer.__class__.__name__}
+    found = {**_canonical(config), _CLASS: optimizer.__class__.__name__}
+    schedule = config.get("learning_rate") if isinstance(config, dict) else None
+    if isinstance(schedule, dict):  # a schedule's settings, unlike a rate, never change
+        found["learning_rate"] = _canonical(schedule)
+    return found
 
 
 def _canonical(value: Any) -> Any:

@@ -13,7 +13,8 @@ between fits (keras-io's fine-tuning) would else go unseen by a one-epoch fit.
 The same allgather carries the epoch: ranks that resume at different epochs (a backup
 restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
 digest of each optimizer's other settings (``_optimizer_settings``), and at the first epoch
-one of the model's adapted preprocessing state (``_adapted_state``).
+one of the model's adapted preprocessing state (``_adapted_state``). The rates are compared
+once more as ``fit`` ends: a change in the last (or only) epoch met no epoch's check.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import tensorflow as tf
 
 from keras_ring import _adapted_state, _optimizer_settings, _weight_check
 from keras_ring.collectives import allgather
-from keras_ring.errors import RATE_CHECK, EpochMismatchError, LearningRateMismatchError
+from keras_ring.errors import (RATE_CHECK, TRAIN_END, EpochMismatchError,
+                               LearningRateMismatchError)
 from keras_ring.process_sets import ProcessSet
 from keras_ring.runtime import RUNTIME
 
@@ -46,7 +48,7 @@ def current_rate(optimizer: Any) -> float:
 class RateCheck(keras.callbacks.Callback):
     """Compares the epoch, the optimizers' settings and their learning rates over
     ``process_set`` as each epoch of a ``fit`` begins (the first epoch's rates at its first
-    batch, after the broadcast callback)."""
+    batch, after the broadcast callback), and the rates again as fit ends."""
 
     def __init__(self, optimizers: list[Any], process_set: ProcessSet) -> None:
         super().__init__()
@@ -97,11 +99,27 @@ class RateCheck(keras.callbacks.Callback):
         ranks = self.process_set.members()
         _compare_rates(ranks, everyone, "as training begins", _START_CAUSE)
 
+    def on_train_end(self, logs: dict | None = None) -> None:
+        # A rate changed on some ranks during the last epoch (or the only one) meets no
+        # epoch's check: fit would return weights that differ by rank, and exit 0.
+        ranks = self.process_set.members()
+        if len(ranks) < 2 or not RUNTIME.config.check_weights:
+            return
+        mine = np.array([current_rate(o) for o in self.optimizers], np.float64)
+        everyone = allgather(tf.constant(mine[np.newaxis]), name=TRAIN_END,
+                             process_set=self.process_set).numpy()
+        _compare_rates(ranks, everyone, "as fit ends", _END_CAUSE)
+
 
 _EPOCH_CAUSE = (
     "A callback set the rate from this rank's own metrics (ReduceLROnPlateau reads this "
     "rank's loss): put keras_ring.callbacks.MetricAverageCallback() first in fit's callbacks, "
     "so every later callback sees the same averaged metrics and decides alike.")
+_END_CAUSE = (
+    "The rate changed on some ranks only during the last epoch: a callback set it from this "
+    "rank's own metrics (put keras_ring.callbacks.MetricAverageCallback() first in fit's "
+    "callbacks), code that runs on some ranks only set it, or the ranks' learning-rate "
+    "schedules differ. The ranks' weights differ now.")
 _START_CAUSE = (
     "The rate was set on some ranks only (before this fit, or when the optimizer was made): "
     "set it alike on every rank, or put keras_ring.callbacks.BroadcastGlobalVariablesCallback"

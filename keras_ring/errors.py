@@ -92,8 +92,17 @@ _RATE_CHECK_HINT = (
     "ranks only (from this rank's own loss, or in code that runs on some ranks only): set "
     "it alike on every rank, from values every rank shares (keras_ring.allreduce of the "
     "loss)")
+# fit's last rate check (keras_ring._rate_check.RateCheck.on_train_end): a rank whose fit
+# ended early compares, and its peers train.
+TRAIN_END = "keras_ring.rate_check.train_end"
+_TRAIN_END_HINT = (
+    ". The fit ended on some ranks only, the others went on training: a callback stopped "
+    "training from this rank's own metrics (EarlyStopping, or one that sets "
+    "model.stop_training: put keras_ring.callbacks.MetricAverageCallback() before it), or "
+    "the ranks' data ran out at different steps (give every rank the same number of steps)")
 # The hint for a mismatch where a check's collective met another (see each).
-_MISMATCH_HINTS = {WEIGHT_CHECK: _WEIGHT_CHECK_HINT, RATE_CHECK: _RATE_CHECK_HINT}
+_MISMATCH_HINTS = {WEIGHT_CHECK: _WEIGHT_CHECK_HINT, RATE_CHECK: _RATE_CHECK_HINT,
+                   TRAIN_END: _TRAIN_END_HINT}
 # A collective built in a tf.cond or tf.while_loop body carries its place in its name
 # (keras_ring.ops.wrappers._place): ranks that met it in different places diverged there.
 _PLACE_HINT = (

@@ -326,6 +326,26 @@ def test_a_rate_set_from_one_ranks_metrics_fails_every_rank_before_its_epoch_tra
     assert "MetricAverageCallback() first" in message and info.value.rank == 1
 
 
+def test_a_rate_changed_on_one_rank_in_the_last_epoch_fails_every_rank_as_fit_ends(world):
+    # Rates were compared as each epoch began: a change in the last (or only) epoch met no
+    # check, and fit returned weights that differed by rank, exit 0 (probe F).
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(0))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05)), loss=ks.loss())
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+
+    def set_rate(batch, logs):
+        if rank == size - 1 and batch == 0:
+            model.optimizer.learning_rate.assign(0.5)
+
+    with pytest.raises(keras_ring.LearningRateMismatchError) as info:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=set_rate)])
+    message = str(info.value)
+    assert f"as fit ends (rank 0 0.05, rank {size - 1} 0.5)" in message, message
+    assert "during the last epoch" in message and info.value.rank == size - 1, message
+
+
 def test_averaged_metrics_keep_the_rates_equal_and_the_epochs_run(world):
     rank, _ = world
     model, epochs_begun = _plateau_fit(rank, [MetricAverageCallback()])
@@ -374,7 +394,7 @@ def test_the_broadcast_callback_makes_a_rate_set_on_one_rank_alike_before_it_is_
     ks.assert_same_on_all_ranks(ks.weights(model))
 
 
-@pytest.mark.parametrize("setting", ["momentum", "clipnorm", "inner", "class"])
+@pytest.mark.parametrize("setting", ["momentum", "clipnorm", "inner", "class", "schedule"])
 def test_optimizers_built_apart_fail_every_rank_before_the_first_epoch_trains(world, setting):
     """Momentum, clipnorm and the like are Python numbers, not variables: no broadcast makes
     them equal, the averaged metrics stayed equal, and the ranks' weights silently went
@@ -388,6 +408,10 @@ def test_optimizers_built_apart_fail_every_rank_before_the_first_epoch_trains(wo
     elif setting == "class":  # named, not the settings one class has and the other lacks
         optimizer = keras.optimizers.Adam(0.05) if last else keras.optimizers.SGD(0.05)
         shown = f"; class: rank 0 'SGD', rank {size - 1} 'Adam'): "
+    elif setting == "schedule":  # its rate drifts apart slowly: seen only at an epoch's end
+        optimizer = keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(
+            0.05, decay_steps=10, decay_rate=0.5 if last else 0.9))
+        shown = "'config': {'decay_rate': 0.5,"  # after rank 0's schedule, whose is 0.9
     else:
         options = {"momentum": {"momentum": 0.5 if last else 0.9},
                    "clipnorm": {"clipnorm": 1.0} if last else {}}[setting]
