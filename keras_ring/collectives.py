@@ -253,9 +253,10 @@ def _allreduce_indexed_slices(slices, op, name, prescale, postscale, process_set
     indices = allgather(indices, name=f"{name}.indices {tag}", process_set=process_set)
     if exact:
         values, indices = _combine_rows(values, indices)
-        if op == Average:
+        if op == Average and postscale == 1.0:
             values = tf.truncatediv(values, tf.cast(size, values.dtype))
-        values = _scale_integers(values, postscale)
+        else:  # one truncation, as the dense allreduce scales
+            values = _scale_integers(values, postscale / (size if op == Average else 1))
     else:
         scale = prescale * postscale / (size if op == Average else 1)
         if scale != 1.0:

@@ -60,6 +60,8 @@ def reduce_reference(inputs: list[np.ndarray], op: str, dtype: tf.DType,
                 out = np.min(stack, axis=0)
             else:
                 out = np.max(stack, axis=0)
+        if op == "Average" and postscale != 1.0:  # sum * (postscale / n), truncated once
+            return _scale_int(out, postscale / n, nd)
         if op == "Average":  # integer division toward zero, exact at any magnitude
             out = np.array([int(v) // n if v >= 0 else -(-int(v) // n) for v in out.ravel()],
                            dtype=nd).reshape(out.shape)

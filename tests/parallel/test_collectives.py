@@ -101,6 +101,19 @@ def test_integer_sum_wraps(world):
     assert_same(out, expected)
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "IndexedSlices"])
+def test_an_integer_average_with_a_postscale_truncates_once_as_horovod_does(world, sparse):
+    # sum * (postscale / size), truncated once: dividing first truncated twice (probe E:
+    # [1, 7, -7] averaged over 2 ranks with postscale 2 gave [0, 6, -6]).
+    rank, size = world
+    mine = tf.constant([[1], [7], [-7]] if rank == 0 else [[0], [0], [0]], tf.int32)
+    if sparse:
+        mine = tf.IndexedSlices(mine, tf.constant([0, 1, 2]), tf.constant([3, 1]))
+    out = kr.allreduce(mine, op=kr.Average, postscale_factor=float(size))
+    values = tf.convert_to_tensor(out).numpy() if sparse else out.numpy()
+    assert values.ravel().tolist() == [1, 7, -7]
+
+
 @pytest.mark.parametrize("scale", [1.0, 3.0, -3.0])
 def test_int64_averages_and_scales_exactly_at_its_extremes(world, scale):
     # Beyond 2**53 a double loses the low bits; 2**63 does not fit an int64 (saturate).

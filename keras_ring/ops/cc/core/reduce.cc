@@ -224,7 +224,9 @@ bool IsInteger(DataType t) {
 }  // namespace
 
 void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, double factor) {
-  if (!IsInteger(dtype)) {
+  // Floats, and scaled integers: one multiplication by factor/divisor, truncated once (as
+  // Horovod does; dividing first and scaling after truncated twice: 7 / 2 * 2 gave 6).
+  if (!IsInteger(dtype) || factor != 1.0) {
     Scale(dtype, buf, count, factor / static_cast<double>(divisor));
     return;
   }
@@ -239,7 +241,6 @@ void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, doub
       default: break;
     }
   }
-  Scale(dtype, buf, count, factor);
 }
 
 void FinishReduction(DataType dtype, ReduceOp op, void* buf, size_t count, int world,

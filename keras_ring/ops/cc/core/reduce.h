@@ -20,8 +20,9 @@ void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b
 // zero and saturate at the type's limits.
 void Scale(DataType dtype, void* buf, size_t count, double factor);
 
-// Finishes an Average: floats are multiplied by factor/divisor in double and rounded once;
-// integers are divided exactly (truncating toward zero), then scaled by factor.
+// Finishes an Average: multiplied by factor/divisor in double, rounded (floats) or truncated
+// toward zero and saturated (integers) once; integers with factor 1 are divided exactly
+// (truncating toward zero), which a double could not do beyond 2^53.
 void AverageScale(DataType dtype, void* buf, size_t count, int64_t divisor, double factor);
 
 // The one rule for what follows the reduction of `world` ranks' (prescaled) data: Average

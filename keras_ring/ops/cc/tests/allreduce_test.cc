@@ -129,6 +129,8 @@ T ExpectedInt(const Case& c, int n, size_t i, uint64_t salt) {
       acc = x > acc ? x : acc;
     }
   }
+  // Average: exact division, or with a postscale one truncation of sum * post / n.
+  if (c.op == ReduceOp::kAverage && c.post != 1.0) return SatScale(acc, c.post / n);
   if (c.op == ReduceOp::kAverage) acc = static_cast<T>(acc / static_cast<T>(n));
   return SatScale(acc, c.post);
 }

@@ -288,13 +288,20 @@ TEST(Scale_FloatsRoundOnce) {
   CHECK_EQ(b[1], 0xBF00);
 }
 
-TEST(AverageScale_IntegersDivideExactlyFirst) {
+TEST(AverageScale_IntegersDivideExactlyOrScaleOnce) {
   std::vector<int32_t> v = {7, -7, 5, INT32_MIN};
   keras_ring::AverageScale(DataType::kInt32, v.data(), v.size(), 2, 1.0);
   CHECK(v == std::vector<int32_t>({3, -3, 2, INT32_MIN / 2}));
+  // Scaled: one truncation of sum * factor / divisor, not (sum / divisor) * factor.
   std::vector<int8_t> w = {100, -100, 3};
-  keras_ring::AverageScale(DataType::kInt8, w.data(), w.size(), 3, 3.0);  // 33*3, -33*3, 1*3
-  CHECK(w == std::vector<int8_t>({99, -99, 3}));
+  keras_ring::AverageScale(DataType::kInt8, w.data(), w.size(), 3, 3.0);
+  CHECK(w == std::vector<int8_t>({100, -100, 3}));
+  std::vector<int32_t> x = {7, -7, 1};
+  keras_ring::AverageScale(DataType::kInt32, x.data(), x.size(), 2, 2.0);
+  CHECK(x == std::vector<int32_t>({7, -7, 1}));
+  std::vector<int16_t> y = {30000, -30000};
+  keras_ring::AverageScale(DataType::kInt16, y.data(), y.size(), 2, 4.0);  // saturates
+  CHECK(y == std::vector<int16_t>({32767, -32768}));
   std::vector<uint8_t> u = {255, 7};
   keras_ring::AverageScale(DataType::kUInt8, u.data(), u.size(), 8, 1.0);
   CHECK(u == std::vector<uint8_t>({31, 0}));

@@ -373,8 +373,8 @@ TEST(Runtime_IntegerAverageWithScaling) {
           Tensor(DataType::kInt8, {static_cast<int64_t>(size)}, in.data(), out.data());
       CHECK_OK(rt.Run(Allreduce("i8", t, ReduceOp::kAverage, 2.0, 3.0)));
       // prescale 2 saturates rank 2's 100 / -100; the sums 227 / -228 / 6 wrap to -29 / 28 / 6;
-      // dividing by 3 truncates toward zero to -9 / 9 / 2; postscale 3 gives -27 / 27 / 6.
-      const int8_t want[] = {-27, 27, 6};
+      // times 3 / 3, truncated once: -29 / 28 / 6 (not -27 / 27 / 6, which truncated twice).
+      const int8_t want[] = {-29, 28, 6};
       for (size_t i = 0; i < size; ++i) {
         if (out[i] != want[i % 3]) {
           CHECK_EQ(out[i], want[i % 3]) << " rank " << r << " size " << size << " i=" << i;
