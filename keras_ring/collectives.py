@@ -70,6 +70,9 @@ def op_hint(op: Any) -> str:
     # Numbers are refused, not converted: Horovod numbers its ops differently (its 0 is
     # Average and 1 Sum, keras_ring's the reverse), so a number from a Horovod program would
     # silently reduce with another op.
+    if isinstance(op, ReduceOp):  # an IntEnum, so before the numbers: a member refused here
+        return (" (gradients are reduced with Sum or Average only: Min, Max and Product of "
+                "the ranks' gradients are no gradient of the global batch's loss)")
     if isinstance(op, (int, np.integer)) and not isinstance(op, bool):
         return (" (a number: pass the op itself, such as keras_ring.Sum; Horovod numbers its "
                 "ops differently, its 0 is Average and 1 Sum)")

@@ -48,7 +48,8 @@ class DistributedGradientTape:
         average_aggregated_gradients: divide the sum of the passes by their number.
         scale_local_gradients: divide the gradients of local sources (see
             :meth:`register_local_source`) by ``size()``, as Horovod does. Default True.
-        process_set: the ranks that reduce the gradients; all by default.
+        process_set: the ranks that reduce the gradients; all by default. On a rank outside
+            it, ``gradient()`` returns the rank's own gradients, as Horovod's tape does.
         groups, num_groups, device_dense, device_sparse: as for :func:`keras_ring.wrap`
             (Horovod's explicit fusion; placement accepted and ignored).
 
@@ -156,6 +157,8 @@ class DistributedGradientTape:
         del use_generic_names
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
+        if self._options.process_set.included() is False:
+            return grads  # Horovod's rule: a rank outside the set keeps its own gradients
         flat = tf.nest.flatten(grads, expand_composites=False)
         flat_sources = tf.nest.flatten(sources, expand_composites=False)
         checks = _step_check.before_reduce(

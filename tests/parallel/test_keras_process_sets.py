@@ -16,12 +16,19 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def group(world):
-    rank, size = world
-    groups = [kr.add_process_set([r for r in range(size) if r % 2 == parity]) for parity in (0, 1)]
-    yield groups[rank % 2]
-    for g in groups:
+def groups(world):
+    """The even ranks' set and the odd ranks'."""
+    _, size = world
+    both = [kr.add_process_set([r for r in range(size) if r % 2 == parity]) for parity in (0, 1)]
+    yield both
+    for g in both:
         assert kr.remove_process_set(g)
+
+
+@pytest.fixture
+def group(world, groups):
+    """This rank's set."""
+    return groups[world[0] % 2]
 
 
 def _group_data(group):
@@ -65,6 +72,23 @@ def test_tape_in_a_group_averages_over_the_group(world, group):
     grad = kr.DistributedGradientTape(tape, process_set=group).gradient(loss, [w])[0]
     expected = np.mean([r + 1.0 for r in group.ranks])
     assert grad.numpy().tolist() == [expected, expected]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_tape_outside_its_set_keeps_the_local_gradients_as_horovods(world, groups, traced):
+    # Horovod's tape returns a non-member's gradients as they are; this one raised an
+    # allgather's "rank 1 is not in ProcessSet" error, naming a call the program never made.
+    rank, _ = world
+    other = groups[1 - rank % 2]
+    w = tf.Variable([1.0, 2.0])
+
+    def gradient():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * float(rank + 1))
+        return kr.DistributedGradientTape(tape, process_set=other).gradient(loss, [w])[0]
+
+    grad = tf.function(gradient)() if traced else gradient()
+    assert grad.numpy().tolist() == [rank + 1.0] * 2  # its own, no collective
 
 
 def test_keras_options_refuse_what_is_not_a_process_set(world, group):

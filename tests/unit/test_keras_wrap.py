@@ -49,7 +49,8 @@ def test_wrap_accepts_a_name():
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"op": keras_ring.Min}, ValueError, "op must be keras_ring.Sum or keras_ring.Average, got <ReduceOp.Min"),
+    ({"op": keras_ring.Min}, ValueError,
+     "got <ReduceOp.Min: 2> .gradients are reduced with Sum or Average only"),
     ({"op": "mean"}, ValueError, "got 'mean'"),
     ({"compression": "fp16"}, TypeError, "compression must be one of .*got 'fp16'"),
     ({"bucket_bytes": 0}, ValueError, 'bucket_bytes must be a positive int, "auto" or None.*got 0'),
