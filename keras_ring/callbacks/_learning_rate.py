@@ -38,8 +38,9 @@ def check_settable(optimizer: Any, who: str) -> None:
         raise ValueError(
             f"{who} sets the learning rate each batch, but this {type(inner).__name__} was "
             f"created with learning_rate={type(rate).__name__}(...), which cannot be set. "
-            "Create the optimizer with a float learning_rate and express the schedule with "
-            "keras_ring.callbacks.LearningRateScheduleCallback (or drop the callback)."
+            "Either keep the optimizer's schedule and drop the callback, or create the "
+            "optimizer with a float learning_rate and express the schedule with keras_ring's "
+            "callbacks (LearningRateWarmupCallback, LearningRateScheduleCallback)."
         )
 
 

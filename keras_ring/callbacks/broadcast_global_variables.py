@@ -11,7 +11,7 @@ from keras_ring import _adapted_state, _keras_private, _weight_check
 from keras_ring._grouping import is_variable, variable_keys
 from keras_ring._local import check_variable
 from keras_ring._model_optimizers import unwrapped_optimizers, unwrapped_training
-from keras_ring._weight_layout import ModelLayout
+from keras_ring._weight_layout import ModelLayout, label
 from keras_ring.basics import size
 from keras_ring.collectives import _shared_variables, broadcast_variables
 from keras_ring.objects import allgather_object
@@ -193,7 +193,9 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
     optimizer = type(getattr(model, "optimizer", None)).__name__
     layout = ModelLayout(model, model.trainable_weights)
     trainable = layout.tags  # which weights: ranks that froze different layers differ here
-    counts = allgather_object((weights, slots, optimizer, trainable, sorted(held.items())),
+    shapes = [(tuple(w.shape), _dtype_name(w)) for w in model.weights]
+    counts = allgather_object((weights, slots, optimizer, trainable, sorted(held.items()),
+                               shapes),
                               name="keras_ring.broadcast_counts", process_set=process_set)
     if all(c == counts[0] for c in counts):
         return
@@ -216,10 +218,35 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
             f"keras_ring: cannot broadcast model '{model.name}': the ranks train different "
             f"sets of its weights ({detail}): a layer is frozen (trainable=False) on some "
             "ranks only. Set the layers' trainable flags alike on every rank, then compile")
-    listed = "; ".join(f"rank {r}: {w} model weights, {s} variables of its {o}"
-                       for r, (w, s, o, _, _) in zip(ranks, counts))
+    built = _first_shape_difference(model, ranks, [c[5] for c in counts])
+    if built:
+        raise ValueError(
+            f"keras_ring: cannot broadcast model '{model.name}': the ranks built different "
+            f"models ({built}). Build the model alike on every rank (the same layers, units "
+            "and input shape)")
+    listed = "; ".join(f"rank {r}: {c[0]} model weights, {c[1]} variables of its {c[2]}"
+                       for r, c in zip(ranks, counts))
     raise ValueError(
         f"keras_ring: cannot broadcast model '{model.name}': the ranks hold different variables "
         f"({listed}). A model loaded from a legacy .h5 file comes back with an optimizer "
         "without its slots (Keras 3 restores only its iteration count and learning rate): "
         "checkpoint to .keras, or load the model on every rank alike")
+
+
+def _dtype_name(variable) -> str:
+    return getattr(getattr(variable, "dtype", None), "name", None) or str(variable.dtype)
+
+
+def _first_shape_difference(model: keras.Model, ranks: list[int], shapes: list[list]) -> str:
+    """The first weight whose shape or dtype differs from the first rank's, on the first
+    rank where one does ("" where none does)."""
+    for rank, theirs in zip(ranks[1:], shapes[1:]):
+        if len(theirs) != len(shapes[0]):
+            return (f"rank {ranks[0]}'s has {len(shapes[0])} weights, rank {rank}'s "
+                    f"{len(theirs)}")
+        for i, (a, b) in enumerate(zip(shapes[0], theirs)):
+            if a != b:
+                name = label(model.weights[i]) if i < len(model.weights) else f"#{i}"
+                return (f"weight {i} ('{name}'): rank {ranks[0]} {a[0]} {a[1]}, "
+                        f"rank {rank} {b[0]} {b[1]}")
+    return ""

@@ -171,8 +171,8 @@ def test_ranks_that_built_different_models_are_told_so_on_every_rank(world):
     assert "the ranks built different models: rank 0's has 4 weights, rank 1's 6" \
         in str(info.value), info.value
     model = _twin_layers("d2") if rank != 1 else model
-    with pytest.raises(ValueError, match=r"the ranks hold different variables \(rank 0: 8 model "
-                                         r"weights, .*rank 1: 6 model weights"):
+    with pytest.raises(ValueError, match=r"the ranks built different models \(rank 0's has 8 "
+                                         r"weights, rank 1's 6\)"):
         _fit(model, rank, size, [BroadcastGlobalVariablesCallback(0)])
 
 
@@ -222,3 +222,9 @@ def test_ranks_whose_layers_differ_in_shape_only_are_told_so(world):
                                                   "has 4 weights, rank 1's 4, of other dtypes "
                                                   "or shapes"):
         _fit(model, rank, size)
+    # Through the broadcast callback: the weight and both shapes (its counts looked equal,
+    # probe F: "rank 0: 4 model weights, ...; rank 1: 4 model weights, ...").
+    with pytest.raises(ValueError, match=r"the ranks built different models \(weight 0 "
+                                         r"\('.*kernel'\): rank 0 \(6, 8\) float32, rank 1 "
+                                         r"\(6, 9\) float32\)"):
+        _fit(model, rank, size, [BroadcastGlobalVariablesCallback(0)])
