@@ -25,8 +25,9 @@ _CLASS = "class"  # shown alone where it differs: the other settings then differ
 
 def settings(optimizer: Any) -> Any:
     """The optimizer's configuration without its name and learning rate (also those of an
-    optimizer inside it), but with its learning-rate schedule's, in a form whose ``repr`` is the same on every rank; None where the
-    optimizer cannot say (a custom one without ``get_config``)."""
+    optimizer inside it), but with its learning-rate schedule's, in a form whose ``repr`` is
+    the same on every rank; None where the optimizer cannot say (a custom one without
+    ``get_config``)."""
     try:
         config = optimizer.get_config()
     except Exception as e:  # noqa: BLE001 - every rank must still take part in the check

@@ -193,7 +193,7 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
     optimizer = type(getattr(model, "optimizer", None)).__name__
     layout = ModelLayout(model, model.trainable_weights)
     trainable = layout.tags  # which weights: ranks that froze different layers differ here
-    shapes = [(tuple(w.shape), _dtype_name(w)) for w in model.weights]
+    shapes = [(tuple(w.shape), keras.backend.standardize_dtype(w.dtype)) for w in model.weights]
     counts = allgather_object((weights, slots, optimizer, trainable, sorted(held.items()),
                                shapes),
                               name="keras_ring.broadcast_counts", process_set=process_set)
@@ -231,10 +231,6 @@ def _check_same_variables(model: keras.Model, weights: int, slots: int, held: di
         f"({listed}). A model loaded from a legacy .h5 file comes back with an optimizer "
         "without its slots (Keras 3 restores only its iteration count and learning rate): "
         "checkpoint to .keras, or load the model on every rank alike")
-
-
-def _dtype_name(variable) -> str:
-    return getattr(getattr(variable, "dtype", None), "name", None) or str(variable.dtype)
 
 
 def _first_shape_difference(model: keras.Model, ranks: list[int], shapes: list[list]) -> str:
