@@ -12,8 +12,8 @@ It finds ``mpirun`` (the one next to this Python, i.e. the ``mpich`` wheel's, el
 the rank prints with ``[rank] `` and reports how the rank ended, stops every rank as soon as
 one fails and exits with that rank's exit code (a rank whose failure another's caused waits
 a moment for that one's; a rank that caught a peer's timeout and ended normally stops the
-job too, with exit code 1), and on Ctrl-C stops every rank
-and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0 (the others read none); when
+job too, with exit code 1), names the ranks still running long after one ended normally,
+and on Ctrl-C stops every rank and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0 (the others read none); when
 the reader of its output goes away (``| head``) it ends the job and exits with 141. After
 the job, it removes the MPICH shared memory its stopped ranks left (``_mpich_shm``). Plain
 ``mpirun -np 4 python train.py`` keeps working without it.
@@ -49,6 +49,10 @@ _STOP_GRACE_SECONDS = 15.0
 # How long a rank's failure that another rank's caused waits for that rank to report its own.
 _CAUSE_WAIT_SECONDS = 10.0
 _PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
+# A rank's stall warning comes after this long in one collective; the launcher says as long
+# after a rank ended normally that others still run, and again at twice the wait each time.
+_STALL_WARNING_VARIABLE = "KERAS_RING_STALL_WARNING_SECONDS"
+_DEFAULT_STALL_WARNING_SECONDS = 60.0
 
 
 class LaunchError(Exception):
@@ -269,6 +273,11 @@ class _Job:
         self.ranks = ranks
         self.started = 0  # ranks whose wrapper began
         self.reported = 0  # ranks whose wrapper told how they ended
+        self.ended: set[int] = set()  # ranks that reported, whatever their exit code
+        # Ranks still running long after another ended normally: said, so no job waits
+        # silently on a rank busy (or stuck) in its own code after its last collective.
+        self._linger_seconds = _linger_seconds(env)
+        self._linger: threading.Timer | None = None
         self.cause: tuple[int, int] | None = None  # (rank, exit code) of the first failure
         # that was not another's consequence, and the first that was
         self.follow_on: tuple[int, int] | None = None
@@ -325,12 +334,15 @@ class _Job:
     def _on_exit(self, rank: int, code: int, follows: bool = False,
                  stalled: bool = False) -> None:
         self.reported += 1
+        self.ended.add(rank)
         if code == 0:
             if stalled and self.stalled is None and self.first_failure is None:
                 # The program caught a peer's timeout and ended normally; that peer may be
                 # unable to run at all (stopped), and would keep the job waiting for ever.
                 self.stalled = rank
                 self.stop(signal.SIGTERM)
+            elif self._linger is None and self.reported < self.ranks:
+                self._watch_lingering(rank, time.monotonic(), self._linger_seconds)
             return
         if self.stalled is not None:
             return  # stopped by us: its code echoes the stop
@@ -346,6 +358,25 @@ class _Job:
             self._cause_wait = threading.Timer(_CAUSE_WAIT_SECONDS, self._stop_waiting_for_cause)
             self._cause_wait.daemon = True
             self._cause_wait.start()
+
+    def _watch_lingering(self, first: int, since: float, wait: float) -> None:
+        self._linger = threading.Timer(wait, self._say_lingering, (first, since, wait))
+        self._linger.daemon = True
+        self._linger.start()
+
+    def _say_lingering(self, first: int, since: float, wait: float) -> None:
+        """Ranks run on long after rank ``first`` ended normally: says which, and waits."""
+        if self._stop_requested or self.first_failure is not None or self.proc.poll() is not None:
+            return
+        running = sorted(set(range(self.ranks)) - self.ended)
+        if not running:
+            return
+        names = ", ".join(map(str, running))
+        print(f"keras-ring-run: rank {first} ended normally {time.monotonic() - since:.0f} s "
+              f"ago; rank{'s' if len(running) > 1 else ''} {names} not yet (a rank's own "
+              "code after its last collective: saving, evaluating, or stuck). The job ends "
+              "when every rank has; Ctrl-C stops it.", file=sys.stderr, flush=True)
+        self._watch_lingering(first, since, 2 * wait)
 
     def _stop_waiting_for_cause(self) -> None:
         """The follow-on's cause never reported: stop it, and let its 143, our own stop's
@@ -398,8 +429,9 @@ class _Job:
         code = self.proc.wait()
         for t in self._pumps:
             t.join()
-        if self._cause_wait is not None:
-            self._cause_wait.cancel()
+        for timer in (self._cause_wait, self._linger):
+            if timer is not None:
+                timer.cancel()
         try:  # tidying up is no reason to lose the job's exit code
             _mpich_shm.remove_orphans(self.began, self.segments)
         except OSError:
@@ -445,6 +477,16 @@ class _Job:
                   "with os._exit); the job failed", file=sys.stderr)
             return 1
         return code
+
+
+def _linger_seconds(env: dict[str, str]) -> float:
+    """The ranks' stall-warning time, from the job's environment; its default where the
+    value is invalid (the ranks refuse it themselves, saying why)."""
+    try:
+        value = float(env.get(_STALL_WARNING_VARIABLE) or _DEFAULT_STALL_WARNING_SECONDS)
+    except ValueError:
+        return _DEFAULT_STALL_WARNING_SECONDS
+    return value if 0 < value < float("inf") else _DEFAULT_STALL_WARNING_SECONDS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,51 @@ def test_exit_code_is_zero_when_every_rank_succeeds(mpirun, clean_env, tmp_path)
     assert sorted(out.splitlines()) == ["[0] done 0", "[1] done 1", "[2] done 2"]
 
 
+def _launcher_lines(proc: subprocess.Popen, count: int) -> list[str]:
+    """The first ``count`` lines the launcher itself writes to stderr; fails after GUARD s."""
+    fd, pending, lines = proc.stderr.fileno(), b"", []
+    while len(lines) < count:
+        ready, _, _ = select.select([fd], [], [], GUARD)
+        assert ready, f"the launcher wrote {lines} in {GUARD} s, wanted {count} lines"
+        chunk = os.read(fd, 65536)
+        assert chunk, f"the launcher's stderr ended after {lines}"
+        *whole, pending = (pending + chunk).split(b"\n")
+        lines += [line.decode() for line in whole if line.startswith(b"keras-ring-run:")]
+    return lines[:count]
+
+
+def test_ranks_running_on_after_another_ended_are_named_while_the_job_waits(mpirun, clean_env,
+                                                                             tmp_path):
+    # Ranks 1 and 2 stay in their own code after rank 0 has ended (an atexit that never
+    # returns, a save that takes an hour): the job waited for them without a word.
+    fifos = [tmp_path / f"go_on_{rank}" for rank in (1, 2)]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    script = rank_program(tmp_path, f"""
+        if RANK > 0:
+            with open({str(tmp_path)!r} + f"/go_on_{{RANK}}") as f:
+                f.read()
+    """)
+    env = dict(clean_env, KERAS_RING_STALL_WARNING_SECONDS="0.5")
+    proc = launch(mpirun, ["-np", "3", sys.executable, script], env)
+    try:  # said again, at twice the wait: named more than once, never every 0.5 s
+        notices = _launcher_lines(proc, 2)
+    except AssertionError:
+        proc.terminate()  # the launcher stops its ranks
+        proc.communicate(timeout=GUARD)
+        raise
+    for fifo in fifos:  # both go on, and end
+        with open(fifo, "w") as f:
+            f.write("go")
+    out, err = proc.communicate(timeout=GUARD)
+    assert proc.returncode == 0, err
+    for notice in notices:
+        assert re.match(r"keras-ring-run: rank 0 ended normally \d+ s ago; ranks 1, 2 not yet "
+                        r"\(a rank's own code after its last collective", notice), notices
+    seconds = [int(re.search(r"(\d+) s ago", n).group(1)) for n in notices]
+    assert seconds[1] >= 1, seconds  # 0.5 s, then 0.5 + 1 s after rank 0 ended
+
+
 def test_ctrl_c_stops_every_rank(mpirun, clean_env, tmp_path):
     script = rank_program(tmp_path, """
         print("pid", os.getpid(), flush=True)
