@@ -51,6 +51,7 @@ _MAX_MESSAGE_BYTES = 1 << 20
 # How long rank 0 waits for a connected client's hello before dropping that connection.
 _HELLO_SECONDS = 10.0
 _RETRY_SECONDS = (0.05, 1.0)  # first and longest pause between connection attempts
+_FIRST_ATTEMPT_SECONDS = 5.0  # the first connection attempt's limit; each next one's doubles
 
 
 @dataclass(frozen=True)
@@ -431,7 +432,9 @@ def _join(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer, deadl
 
 def _connect(rendezvous: tuple[str, int], deadline: float, timeout: float) -> socket.socket:
     # Rank 0 may start later than the others (or its host name may not resolve yet).
-    pause, last_error = _RETRY_SECONDS[0], None
+    # Each attempt may take twice as long as the last: a round trip longer than the first
+    # (a saturated VPN, a satellite hop) still connects within the timeout.
+    pause, attempt, last_error = _RETRY_SECONDS[0], _FIRST_ATTEMPT_SECONDS, None
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -439,7 +442,9 @@ def _connect(rendezvous: tuple[str, int], deadline: float, timeout: float) -> so
                             f"({RENDEZVOUS_VARIABLE}) within {timeout:g} s "
                             f"({START_TIMEOUT_VARIABLE}): {last_error}")
         try:
-            return socket.create_connection(rendezvous, timeout=min(remaining, 5.0))
+            return socket.create_connection(rendezvous, timeout=min(remaining, attempt))
+        except TimeoutError as e:
+            last_error, attempt = e, attempt * 2
         except OSError as e:
             last_error = e
         time.sleep(max(0.0, min(pause, deadline - time.monotonic())))

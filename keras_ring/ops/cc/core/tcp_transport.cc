@@ -199,7 +199,9 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
   // address reaches a machine (or network namespace) where this peer does not listen; nor is
   // an unreachable network or host: no route leads there. A few passes absorb a transient
   // one. A silent candidate delays the next by kStaggerMs only, and the one that answered a
-  // peer's host is tried first for its next connection.
+  // peer's host is tried first for its next connection. Each pass gives a connection twice
+  // as long as the last to complete: a link whose round trip exceeds the first attempt (a
+  // saturated VPN, a satellite hop) still connects within the timeout.
   constexpr int kStaggerMs = 250;
   constexpr int kAttemptMs = 3000;
   constexpr int kDefinitivePasses = 5;
@@ -218,7 +220,7 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
       if (!unresolved.empty()) errors[c] = unresolved;
       definitive = definitive && unresolved.empty();
     }
-    const ConnectOutcome got = ConnectFirst(targets, kStaggerMs, kAttemptMs, deadline);
+    const ConnectOutcome got = ConnectFirst(targets, kStaggerMs, kAttemptMs << std::min(pass, 5), deadline);
     if (got.fd >= 0) {
       const size_t c = targets[got.winner].candidate;
       reached_[addr.host] = c;
