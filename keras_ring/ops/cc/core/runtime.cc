@@ -515,12 +515,18 @@ std::string Runtime::StallReport(double waited_seconds) {
     msg += ": ranks not yet heard from: " + missing +
            " (one of them has not submitted this collective, or is stalled)";
   } else {
-    msg += ": every rank submitted it, the data transfer with ranks " +
-           std::to_string((r + n - 1) % n) + " and " + std::to_string((r + 1) % n) +
-           " is not progressing";
+    // The time is since the collective began, not since bytes last moved: a slow link that
+    // still delivers lands here too, so the report says unfinished, not stalled.
+    const int left = (r + n - 1) % n;
+    const int right = (r + 1) % n;
+    msg += ": every rank submitted it, and the data transfer with " +
+           (left == right ? "rank " + std::to_string(left)
+                          : "ranks " + std::to_string(left) + " and " + std::to_string(right)) +
+           " has not finished (a slow link, or a stalled peer)";
   }
-  msg += "; it fails after KERAS_RING_TIMEOUT_SECONDS=" +
-         std::to_string(static_cast<int>(options_.timeout_seconds));
+  msg += "; it fails only once a peer it waits on has been silent for "
+         "KERAS_RING_TIMEOUT_SECONDS=" + std::to_string(static_cast<int>(options_.timeout_seconds)) +
+         " s";
   return msg;
 }
 

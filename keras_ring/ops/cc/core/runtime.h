@@ -122,6 +122,10 @@ class Runtime {
   // completion itself only while nothing else waits). Any thread.
   size_t queued() const { return queued_.load(); }
 
+  // The stall warning the watchdog prints `waited_seconds` into the collective that runs:
+  // whom this rank still waits on.
+  std::string StallReport(double waited_seconds);
+
   // Recorded timeline events (empty unless recording), as tab-separated lines.
   std::string DrainTimeline() { return timeline_.Drain(); }
   // Starts as options.timeline says; marks and switching go through it.
@@ -157,7 +161,6 @@ class Runtime {
   void OnFatal(const Status& cause);
   void RecordTimeline(const Request& r, uint64_t seq, Clock::time_point started,
                       const ExecutionStats& stats, const Status& s);
-  std::string StallReport(double waited_seconds);
   // What peers are told of a clean shutdown: how many collectives this rank ran, and the
   // last one (a peer still waiting in a later one learns where the two parted).
   Status ShutdownCause();
