@@ -139,7 +139,9 @@ def test_unreachable_rendezvous_fails_the_bootstrap_within_the_start_timeout(mon
                        r"\(KERAS_RING_RENDEZVOUS\) within 1\.5 s "
                        r"\(KERAS_RING_START_TIMEOUT_SECONDS\): .*Connection refused"):
         bootstrap(Config.from_env())  # what init() calls (once per process, hence directly)
-    assert 1.5 <= time.monotonic() - start < 6.0
+    # Not the default start timeout's wait: a hang guard, not a timing claim (6 s was seen
+    # under load).
+    assert 1.5 <= time.monotonic() - start < 60.0
 
 
 # --- the variables ---------------------------------------------------------------------------
