@@ -80,6 +80,18 @@ def test_name_mismatch(world):
                           kr.CollectiveMismatchError, "name mismatch", "'t0'", "'t1'")
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_long_non_ascii_names_that_differ_are_a_mismatch_saying_so(world, traced):
+    # 141 bytes of UTF-8 were cut inside a character to fit the signature's field: the
+    # mismatch reached Python as a UnicodeDecodeError, which no keras_ring handler catches.
+    rank, size = world
+    name = "\u00e9" * 70 + str(rank)
+    call = (lambda: kr.allreduce(tf.ones([2]), name=name))
+    err = _expect_on_every_rank(tf.function(call) if traced else call,
+                                kr.CollectiveMismatchError, "\u00e9" * 40)
+    assert "name" in str(err), err
+
+
 def test_a_name_on_one_rank_only_is_a_mismatch(world):
     rank, _ = world
     _expect_on_every_rank(lambda: kr.allreduce(tf.ones([2]), name="grad_w" if rank == 0 else None),

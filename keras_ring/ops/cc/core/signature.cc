@@ -37,8 +37,12 @@ void Signature::SetName(const std::string& n) {
   for (const char c : n) h = HashMix(h, static_cast<unsigned char>(c));
   char tail[24];
   std::snprintf(tail, sizeof tail, "...#%016llx", static_cast<unsigned long long>(h));
-  const size_t keep = std::min(std::min(n.size(), n.find('\0')),
-                               sizeof name - 1 - std::strlen(tail));
+  size_t keep = std::min(std::min(n.size(), n.find('\0')), sizeof name - 1 - std::strlen(tail));
+  // Never inside a UTF-8 character: the name reaches error messages, which Python decodes
+  // (a cut one turned a mismatch error into a UnicodeDecodeError).
+  while (keep > 0 && keep < n.size() && (static_cast<unsigned char>(n[keep]) & 0xC0) == 0x80) {
+    --keep;
+  }
   std::memcpy(name, n.data(), keep);
   std::memcpy(name + keep, tail, std::strlen(tail));
 }

@@ -232,6 +232,41 @@ TEST(Signatures_LongNamesThatDifferLateAreAMismatch) {
   CHECK_EQ(std::string(same_a.name).substr(0, 20), base.substr(0, 20));
 }
 
+// Whether `s` is whole UTF-8: every lead byte followed by as many continuation bytes as it
+// announces (the checks Python's decoder makes that a cut could break).
+bool WholeUtf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto lead = static_cast<unsigned char>(s[i]);
+    const size_t len = lead < 0x80 ? 1 : (lead >> 5) == 0x6 ? 2 : (lead >> 4) == 0xE ? 3
+                     : (lead >> 3) == 0x1E ? 4 : 0;
+    if (len == 0 || i + len > s.size()) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return false;
+    }
+    i += len;
+  }
+  return true;
+}
+
+// A long name is cut between characters, never inside one, at every alignment of 2-, 3- and
+// 4-byte characters ("é" * 70 was cut mid-character, and its mismatch error reached Python
+// as a UnicodeDecodeError).
+TEST(Signatures_LongNamesAreCutBetweenUtf8Characters) {
+  for (const std::string ch : {"\xc3\xa9", "\xe6\x97\xa5", "\xf0\x9f\x98\x80"}) {
+    for (int shift = 0; shift < 4; ++shift) {
+      std::string n = std::string(static_cast<size_t>(shift), 'a');
+      while (n.size() < 200) n += ch;
+      Signature s;
+      s.SetName(n);
+      const std::string kept(s.name);
+      CHECK(WholeUtf8(kept)) << " character of " << ch.size() << " bytes, shift " << shift;
+      CHECK_CONTAINS(kept, "...#");
+      CHECK_EQ(kept.substr(0, kept.find("...#")), n.substr(0, kept.find("...#")));
+      CHECK(kept.size() + ch.size() > sizeof s.name - 1) << "no more cut than one character";
+    }
+  }
+}
+
 // A name on one rank only: the ranks disagree about which collective this is.
 TEST(Signatures_NameOnOneRankOnlyIsAMismatch) {
   const auto v = ExchangeAndCheck(2, [](int r) {
