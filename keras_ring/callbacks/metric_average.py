@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 import zlib
 from typing import Any
 
@@ -89,10 +90,34 @@ class MetricAverageCallback(keras.callbacks.Callback):
             average_logs(logs, self.process_set)
 
 
-def average_logs(logs: dict, process_set: ProcessSet = global_process_set) -> dict:
+def average_logs(logs: dict | list | float,
+                 process_set: ProcessSet = global_process_set) -> dict | list | float:
     """Averages the numeric entries of ``logs`` over the ranks, in place; returns it. Numbers
     stay floats; arrays (``F1Score(average=None)``'s per-class values) are averaged element
-    by element and keep their shape."""
+    by element and keep their shape.
+
+    Args:
+        logs: a dict of metrics (``evaluate(..., return_dict=True)``, a callback's logs), or
+            what ``evaluate()`` returns by default: a list of them (averaged in place too),
+            or one number (its average is returned).
+        process_set: the ranks to average over (every rank of it calls this).
+
+    Example:
+        ``loss, accuracy = keras_ring.callbacks.average_logs(model.evaluate(x, y))``
+    """
+    if isinstance(logs, (list, tuple)):
+        averaged = average_logs({str(i): v for i, v in enumerate(logs)}, process_set)
+        values = [averaged[str(i)] for i in range(len(logs))]
+        if isinstance(logs, tuple):
+            return tuple(values)
+        logs[:] = values
+        return logs
+    if not isinstance(logs, Mapping):
+        if _numeric(logs) is None or _numeric(logs).shape != ():
+            raise TypeError("average_logs: logs must be a dict of metrics, a list of them or a "
+                            f"number (what evaluate() returns), got {type(logs).__name__} "
+                            f"{logs!r:.80}")
+        return average_logs({"value": logs}, process_set)["value"]
     values = {k: _numeric(v) for k, v in logs.items()}
     keys = sorted(k for k, v in values.items() if v is not None)
     if not keys:

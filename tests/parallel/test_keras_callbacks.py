@@ -133,6 +133,22 @@ def test_evaluate_results_average_with_average_logs_as_documented(world):
                                rtol=1e-12)
 
 
+def test_average_logs_takes_what_evaluate_returns_by_default(world):
+    # evaluate() returns a list (or one number without metrics): average_logs(list) raised
+    # "AttributeError: 'list' object has no attribute 'items'".
+    rank, size = world
+    mean = (size - 1) / 2
+    listed = [float(rank), 2.0 * rank]
+    assert average_logs(listed) is listed
+    assert listed == [mean, 2 * mean]
+    assert average_logs((float(rank), 1.0)) == (mean, 1.0)
+    assert average_logs(float(rank)) == mean
+    assert average_logs(np.float32(rank)) == mean
+    with pytest.raises(TypeError, match=r"average_logs: logs must be a dict of metrics, a list "
+                                        r"of them or a number .* got str 'loss'"):
+        average_logs("loss")
+
+
 def test_metric_average_averages_per_class_arrays_too(world):
     # F1Score(average=None) logs one value per class: an array, averaged element by element.
     rank, size = world
