@@ -59,6 +59,7 @@ _EXPORTS = {
     "load_model": "keras_ring.saving",
     "callbacks": "keras_ring.callbacks",
     "elastic": "keras_ring.elastic",
+    "timeline": "keras_ring.timeline",
 }
 
 __all__ = list(_EXPORTS)
@@ -75,7 +76,8 @@ _HOROVOD_ONLY = {
 }
 
 __getattr__, __dir__ = lazy_exports("keras_ring", _EXPORTS, globals(),
-                                   submodules=("callbacks", "elastic"), absent=_HOROVOD_ONLY)
+                                   submodules=("callbacks", "elastic", "timeline"),
+                                   absent=_HOROVOD_ONLY)
 
 
 # The runtime sits below the modules these steps need, so the package registers them (see

@@ -191,6 +191,7 @@ class BatchRates:
         return model.__dict__.setdefault(_BATCH_STATE, BatchRates())
 
     def check(self, optimizers: list[Any], process_set: ProcessSet) -> None:
+        RUNTIME.topology("training with a keras_ring optimizer")  # init() came first
         ranks = process_set.members()
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
@@ -264,6 +265,7 @@ def install_fit_hook(find: Finder) -> None:
     def fit(self, *args, **kwargs):
         found = find(self)
         if found is not None:
+            RUNTIME.topology("Model.fit() with a keras_ring optimizer")  # init() came first
             bound = signature.bind(self, *args, **kwargs)
             callbacks = bound.arguments.get("callbacks")
             if callbacks is None or isinstance(callbacks, (list, tuple)):

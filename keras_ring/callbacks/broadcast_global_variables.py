@@ -17,6 +17,7 @@ from keras_ring.collectives import _shared_variables, broadcast_variables
 from keras_ring.objects import allgather_object
 from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
+from keras_ring.runtime import RUNTIME
 
 
 def _check_root(root_rank: Any) -> int:
@@ -77,6 +78,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             check_variable(var, "BroadcastGlobalVariablesCallback: local_variables"))
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        RUNTIME.topology("fit() with BroadcastGlobalVariablesCallback")  # init() came first
         ranks = self.process_set.members()
         if self.root_rank not in ranks:
             where = (f"this job of size {size()}" if self.process_set is global_process_set

@@ -1,10 +1,12 @@
 """The whole Python API in a world of one (no MPI launcher, no MPI import)."""
 
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import keras
 import tensorflow as tf
 
 import keras_ring as kr
@@ -69,6 +71,27 @@ def test_a_call_before_init_in_a_traced_function_is_the_same_error(not_initializ
         step(tf.constant(1.0))
 
 
+@pytest.mark.parametrize("how", ["fit", "fit with the broadcast", "train_on_batch"])
+def test_training_before_init_says_what_needed_it(how, not_initialized):
+    # The error said "call keras_ring.init() before this function", naming nothing the user
+    # had called.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    wrapped = how != "fit with the broadcast"
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.1)) if wrapped else "sgd",
+                  loss="mse")
+    x, y = np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32)
+    expected = {"fit": "Model.fit() with a keras_ring optimizer",
+                "fit with the broadcast": "fit() with BroadcastGlobalVariablesCallback",
+                "train_on_batch": "training with a keras_ring optimizer"}[how]
+    with pytest.raises(kr.NotInitializedError, match=re.escape(
+            f"call keras_ring.init() before {expected}")):
+        if how == "train_on_batch":
+            model.train_on_batch(x, y)
+        else:
+            model.fit(x, y, verbose=0, callbacks=None if wrapped else [
+                kr.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+
 @pytest.mark.parametrize("name,call", CALLS_BEFORE_INIT[:8], ids=[c[0] for c in CALLS_BEFORE_INIT[:8]])
 def test_calls_after_shutdown_say_to_call_init(name, call):
     kr.init()
@@ -95,6 +118,17 @@ def test_single_process_needs_no_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_timeline_module_is_reached_from_the_package_as_documented():
+    # keras_ring.timeline.record(True) raised AttributeError after a plain import keras_ring
+    # (a fresh process: no test has imported the submodule there).
+    code = ("import keras_ring as kr, tensorflow as tf; kr.init(); kr.timeline.record(True); "
+            "kr.allreduce(tf.constant([1.0]), name='seen'); "
+            "print([e['label'] for e in kr.timeline.recorded()])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[\"allreduce 'seen'\"]"
 
 
 @pytest.mark.parametrize("op", OP_NAMES)
