@@ -5,6 +5,7 @@ they are refused. The sets are the even and the odd ranks (at 2 ranks: {0} and {
 from 3 ranks on, the first two ranks (at 2 ranks they are the whole job, which is no new set).
 """
 
+import re
 import threading
 
 import numpy as np
@@ -109,8 +110,9 @@ def test_a_root_outside_the_set_on_one_member_fails_on_every_member(world, sets,
     root = other.ranks[0] if mine.rank() == last else mine.ranks[0]
     call = lambda: kr.broadcast(tf.constant([rank]), root, name="w", process_set=mine)
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=rf"broadcast 'w': root_rank {other.ranks[0]} on rank {last} of "
-                             r"the process set is not in the set \(root_rank is a global rank"):
+                       match=rf"broadcast 'w': root_rank {other.ranks[0]} is not in the process "
+                             rf"set \(root_rank is a global rank, as in Horovod\); the set's "
+                             rf"rank {last} passed it"):
         call() if mode == "eager" else tf.function(call)()
     # The set is still in step.
     assert kr.allreduce(tf.constant([1]), op=kr.Sum, process_set=mine).numpy()[0] == mine.size()
@@ -150,9 +152,13 @@ def test_outsiders_and_bad_sets_are_refused(world, sets):
         kr.allreduce(tf.ones([1]), process_set=other)
     with pytest.raises(ValueError, match="has not been added"):
         kr.allgather(tf.ones([1]), process_set=kr.ProcessSet([0]))
-    with pytest.raises(kr.CollectiveArgumentError, match=rf"root_rank {other.ranks[0]} on rank "
-                                                         r"0 of the process set is not in the set"):
-        kr.broadcast(tf.ones([1]), other.ranks[0], process_set=_mine(sets, rank))
+    # "root_rank 0 on rank 0 of the process set" read as the global rank 0 for set [1].
+    mine = _mine(sets, rank)
+    with pytest.raises(kr.CollectiveArgumentError, match=re.escape(
+            f"root_rank {other.ranks[0]} is not in the process set (root_rank is a global rank, "
+            f"as in Horovod); the set's rank 0 passed it (the ranks this message names are the "
+            "set's own, numbered from 0)")):
+        kr.broadcast(tf.ones([1]), other.ranks[0], process_set=mine)
     with pytest.raises(ValueError, match="exists already"):
         kr.add_process_set([0, 1])
     with pytest.raises(ValueError, match="ranks disagree about the set") as info:

@@ -290,8 +290,9 @@ Status CheckArguments(const Signature& s, int r, int size) {
   if (kind == Kind::kBroadcast && s.root <= kRootNotInSet) {
     return Status(Code::kInvalidArgument,
                   s.Label() + ": root_rank " + std::to_string(kRootNotInSet - s.root) +
-                      " on rank " + std::to_string(r) + " of the process set is not in "
-                      "the set (root_rank is a global rank, as in Horovod)",
+                      " is not in the process set (root_rank is a global rank, as in "
+                      "Horovod); the set's rank " + std::to_string(r) + " passed it (the "
+                      "ranks this message names are the set's own, numbered from 0)",
                   r);
   }
   if ((kind == Kind::kReducescatter || kind == Kind::kAlltoall) && s.ndims == 0) {
