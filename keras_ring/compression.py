@@ -2,7 +2,8 @@
 
 Compression trades precision for bandwidth: a float32 gradient sent as float16 moves half the
 bytes. The reduction itself then runs in the wire dtype, so an ``Average`` of float16 values is
-computed in float16 (with float32 accumulation inside the reduce kernels where they have it).
+computed in float16 (with float32 accumulation inside the reduce kernels where they have it),
+and like a Sum: the ranks' sum, divided at the end, must stay within float16's 65504.
 
 A compressor has Horovod's shape: ``compress(tensor) -> (wire_tensor, ctx)`` and
 ``decompress(reduced_wire_tensor, ctx) -> tensor``. ``wrap`` and ``DistributedGradientTape``
@@ -60,8 +61,10 @@ class Compression:
 
     - ``Compression.none``: gradients travel in their own dtype (the default).
     - ``Compression.fp16``: float32/float64 gradients travel as float16: half the bytes,
-      about three significant digits, and values beyond 65504 become inf (under a
-      ``LossScaleOptimizer`` such a step is then skipped and the loss scale lowered).
+      about three significant digits, and values whose sum over the ranks passes 65504
+      become inf, an ``Average`` too: it divides after summing, as Horovod does, so at 4 ranks
+      gradients of about 16384 each overflow (under a ``LossScaleOptimizer`` such a step is
+      then skipped and the loss scale lowered).
     - ``Compression.bf16``: float32/float64 gradients travel as bfloat16: half the bytes,
       float32's range, about two significant digits.
 
