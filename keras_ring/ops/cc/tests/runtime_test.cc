@@ -404,28 +404,37 @@ TEST(Runtime_MissingRankFailsAndStaysBroken) {
   }, {0, 1});
 }
 
-// Counts the waits that may yield the core (Deadline::may_yield) and those that may not.
-class YieldCountingTransport : public keras_ring::LocalTransport {
+// A local transport that shows each call's bytes sent and deadline to Seen() first.
+class WatchedTransport : public keras_ring::LocalTransport {
  public:
   using LocalTransport::LocalTransport;
   Status Send(int peer, const void* data, size_t bytes, keras_ring::Deadline d) override {
-    Count(d);
+    Seen(bytes, d);
     return LocalTransport::Send(peer, data, bytes, d);
   }
   Status Recv(int peer, void* data, size_t bytes, keras_ring::Deadline d) override {
-    Count(d);
+    Seen(0, d);
     return LocalTransport::Recv(peer, data, bytes, d);
   }
   Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
                   size_t recv_bytes, keras_ring::Deadline d) override {
-    Count(d);
+    Seen(send_bytes, d);
     return LocalTransport::SendRecv(to, send_data, send_bytes, from, recv_data, recv_bytes, d);
   }
+
+ protected:
+  virtual void Seen(size_t sent_bytes, keras_ring::Deadline d) = 0;
+};
+
+// Counts the waits that may yield the core (Deadline::may_yield) and those that may not.
+class YieldCountingTransport : public WatchedTransport {
+ public:
+  using WatchedTransport::WatchedTransport;
   // (yielding, not yielding) since the last call.
   std::pair<int, int> Take() { return {yielding_.exchange(0), sleeping_.exchange(0)}; }
 
  private:
-  void Count(keras_ring::Deadline d) { ++(d.may_yield() ? yielding_ : sleeping_); }
+  void Seen(size_t, keras_ring::Deadline d) override { ++(d.may_yield() ? yielding_ : sleeping_); }
   std::atomic<int> yielding_{0};
   std::atomic<int> sleeping_{0};
 };
@@ -478,19 +487,10 @@ TEST(Runtime_ACollectiveRightAfterAnotherMayYieldItsWaits) {
 }
 
 // Holds every send of `min_bytes` or more (data, not signatures) until Release().
-class HeldDataTransport : public keras_ring::LocalTransport {
+class HeldDataTransport : public WatchedTransport {
  public:
   HeldDataTransport(std::shared_ptr<LocalFabric> fabric, int rank, size_t min_bytes)
-      : LocalTransport(std::move(fabric), rank), min_bytes_(min_bytes) {}
-  Status Send(int peer, const void* data, size_t bytes, keras_ring::Deadline d) override {
-    Hold(bytes);
-    return LocalTransport::Send(peer, data, bytes, d);
-  }
-  Status SendRecv(int to, const void* send_data, size_t send_bytes, int from, void* recv_data,
-                  size_t recv_bytes, keras_ring::Deadline d) override {
-    Hold(send_bytes);
-    return LocalTransport::SendRecv(to, send_data, send_bytes, from, recv_data, recv_bytes, d);
-  }
+      : WatchedTransport(std::move(fabric), rank), min_bytes_(min_bytes) {}
   void Release() {
     std::lock_guard<std::mutex> lock(mu_);
     released_ = true;
@@ -498,7 +498,7 @@ class HeldDataTransport : public keras_ring::LocalTransport {
   }
 
  private:
-  void Hold(size_t bytes) {
+  void Seen(size_t bytes, keras_ring::Deadline) override {
     if (bytes < min_bytes_) return;
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return released_; });
