@@ -13,10 +13,10 @@ the rank prints with ``[rank] `` and reports how the rank ended, stops every ran
 one fails and exits with that rank's exit code (a rank whose failure another's caused waits
 a moment for that one's; a rank that caught a peer's timeout and ended normally stops the
 job too, with exit code 1), names the ranks still running long after one ended normally,
-and on Ctrl-C stops every rank and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0 (the others read none); when
-the reader of its output goes away (``| head``) it ends the job and exits with 141. After
-the job, it removes the MPICH shared memory its stopped ranks left (``_mpich_shm``). Plain
-``mpirun -np 4 python train.py`` keeps working without it.
+and on Ctrl-C stops every rank and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0
+(the others read none); when the reader of its output goes away (``| head``) it ends the job
+and exits with 141. After the job, it removes the MPICH shared memory its stopped ranks left
+(``_mpich_shm``). Plain ``mpirun -np 4 python train.py`` keeps working without it.
 
 The wrapper is ``_rank_wrapper``; the launcher's side of its frames is ``_launch_output``.
 """

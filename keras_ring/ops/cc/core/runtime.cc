@@ -525,8 +525,8 @@ std::string Runtime::StallReport(double waited_seconds) {
            " has not finished (a slow link, or a stalled peer)";
   }
   msg += "; it fails only once a peer it waits on has been silent for "
-         "KERAS_RING_TIMEOUT_SECONDS=" + std::to_string(static_cast<int>(options_.timeout_seconds)) +
-         " s";
+         "KERAS_RING_TIMEOUT_SECONDS=" +
+         std::to_string(static_cast<int>(options_.timeout_seconds)) + " s";
   return msg;
 }
 

@@ -220,7 +220,8 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
       if (!unresolved.empty()) errors[c] = unresolved;
       definitive = definitive && unresolved.empty();
     }
-    const ConnectOutcome got = ConnectFirst(targets, kStaggerMs, kAttemptMs << std::min(pass, 5), deadline);
+    const ConnectOutcome got =
+        ConnectFirst(targets, kStaggerMs, kAttemptMs << std::min(pass, 5), deadline);
     if (got.fd >= 0) {
       const size_t c = targets[got.winner].candidate;
       reached_[addr.host] = c;
