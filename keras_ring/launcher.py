@@ -278,6 +278,9 @@ class _Job:
         # silently on a rank busy (or stuck) in its own code after its last collective.
         self._linger_seconds = _linger_seconds(env)
         self._linger: threading.Timer | None = None
+        self._linger_lock = threading.Lock()
+        self._finished = False  # mpirun ended: no more notices
+        self._stderr: Renderer | None = None  # the notice ends a rank's open line first
         self.cause: tuple[int, int] | None = None  # (rank, exit code) of the first failure
         # that was not another's consequence, and the first that was
         self.follow_on: tuple[int, int] | None = None
@@ -310,7 +313,10 @@ class _Job:
 
     def _pump(self, source, sink, screen: Screen | None) -> None:
         out = Sink(sink, self._on_reader_gone)
-        reader = FrameReader(self.token, Renderer(out, screen), self._on_exit, self._on_start,
+        renderer = Renderer(out, screen)
+        if sink is sys.stderr:
+            self._stderr = renderer
+        reader = FrameReader(self.token, renderer, self._on_exit, self._on_start,
                              lambda name, inode: self.segments.add((name, inode)))
         fd = source.fileno()
         # Read to the end even after a broken pipe: mpirun must never block writing to us.
@@ -360,22 +366,26 @@ class _Job:
             self._cause_wait.start()
 
     def _watch_lingering(self, first: int, since: float, wait: float) -> None:
-        self._linger = threading.Timer(wait, self._say_lingering, (first, since, wait))
-        self._linger.daemon = True
-        self._linger.start()
+        with self._linger_lock:
+            if self._finished:
+                return
+            self._linger = threading.Timer(wait, self._say_lingering, (first, since, wait))
+            self._linger.daemon = True
+            self._linger.start()
 
     def _say_lingering(self, first: int, since: float, wait: float) -> None:
         """Ranks run on long after rank ``first`` ended normally: says which, and waits."""
-        if self._stop_requested or self.first_failure is not None or self.proc.poll() is not None:
-            return
-        running = sorted(set(range(self.ranks)) - self.ended)
-        if not running:
-            return
-        names = ", ".join(map(str, running))
-        print(f"keras-ring-run: rank {first} ended normally {time.monotonic() - since:.0f} s "
-              f"ago; rank{'s' if len(running) > 1 else ''} {names} not yet (a rank's own "
-              "code after its last collective: saving, evaluating, or stuck). The job ends "
-              "when every rank has; Ctrl-C stops it.", file=sys.stderr, flush=True)
+        with self._linger_lock:
+            running = sorted(set(range(self.ranks)) - self.ended)
+            if (self._finished or self._stop_requested or self.first_failure is not None
+                    or not running or self._stderr is None):
+                return
+            names = ", ".join(map(str, running))
+            self._stderr.raw(
+                f"keras-ring-run: rank {first} ended normally {time.monotonic() - since:.0f} s "
+                f"ago; rank{'s' if len(running) > 1 else ''} {names} not yet (a rank's own "
+                "code after its last collective: saving, evaluating, or stuck). The job ends "
+                "when every rank has; Ctrl-C stops it.\n".encode())
         self._watch_lingering(first, since, 2 * wait)
 
     def _stop_waiting_for_cause(self) -> None:
@@ -427,11 +437,14 @@ class _Job:
 
     def wait(self) -> int:
         code = self.proc.wait()
+        with self._linger_lock:
+            self._finished = True
+            if self._linger is not None:
+                self._linger.cancel()
         for t in self._pumps:
             t.join()
-        for timer in (self._cause_wait, self._linger):
-            if timer is not None:
-                timer.cancel()
+        if self._cause_wait is not None:
+            self._cause_wait.cancel()
         try:  # tidying up is no reason to lose the job's exit code
             _mpich_shm.remove_orphans(self.began, self.segments)
         except OSError:

@@ -111,8 +111,8 @@ def test_a_root_outside_the_set_on_one_member_fails_on_every_member(world, sets,
     call = lambda: kr.broadcast(tf.constant([rank]), root, name="w", process_set=mine)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=rf"broadcast 'w': root_rank {other.ranks[0]} is not in the process "
-                             rf"set \(root_rank is a global rank, as in Horovod\); the set's "
-                             rf"rank {last} passed it"):
+                             rf"set \(root_rank is a global rank, as in Horovod\); rank "
+                             rf"{last} of the set \(numbered within the set from 0\) passed it"):
         call() if mode == "eager" else tf.function(call)()
     # The set is still in step.
     assert kr.allreduce(tf.constant([1]), op=kr.Sum, process_set=mine).numpy()[0] == mine.size()
@@ -156,8 +156,7 @@ def test_outsiders_and_bad_sets_are_refused(world, sets):
     mine = _mine(sets, rank)
     with pytest.raises(kr.CollectiveArgumentError, match=re.escape(
             f"root_rank {other.ranks[0]} is not in the process set (root_rank is a global rank, "
-            f"as in Horovod); the set's rank 0 passed it (the ranks this message names are the "
-            "set's own, numbered from 0)")):
+            "as in Horovod); rank 0 of the set (numbered within the set from 0) passed it")):
         kr.broadcast(tf.ones([1]), other.ranks[0], process_set=mine)
     with pytest.raises(ValueError, match="exists already"):
         kr.add_process_set([0, 1])

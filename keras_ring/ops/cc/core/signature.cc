@@ -291,8 +291,8 @@ Status CheckArguments(const Signature& s, int r, int size) {
     return Status(Code::kInvalidArgument,
                   s.Label() + ": root_rank " + std::to_string(kRootNotInSet - s.root) +
                       " is not in the process set (root_rank is a global rank, as in "
-                      "Horovod); the set's rank " + std::to_string(r) + " passed it (the "
-                      "ranks this message names are the set's own, numbered from 0)",
+                      "Horovod); rank " + std::to_string(r) + " of the set (numbered "
+                      "within the set from 0) passed it",
                   r);
   }
   if ((kind == Kind::kReducescatter || kind == Kind::kAlltoall) && s.ndims == 0) {

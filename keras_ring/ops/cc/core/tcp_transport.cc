@@ -200,8 +200,9 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
   // an unreachable network or host: no route leads there. A few passes absorb a transient
   // one. A silent candidate delays the next by kStaggerMs only, and the one that answered a
   // peer's host is tried first for its next connection. Each pass gives a connection twice
-  // as long as the last to complete: a link whose round trip exceeds the first attempt (a
-  // saturated VPN, a satellite hop) still connects within the timeout.
+  // as long as the last to complete, up to 24 s: a link whose round trip exceeds the first
+  // attempt (a saturated VPN, a satellite hop) still connects. Not longer: a peer's failure
+  // is polled between passes only.
   constexpr int kStaggerMs = 250;
   constexpr int kAttemptMs = 3000;
   constexpr int kDefinitivePasses = 5;
@@ -221,7 +222,7 @@ Status TcpTransport::ConnectTo(int peer, const PeerAddress& addr, uint64_t job_t
       definitive = definitive && unresolved.empty();
     }
     const ConnectOutcome got =
-        ConnectFirst(targets, kStaggerMs, kAttemptMs << std::min(pass, 5), deadline);
+        ConnectFirst(targets, kStaggerMs, kAttemptMs << std::min(pass, 3), deadline);
     if (got.fd >= 0) {
       const size_t c = targets[got.winner].candidate;
       reached_[addr.host] = c;

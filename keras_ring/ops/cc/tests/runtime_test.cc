@@ -491,6 +491,7 @@ class HeldDataTransport : public WatchedTransport {
  public:
   HeldDataTransport(std::shared_ptr<LocalFabric> fabric, int rank, size_t min_bytes)
       : WatchedTransport(std::move(fabric), rank), min_bytes_(min_bytes) {}
+  bool holding() const { return holding_; }
   void Release() {
     std::lock_guard<std::mutex> lock(mu_);
     released_ = true;
@@ -500,6 +501,7 @@ class HeldDataTransport : public WatchedTransport {
  private:
   void Seen(size_t bytes, keras_ring::Deadline) override {
     if (bytes < min_bytes_) return;
+    holding_ = true;
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return released_; });
   }
@@ -507,6 +509,7 @@ class HeldDataTransport : public WatchedTransport {
   std::mutex mu_;
   std::condition_variable cv_;
   bool released_ = false;
+  std::atomic<bool> holding_{false};
 };
 
 // Past the agreement, a transfer that has not finished may be a slow link still delivering:
@@ -534,8 +537,10 @@ TEST(Runtime_AStallReportInTheTransferNamesTheNeighbourOnceAndPromisesNoFailure)
   });
   std::string report;
   const auto start = keras_ring::Clock::now();
-  // Rank 0 is past the agreement once the report stops naming ranks not yet heard from.
-  while ((report = rank0.StallReport(5.0)).find("every rank submitted") == std::string::npos &&
+  // Rank 1 holds its data back, so it is past the agreement; rank 0 is once its report,
+  // naming the collective, no longer names ranks not yet heard from.
+  while (!(gate->holding() && (report = rank0.StallReport(5.0)).find("'held': every rank") !=
+                                  std::string::npos) &&
          SecondsSince(start) < 20.0) {
     std::this_thread::yield();
   }
