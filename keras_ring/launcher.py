@@ -272,8 +272,7 @@ class _Job:
         self.token = token
         self.ranks = ranks
         self.started = 0  # ranks whose wrapper began
-        self.reported = 0  # ranks whose wrapper told how they ended
-        self.ended: set[int] = set()  # ranks that reported, whatever their exit code
+        self.ended: set[int] = set()  # ranks whose wrapper told how they ended
         # Ranks still running long after another ended normally: said, so no job waits
         # silently on a rank busy (or stuck) in its own code after its last collective.
         self._linger_seconds = _linger_seconds(env)
@@ -339,7 +338,6 @@ class _Job:
 
     def _on_exit(self, rank: int, code: int, follows: bool = False,
                  stalled: bool = False) -> None:
-        self.reported += 1
         self.ended.add(rank)
         if code == 0:
             if stalled and self.stalled is None and self.first_failure is None:
@@ -347,7 +345,7 @@ class _Job:
                 # unable to run at all (stopped), and would keep the job waiting for ever.
                 self.stalled = rank
                 self.stop(signal.SIGTERM)
-            elif self._linger is None and self.reported < self.ranks:
+            elif self._linger is None and len(self.ended) < self.ranks:
                 self._watch_lingering(rank, time.monotonic(), self._linger_seconds)
             return
         if self.stalled is not None:
@@ -481,11 +479,11 @@ class _Job:
                   "started: mpirun could not launch them (its message above says why, e.g. a "
                   "host it cannot reach); the job failed", file=sys.stderr)
             return code or 1
-        if self.reported < self.ranks:
+        if len(self.ended) < self.ranks:
             # Killed before its wrapper could tell: MPICH's mpirun kills every rank when one
             # that started MPI leaves without finalizing it (os._exit), and exits 0 or with
             # the signal it killed with (9), which names no rank's failure: 1, as documented.
-            print(f"keras-ring-run: {self.ranks - self.reported} of {self.ranks} ranks ended "
+            print(f"keras-ring-run: {self.ranks - len(self.ended)} of {self.ranks} ranks ended "
                   "without an exit status (killed by mpirun, e.g. after another rank left "
                   "with os._exit); the job failed", file=sys.stderr)
             return 1

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -113,7 +113,8 @@ def average_logs(logs: dict | list | float,
         logs[:] = values
         return logs
     if not isinstance(logs, Mapping):
-        if _numeric(logs) is None or _numeric(logs).shape != ():
+        number = _numeric(logs)
+        if number is None or number.shape != ():
             raise TypeError("average_logs: logs must be a dict of metrics, a list of them or a "
                             f"number (what evaluate() returns), got {type(logs).__name__} "
                             f"{logs!r:.80}")
