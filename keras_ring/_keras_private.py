@@ -135,6 +135,20 @@ def held_optimizers(model: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def sub_optimizers(optimizer: Any) -> list | None:
+    """A ``keras.optimizers.MultiOptimizer``'s sub-optimizers (Keras 3.13 and later), also
+    inside a ``LossScaleOptimizer``; None for any other optimizer. A MultiOptimizer given a
+    function learns them only as it is built: before that the list may be empty."""
+    import keras
+
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    if multi is None or not isinstance(optimizer, multi):
+        return None
+    return list(optimizer.optimizers)
+
+
 def has_call(layer: Any) -> bool:
     """Whether the layer's class implements ``call``. A model that only overrides
     ``train_step`` (keras-io's VAE and GAN examples) has none: nothing ever builds it, and

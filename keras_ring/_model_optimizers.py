@@ -109,6 +109,8 @@ def after_compile(model: Any, requested_jit: Any) -> None:
     _distribute_loss_scaling(optimizer)  # Keras adds one under mixed_float16
     if is_wrapped(optimizer):
         _xla.turn_off_model_jit(model, requested_jit)
+    if is_wrapped(optimizer) or _keras_private.sub_optimizers(optimizer) is not None:
+        # A MultiOptimizer's sub-optimizers may be wrapped: known only once it is built.
         _build_before_first_step(model)
     # Every model: one whose train_step applies wrapped optimizers of its own (keras-io's
     # GAN compiles with none and keeps two as attributes) trains distributed too.
@@ -159,8 +161,38 @@ def _optimizers_of(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, A
         held.insert(0, ("optimizer", compiled))
     for _, value in held:
         _distribute_loss_scaling(value)
+    held = [part for name, value in held for part in _parts(model, name, value)]
     wrapped = [(name, value) for name, value in held if is_wrapped(value)]
     return wrapped, [(name, value) for name, value in held if not is_wrapped(value)]
+
+
+def _parts(model: Any, name: str, optimizer: Any) -> list[tuple[str, Any]]:
+    """A ``MultiOptimizer`` that keras_ring does not wrap trains through its sub-optimizers,
+    which may be wrapped (``MultiOptimizer(select, ...)`` of ``wrap(Adam())`` and
+    ``wrap(SGD())``): they stand in its place. One given a function knows them only once
+    built, so it is built here once the model is (as its first update, or the broadcast
+    callback, would build it); until then it stands for itself."""
+    parts = None if is_wrapped(optimizer) else _keras_private.sub_optimizers(optimizer)
+    if parts is None:
+        return [(name, optimizer)]
+    if not parts and not optimizer.built and model.trainable_variables \
+            and not _keras_private.unbuilt_layers(model):
+        optimizer.build(model.trainable_variables)
+        parts = _keras_private.sub_optimizers(optimizer) or []
+    if not parts:
+        return [(name, optimizer)]
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and any(
+            is_wrapped(p) for p in parts):
+        # Its finiteness check would see each rank's own gradients: ranks would skip
+        # different steps, and their sub-optimizers' collectives would pair across steps.
+        raise ValueError(
+            f"keras_ring: {type(model).__name__}'s {name} is a LossScaleOptimizer (Keras adds "
+            "one under the mixed_float16 policy) around a MultiOptimizer of wrapped "
+            "optimizers: each rank would decide alone which steps overflow and skip them, and "
+            "the ranks would part. Wrap the MultiOptimizer instead of its sub-optimizers: "
+            "keras_ring.wrap(keras.optimizers.MultiOptimizer(...)) communicates before the "
+            "loss-scale check")
+    return [(f"{name}.optimizers[{i}]", part) for i, part in enumerate(parts)]
 
 
 def unwrapped_training(model: Any) -> str | None:

@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import _adapted_state, _optimizer_settings, _weight_check
+from keras_ring import _adapted_state, _keras_private, _optimizer_settings, _weight_check
 from keras_ring.collectives import allgather
 from keras_ring.errors import (RATE_CHECK, TRAIN_END, EpochMismatchError,
                                LearningRateMismatchError)
@@ -45,19 +45,43 @@ def current_rate(optimizer: Any) -> float:
     return float(np.asarray(keras.ops.convert_to_numpy(optimizer.learning_rate)))
 
 
+def rated(optimizers: list[Any]) -> list[Any]:
+    """The optimizers whose rates and settings are compared: a ``MultiOptimizer`` has no rate
+    of its own (reading it raises), its sub-optimizers do, each its own, so they stand in its
+    place. Asked at each comparison: a MultiOptimizer given a function finds its
+    sub-optimizers as it is built, alike on every rank."""
+    found = []
+    for optimizer in optimizers:
+        parts = _keras_private.sub_optimizers(optimizer)
+        found.extend([optimizer] if parts is None else parts)
+    return found
+
+
 class RateCheck(keras.callbacks.Callback):
     """Compares the epoch, the optimizers' settings and their learning rates over
     ``process_set`` as each epoch of a ``fit`` begins (the first epoch's rates at its first
     batch, after the broadcast callback), and the rates again as fit ends."""
 
-    def __init__(self, optimizers: list[Any], process_set: ProcessSet) -> None:
+    def __init__(self, optimizers: list[Any], process_set: ProcessSet | None,
+                 find: Finder | None = None) -> None:
         super().__init__()
         self.optimizers = optimizers
         self.process_set = process_set
+        self._find = find
         self._first = True
         self._rates_pending = False
 
+    @classmethod
+    def later(cls, find: Finder) -> "RateCheck":
+        """One that asks ``find`` as training begins: a MultiOptimizer given a function knows
+        its (maybe wrapped) sub-optimizers only once built, after fit has begun."""
+        return cls([], None, find)
+
     def on_train_begin(self, logs: dict | None = None) -> None:
+        if self._find is not None:
+            self.optimizers, self.process_set = self._find(self.model) or ([], None)
+        if self.process_set is None:
+            return
         self._first, self._rates_pending = True, False
         # Variables assigned since the layers last read them (a broadcast_variables before
         # fit) reach the Normalization layers' copies before the step is traced.
@@ -65,21 +89,24 @@ class RateCheck(keras.callbacks.Callback):
         _weight_check.new_fit(self.model)  # weights changed between fits, on some ranks only
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self.process_set is None:  # found no keras_ring optimizer after all
+            return
         ranks = self.process_set.members()
         first, self._first = self._first, False
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
-        count = len(self.optimizers)
-        mine = np.array([epoch] + [current_rate(o) for o in self.optimizers] +
+        optimizers = rated(self.optimizers)
+        count = len(optimizers)
+        mine = np.array([epoch] + [current_rate(o) for o in optimizers] +
                         [_optimizer_settings.digest(_optimizer_settings.settings(o))
-                         for o in self.optimizers] +
+                         for o in optimizers] +
                         [_adapted_state.digest(self.model) if first else 0.0], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
                              process_set=self.process_set).numpy()
         if (everyone[:, 0] != epoch).any():
             raise _epoch_mismatch(ranks, everyone[:, 0])
         if (everyone[:, 1 + count:-1] != everyone[0, 1 + count:-1]).any():
-            raise _optimizer_settings.mismatch(self.optimizers, ranks, epoch, self.process_set)
+            raise _optimizer_settings.mismatch(optimizers, ranks, epoch, self.process_set)
         if (everyone[:, -1] != everyone[0, -1]).any():
             raise _adapted_state.mismatch(self.model, ranks, self.process_set)
         if first:  # the rates: the broadcast callback may still set them, at the first batch
@@ -93,19 +120,21 @@ class RateCheck(keras.callbacks.Callback):
         if not self._rates_pending:
             return
         self._rates_pending = False
-        mine = np.array([current_rate(o) for o in self.optimizers], np.float64)
+        mine = np.array([current_rate(o) for o in rated(self.optimizers)], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=f"{NAME}.first_batch",
                              process_set=self.process_set).numpy()
         ranks = self.process_set.members()
         _compare_rates(ranks, everyone, "as training begins", _START_CAUSE)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self.process_set is None:  # found no keras_ring optimizer after all
+            return
         # A rate changed on some ranks during the last epoch (or the only one) meets no
         # epoch's check: fit would return weights that differ by rank, and exit 0.
         ranks = self.process_set.members()
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
-        mine = np.array([current_rate(o) for o in self.optimizers], np.float64)
+        mine = np.array([current_rate(o) for o in rated(self.optimizers)], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=TRAIN_END,
                              process_set=self.process_set).numpy()
         _compare_rates(ranks, everyone, "as fit ends", _END_CAUSE)
@@ -195,6 +224,7 @@ class BatchRates:
         ranks = process_set.members()
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
+        optimizers = rated(optimizers)
         assigned = tuple(_assignments(o) for o in optimizers)
         same_world = self.generation == RUNTIME.generation
         if same_world and self.assigned == assigned:
@@ -263,17 +293,21 @@ def install_fit_hook(find: Finder) -> None:
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        found = find(self)
+        found, check = find(self), None
         if found is not None:
             RUNTIME.topology("Model.fit() with a keras_ring optimizer")  # init() came first
+            check = RateCheck(*found)
+        elif _keras_private.sub_optimizers(getattr(self, "optimizer", None)) is not None:
+            check = RateCheck.later(find)  # a MultiOptimizer not built yet
+        if check is not None:
             bound = signature.bind(self, *args, **kwargs)
             callbacks = bound.arguments.get("callbacks")
             if callbacks is None or isinstance(callbacks, (list, tuple)):
-                bound.arguments["callbacks"] = [*(callbacks or []), RateCheck(*found)]
+                bound.arguments["callbacks"] = [*(callbacks or []), check]
                 return original(*bound.args, **bound.kwargs)
             if isinstance(callbacks, keras.callbacks.CallbackList):  # fit takes it as is
                 bound.arguments["callbacks"] = keras.callbacks.CallbackList(
-                    [*callbacks.callbacks, RateCheck(*found)], model=self,
+                    [*callbacks.callbacks, check], model=self,
                     **(getattr(callbacks, "params", None) or {}))  # Keras < 3.x: unset
                 return original(*bound.args, **bound.kwargs)
         return original(self, *args, **kwargs)

@@ -30,6 +30,15 @@ def _innermost(optimizer: Any) -> Any:
 def check_settable(optimizer: Any, who: str) -> None:
     """Raises unless the optimizer's learning rate is a variable that can be assigned."""
     inner = _innermost(optimizer)
+    parts = _keras_private.sub_optimizers(inner)
+    if parts is not None:
+        known = f" ({', '.join(type(o).__name__ for o in parts)})" if parts else ""
+        raise ValueError(
+            f"{who} sets one learning rate, but the model trains with a MultiOptimizer, whose "
+            f"sub-optimizers{known} each have their own, and Keras sets none on the "
+            "MultiOptimizer itself. Give each "
+            "sub-optimizer its own schedule instead (learning_rate=keras.optimizers.schedules"
+            ".LearningRateSchedule, e.g. CosineDecay with warmup_steps)")
     # Keras keeps the rate as a variable or a schedule; it has no public way to ask which.
     rate = getattr(inner, "_learning_rate", None)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or (
