@@ -9,6 +9,7 @@ imports nothing but the standard library. The launcher's side of the frames is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import selectors
@@ -197,13 +198,14 @@ def _held_segment(pgid: int) -> tuple[str, int] | None:
     return None
 
 
-def _guard_group(pgid: int) -> None:
+def _guard_group(pgid: int, status: str) -> None:
     """Forks a guard into the rank's process group that kills the group once this wrapper
     is gone. mpirun kills a failed job's wrappers (Hydra SIGKILLs their groups); the rank
     dies with its parent (PR_SET_PDEATHSIG), but what the rank started would live on, out
     of every group mpirun knows. The guard ignores the signals the group is sent, and learns
     of the wrapper's end from a pipe, not a signal: the group may be sent any signal (a
-    scheduler's SIGUSR1 before preemption)."""
+    scheduler's SIGUSR1 before preemption). It then removes the rank's status file, which a
+    killed wrapper never read (and so never removed)."""
     alive, _held = os.pipe()  # the write end stays open in the wrapper until it is gone
     if os.fork() != 0:
         os.close(alive)
@@ -220,6 +222,10 @@ def _guard_group(pgid: int) -> None:
         os.setpgid(0, pgid)
         while os.read(alive, 1):  # end of file: the wrapper is gone
             pass
+        # First: the group's kill ends the guard too. The rank, whose parent is gone, marks
+        # nothing more (_mark writes only for the wrapper that started it).
+        with contextlib.suppress(OSError):
+            os.unlink(status)
         _kill_group(pgid)
     finally:
         os._exit(0)
@@ -376,7 +382,7 @@ def main(argv: list[str]) -> int:
     for sig in _FORWARDED_SIGNALS:
         signal.signal(sig, forward)
     try:
-        _guard_group(child.pid)
+        _guard_group(child.pid, status)
     except OSError:  # no fork: what the rank starts may outlive a killed job
         pass
     _forward_output(child, rank, os.environ.get(TOKEN_ENV, "").encode())

@@ -138,6 +138,33 @@ def test_what_a_rank_started_ends_with_it(mpirun, clean_env, tmp_path, rank_0, r
     assert _gone(helper), f"the helper {helper} outlived the job"
 
 
+def test_a_killed_wrapper_leaves_no_status_file_behind(mpirun, clean_env, tmp_path):
+    # A rank that marked how it ended (here as a failure that followed another's) left its
+    # status file in TMPDIR for good when mpirun killed its wrapper before it read it.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    marked = tmp_path / "marked"
+    script = rank_program(tmp_path, f"""
+        import time
+        from keras_ring import _rank_wrapper
+        if RANK == 0:
+            _rank_wrapper.mark_follow_on()
+            open({str(marked)!r}, "w").close()
+            signal.signal(signal.SIGTERM, lambda *a: None)
+            time.sleep(100000)
+        while not os.path.exists({str(marked)!r}):
+            time.sleep(0.01)
+        sys.exit(3)
+    """)
+    code, _, err = run(mpirun, ["-np", "2", sys.executable, script],
+                       dict(clean_env, TMPDIR=str(temp)))
+    assert code == 3, err
+    deadline = time.monotonic() + GUARD  # the guard removes it once the wrapper is gone
+    while list(temp.glob("keras-ring-run-*.status")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(temp.glob("keras-ring-run-*.status")), err
+
+
 def test_a_signal_a_rank_sends_its_own_group_leaves_the_rank_running(mpirun, clean_env,
                                                                      tmp_path):
     # The group's guard took any SIGUSR1 for its wrapper's death and killed the group: a
