@@ -4,6 +4,8 @@ share a line. Also used by the elastic driver for its workers' output."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import threading
@@ -73,27 +75,37 @@ class Renderer:
 
 
 class Sink:
-    """The launcher's stdout or stderr as bytes. When its reader has gone (a broken pipe),
-    it says so once and then drops what it is given."""
+    """The launcher's stdout or stderr as bytes. When its reader has gone (a broken pipe), or
+    it cannot be written at all (a full disk, ``/dev/full``, a descriptor closed before the
+    launcher began), it says so once, through ``on_reader_gone`` or ``on_write_error(error)``,
+    and then drops what it is given: the job's output must keep flowing, or the ranks and
+    mpirun would block writing it, for ever."""
 
-    def __init__(self, stream, on_reader_gone) -> None:
-        self.out = getattr(stream, "buffer", stream)
+    def __init__(self, stream, on_reader_gone, on_write_error) -> None:
+        self.out = getattr(stream, "buffer", stream)  # None: the descriptor was closed
         self.on_reader_gone = on_reader_gone
+        self.on_write_error = on_write_error
         self.gone = False
 
     def write(self, data: bytes) -> None:
         if self.gone:
             return
         try:
+            if self.out is None:
+                raise OSError(errno.EBADF, "closed before keras-ring-run began")
             self.out.write(data)
             self.out.flush()
-        except BrokenPipeError:
+        except OSError as error:
             self.gone = True
             # Python would try the unwritten bytes again at exit and complain.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.out.fileno())
-            os.close(devnull)
-            self.on_reader_gone()
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self.out.fileno())
+                os.close(devnull)
+            if isinstance(error, BrokenPipeError):
+                self.on_reader_gone()
+            else:
+                self.on_write_error(error)
 
     def flush(self) -> None:
         pass  # write() flushed

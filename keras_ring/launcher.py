@@ -15,7 +15,8 @@ a moment for that one's; a rank that caught a peer's timeout and ended normally 
 job too, with exit code 1), names the ranks still running long after one ended normally,
 and on Ctrl-C stops every rank and exits with 130 (on SIGTERM, 143). Its stdin goes to rank 0
 (the others read none); when the reader of its output goes away (``| head``) it ends the job
-and exits with 141. After the job, it removes the MPICH shared memory its stopped ranks left
+and exits with 141; where its output cannot be written (a full disk) it ends the job and
+exits with 74. Under ``nohup`` a hangup leaves the job running. After the job, it removes the MPICH shared memory its stopped ranks left
 (``_mpich_shm``). Plain ``mpirun -np 4 python train.py`` keeps working without it.
 
 The wrapper is ``_rank_wrapper``; the launcher's side of its frames is ``_launch_output``.
@@ -24,6 +25,7 @@ The wrapper is ``_rank_wrapper``; the launcher's side of its frames is ``_launch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
@@ -44,6 +46,8 @@ _WRAPPER = str(Path(_rank_wrapper.__file__).resolve())
 # The exit status of a program that wrote to a pipe whose reader had gone (128 + SIGPIPE),
 # as a shell reports it.
 _BROKEN_PIPE_EXIT = 141
+# Where the job's output cannot be written (sysexits' EX_IOERR).
+_OUTPUT_ERROR_EXIT = 74
 # How long mpirun may take to wind the ranks down after a stop request before it is killed.
 _STOP_GRACE_SECONDS = 15.0
 # How long a rank's failure that another rank's caused waits for that rank to report its own.
@@ -290,6 +294,7 @@ class _Job:
         self.stalled: int | None = None
         self.signalled: int | None = None  # SIGINT or SIGTERM that ended the job
         self.reader_gone = False  # a broken pipe: whoever read our output stopped reading
+        self.output_error: str | None = None  # our output could not be written: why
         self._stopping = threading.Lock()
         self._stop_requested = False
         # A second early: file times on tmpfs come from a coarse clock.
@@ -311,7 +316,9 @@ class _Job:
             t.start()
 
     def _pump(self, source, sink, screen: Screen | None) -> None:
-        out = Sink(sink, self._on_reader_gone)
+        out = Sink(sink, self._on_reader_gone,
+                   lambda error: self._on_write_error("stdout" if sink is sys.stdout
+                                                      else "stderr", error))
         renderer = Renderer(out, screen)
         if sink is sys.stderr:
             self._stderr = renderer
@@ -327,6 +334,13 @@ class _Job:
         """Our stdout or stderr reader stopped reading (``| head``): end the job, as
         SIGPIPE ends a plain mpirun."""
         self.reader_gone = True
+        self.stop(signal.SIGTERM)
+
+    def _on_write_error(self, stream: str, error: OSError) -> None:
+        """Our stdout or stderr cannot be written (a full disk, a closed descriptor): end the
+        job, as a plain mpirun ends it, rather than run on with its output lost."""
+        if self.output_error is None:
+            self.output_error = f"cannot write the job's output to its {stream}: {error}"
         self.stop(signal.SIGTERM)
 
     def _on_start(self, rank: int) -> None:
@@ -455,6 +469,12 @@ class _Job:
             return 130
         if self.reader_gone:
             return _BROKEN_PIPE_EXIT
+        if self.output_error is not None:
+            for stream in (sys.stderr, sys.stdout):  # whichever can still be written
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    print(f"keras-ring-run: {self.output_error}; the job was stopped",
+                          file=stream, flush=True)
+            return _OUTPUT_ERROR_EXIT
         if self.signalled is not None:
             # The ranks' own exit codes (143, or none where they were killed) only echo it.
             name = signal.Signals(self.signalled).name
@@ -519,7 +539,9 @@ def run(args: argparse.Namespace) -> int:
     job = _Job(cmd, env, token.encode(), args.np)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: job.on_signal(signum))
+        # Under nohup SIGHUP is ignored, and stays so: the job outlives its terminal.
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: job.on_signal(signum))
     return job.wait()
 
 

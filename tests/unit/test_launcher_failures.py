@@ -391,3 +391,61 @@ def test_a_launcher_killed_or_hung_up_on_ends_every_rank(mpirun, clean_env, tmp_
     if sig == signal.SIGHUP:
         assert proc.returncode == 128 + signal.SIGHUP, err
         assert b"terminated by SIGHUP" in err, err
+
+
+@pytest.mark.parametrize("stdout", ["/dev/full", "closed"])
+def test_output_that_cannot_be_written_stops_the_job_saying_so(mpirun, clean_env, tmp_path,
+                                                               stdout):
+    # The launcher's output thread died on the write error (ENOSPC; an AttributeError where
+    # stdout was closed); nobody read mpirun's pipe any more, and the ranks, mpirun and the
+    # launcher all waited for ever, the ranks blocked writing their output.
+    script = rank_program(tmp_path, """
+        print("up", os.getpid(), file=sys.stderr, flush=True)
+        for i in range(20000):
+            print("line", i)
+        sys.stdout.flush()
+        signal.pause()
+    """)
+    cmd = [sys.executable, "-I", str(LAUNCHER), "--mpirun", mpirun, "-np", "2",
+           sys.executable, script]
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.Popen(
+            cmd, env=clean_env, stderr=subprocess.PIPE,
+            stdout=full if stdout == "/dev/full" else subprocess.DEVNULL,
+            preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None)
+    try:
+        _, err = proc.communicate(timeout=GUARD)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # mpirun learns of it, and stops the ranks
+    err = err.decode()
+    assert proc.returncode == 74, err
+    assert "keras-ring-run: cannot write the job's output to its stdout: " in err, err
+    pids = [int(line.split()[-1]) for line in err.splitlines() if " up " in line]
+    assert len(pids) == 2, err
+    assert all(_ends_within(pid, GUARD) for pid in pids), err
+
+
+def test_a_launcher_under_nohup_lets_the_job_outlive_a_hangup(mpirun, clean_env, tmp_path):
+    # nohup leaves SIGHUP ignored; the launcher installed its own handler over that, and a
+    # closed terminal stopped a job its user had started under nohup (plain mpirun ran on).
+    go_on = tmp_path / "go_on"
+    script = rank_program(tmp_path, f"""
+        import time
+        print("up", flush=True)
+        while not os.path.exists({str(go_on)!r}):
+            time.sleep(0.01)
+        print("done", flush=True)
+    """)
+    proc = launch(mpirun, ["-np", "2", sys.executable, script], clean_env,
+                  preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        assert [proc.stdout.readline().split()[-1] for _ in range(2)] == [b"up", b"up"]
+        proc.send_signal(signal.SIGHUP)
+        go_on.touch()
+        out, err = proc.communicate(timeout=GUARD)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert out.count(b"done") == 2, (out, err)
