@@ -68,7 +68,16 @@ def backend_problem(backend: str) -> str | None:
 def check_supported() -> None:
     """Raises ImportError naming the minimum when TensorFlow or Keras is too old, or naming
     the backend when Keras runs on one other than TensorFlow."""
-    import keras
+    import os
+
+    try:
+        import keras
+    except ImportError as e:  # KERAS_BACKEND=jax without JAX: Keras imports it first
+        backend = os.environ.get("KERAS_BACKEND", "")
+        if not backend or backend == "tensorflow":
+            raise
+        raise ImportError(f"{backend_problem(backend)}; with {backend!r} Keras could not even "
+                          f"be imported here ({type(e).__name__}: {e})") from e
     import tensorflow as tf
 
     problem = (version_problem(tf.__version__, keras.__version__)

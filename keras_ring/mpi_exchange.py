@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from typing import Any
@@ -41,8 +42,30 @@ def mpi_bootstrap(config: Config) -> PeerTable:
     if user_owns_mpi:  # initialised by the program: every rank got that far
         from mpi4py import MPI
         return _exchange(MPI.COMM_WORLD, config)
+    _check_launcher_connection()
     with _watchdog(config.timeout_seconds):
         return _exchange_and_finalize(config)
+
+
+def _check_launcher_connection() -> None:
+    """Raises where Hydra's variables name a connection (``PMI_FD``) this process does not
+    hold: a child a rank started without passing its descriptors on (multiprocessing's
+    ``spawn``) inherits the variables only, and MPI_Init there fails on the closed
+    descriptor and kills the process with no Python error."""
+    fd = os.environ.get("PMI_FD", "")
+    if not fd.isdigit():
+        return
+    try:
+        held = stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
+    except OSError:
+        held = False
+    if not held:
+        raise InitError(
+            f"this process has the variables of a rank that mpirun started (PMI_FD={fd}), but "
+            "not that rank's connection to mpirun: a process the rank started without passing "
+            "its descriptors on (multiprocessing's 'spawn' or 'forkserver' start method, or "
+            "subprocess with close_fds=True) cannot start MPI. Call keras_ring.init() in the "
+            "rank itself, or start the process with the 'fork' method")
 
 
 def comm_bootstrap(config: Config, comm: Any) -> PeerTable:

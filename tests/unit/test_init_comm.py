@@ -85,3 +85,42 @@ def test_comm_world_is_the_job_under_the_environment_rendezvous_too(clean_env):
     refused = [line for out in outputs for line in out.splitlines() if line.startswith("REFUSED")]
     assert len(refused) == 2 and all("keras-ring-run started this process without MPI" in r
                                      for r in refused), "\n".join(outputs)
+
+
+_SPAWNS_A_TRAINER = """
+import multiprocessing, os, sys
+
+def train(path):
+    import keras_ring
+    try:
+        keras_ring.init()
+        result = f"initialised: rank {keras_ring.rank()}"
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        result = f"{type(e).__name__}: {e}"
+    with open(path, "w") as f:
+        f.write(result)
+
+if __name__ == "__main__":
+    path = os.path.join(sys.argv[1], os.environ["PMI_RANK"])
+    child = multiprocessing.get_context("spawn").Process(target=train, args=(path,))
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+"""
+
+
+def test_init_in_a_spawned_child_of_a_rank_says_it_has_no_connection_to_mpirun(
+        mpirun, clean_env, tmp_path):
+    # The child inherits PMI_FD but not the descriptor: MPI_Init failed writing to it and
+    # killed the child (exit 15, MPICH's PMIU_write noise) with no Python error at all.
+    script = tmp_path / "spawns.py"
+    script.write_text(_SPAWNS_A_TRAINER)
+    env = dict(clean_env, KERAS_RING_TIMEOUT_SECONDS="30")
+    proc = subprocess.run([mpirun, "-np", "2", sys.executable, str(script), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    for rank in "01":
+        result = tmp_path / rank
+        assert result.exists(), proc.stdout + proc.stderr
+        text = result.read_text()
+        assert text.startswith("InitError: "), text
+        assert "not that rank's connection to mpirun" in text and "'spawn'" in text, text

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+
 import keras
 import pytest
 import tensorflow as tf
@@ -40,6 +44,22 @@ def test_another_keras_backend_is_refused_at_init_naming_it(monkeypatch):
     monkeypatch.undo()
     if was_initialized:
         keras_ring.init()
+
+
+def test_a_backend_keras_cannot_import_is_named_at_init(clean_env):
+    # KERAS_BACKEND=jax where JAX is not installed: a bare "No module named 'jax'" from deep
+    # inside Keras, on every rank, never saying that keras_ring needs TensorFlow's backend.
+    program = ("import keras_ring\n"
+               "try:\n    keras_ring.init()\n"
+               "except ImportError as e:\n    print('ImportError:', e)\n")
+    env = dict(clean_env, KERAS_BACKEND="jax")
+    proc = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                          text=True, timeout=120)
+    if importlib.util.find_spec("jax") is not None:
+        pytest.fail("this test needs an environment without JAX")  # the venv has none
+    assert "ImportError: keras_ring needs Keras's TensorFlow backend" in proc.stdout, (
+        proc.stdout + proc.stderr)
+    assert "with 'jax' Keras could not even be imported here" in proc.stdout, proc.stdout
 
 
 class _RenamedInternals(keras.optimizers.SGD):
