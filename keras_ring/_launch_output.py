@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import re
+import select
 import threading
 
 from keras_ring._rank_wrapper import FRAME, MARKS
@@ -93,8 +94,7 @@ class Sink:
         try:
             if self.out is None:
                 raise OSError(errno.EBADF, "closed before keras-ring-run began")
-            self.out.write(data)
-            self.out.flush()
+            self._write_all(data)
         except OSError as error:
             self.gone = True
             # Python would try the unwritten bytes again at exit and complain.
@@ -106,6 +106,21 @@ class Sink:
                 self.on_reader_gone()
             else:
                 self.on_write_error(error)
+
+    def _write_all(self, data: bytes) -> None:
+        try:
+            fd = self.out.fileno()
+        except (AttributeError, ValueError, OSError):  # not a file: as it is
+            self.out.write(data)
+            self.out.flush()
+            return
+        self.out.flush()  # anything written through the stream before
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:  # a non-blocking stdout (a CI runner's): wait for room
+                select.select([], [fd], [])
 
     def flush(self) -> None:
         pass  # write() flushed

@@ -81,6 +81,13 @@ def _install_loss_scale_hook() -> None:
     def apply(self, *args, **kwargs):
         if _distribute_loss_scaling(self):
             return self.apply(*args, **kwargs)  # now the wrapped class's
+        parts = _keras_private.sub_optimizers(self)
+        if parts is not None and not is_wrapped(self):  # in a custom loop, too
+            variables = kwargs.get("trainable_variables", args[1] if len(args) > 1 else None)
+            if not parts and not self.built and variables is not None:
+                self.build(list(variables))  # as the original would, to learn the parts
+                parts = _keras_private.sub_optimizers(self) or []
+            _refuse_loss_scaling_of_wrapped_parts(parts, f"LossScaleOptimizer '{self.name}'")
         return original(self, *args, **kwargs)
 
     cls.apply = apply
@@ -109,8 +116,10 @@ def after_compile(model: Any, requested_jit: Any) -> None:
     _distribute_loss_scaling(optimizer)  # Keras adds one under mixed_float16
     if is_wrapped(optimizer):
         _xla.turn_off_model_jit(model, requested_jit)
-    if is_wrapped(optimizer) or _keras_private.sub_optimizers(optimizer) is not None:
-        # A MultiOptimizer's sub-optimizers may be wrapped: known only once it is built.
+    parts = _keras_private.sub_optimizers(optimizer)
+    if is_wrapped(optimizer) or (parts is not None and (not parts or any(map(is_wrapped, parts)))):
+        # A MultiOptimizer's sub-optimizers may be wrapped (given a function, it knows them
+        # only once built).
         _build_before_first_step(model)
     # Every model: one whose train_step applies wrapped optimizers of its own (keras-io's
     # GAN compiles with none and keeps two as attributes) trains distributed too.
@@ -170,29 +179,35 @@ def _parts(model: Any, name: str, optimizer: Any) -> list[tuple[str, Any]]:
     """A ``MultiOptimizer`` that keras_ring does not wrap trains through its sub-optimizers,
     which may be wrapped (``MultiOptimizer(select, ...)`` of ``wrap(Adam())`` and
     ``wrap(SGD())``): they stand in its place. One given a function knows them only once
-    built, so it is built here once the model is (as its first update, or the broadcast
-    callback, would build it); until then it stands for itself."""
+    built: the compiled one that Keras's own ``train_step`` applies is built here once the
+    model is (on the model's trainable variables, as Keras's first step would build it);
+    any other is built by the program, for the variables it chooses, and until then stands
+    for nothing, neither wrapped nor plain (the checks that run later see its parts)."""
     parts = None if is_wrapped(optimizer) else _keras_private.sub_optimizers(optimizer)
     if parts is None:
         return [(name, optimizer)]
-    if not parts and not optimizer.built and model.trainable_variables \
-            and not _keras_private.unbuilt_layers(model):
+    if (not parts and not optimizer.built and name == "optimizer"
+            and _keras_private.keras_train_step(model) and model.trainable_variables
+            and not _keras_private.unbuilt_layers(model)):
         optimizer.build(model.trainable_variables)
         parts = _keras_private.sub_optimizers(optimizer) or []
-    if not parts:
-        return [(name, optimizer)]
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and any(
-            is_wrapped(p) for p in parts):
-        # Its finiteness check would see each rank's own gradients: ranks would skip
-        # different steps, and their sub-optimizers' collectives would pair across steps.
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        _refuse_loss_scaling_of_wrapped_parts(parts, f"{type(model).__name__}'s {name}")
+    return [(f"{name}.optimizers[{i}]", part) for i, part in enumerate(parts)]
+
+
+def _refuse_loss_scaling_of_wrapped_parts(parts: list, where: str) -> None:
+    """A LossScaleOptimizer around a MultiOptimizer of wrapped optimizers would check each
+    rank's own gradients: ranks would skip different steps, and their sub-optimizers'
+    collectives would pair across steps."""
+    if any(is_wrapped(p) for p in parts):
         raise ValueError(
-            f"keras_ring: {type(model).__name__}'s {name} is a LossScaleOptimizer (Keras adds "
-            "one under the mixed_float16 policy) around a MultiOptimizer of wrapped "
-            "optimizers: each rank would decide alone which steps overflow and skip them, and "
-            "the ranks would part. Wrap the MultiOptimizer instead of its sub-optimizers: "
+            f"keras_ring: {where} is a LossScaleOptimizer (Keras adds one under the "
+            "mixed_float16 policy) around a MultiOptimizer of wrapped optimizers: each rank "
+            "would decide alone which steps overflow and skip them, and the ranks would part. "
+            "Wrap the MultiOptimizer instead of its sub-optimizers: "
             "keras_ring.wrap(keras.optimizers.MultiOptimizer(...)) communicates before the "
             "loss-scale check")
-    return [(f"{name}.optimizers[{i}]", part) for i, part in enumerate(parts)]
 
 
 def unwrapped_training(model: Any) -> str | None:

@@ -67,7 +67,9 @@ def _mark(word: bytes) -> bool:
     wrapper, _, path = os.environ.get(STATUS_ENV, "").partition(":")
     if path and wrapper == str(os.getppid()):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600)
+            # Not O_CREAT: the wrapper made the file; once the wrapper is gone its guard may
+            # have removed it, and a rank marking in that moment must not leave a new one.
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
             try:
                 os.write(fd, word + b"\n")
             finally:
@@ -358,6 +360,8 @@ def main(argv: list[str]) -> int:
     _die_with_parent(signal.SIGTERM)  # if mpirun's proxy dies, take the rank down too
     status = os.path.join(tempfile.gettempdir(),
                           f"keras-ring-run-{os.getpid()}-{secrets.token_hex(4)}.status")
+    with contextlib.suppress(OSError):  # unwritable TMPDIR: the rank marks nothing
+        os.close(os.open(status, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     env = dict(os.environ, **{STATUS_ENV: f"{os.getpid()}:{status}"})
     # close_fds=False: the rank must inherit the launcher's descriptors (e.g. Hydra's PMI_FD).
     # Its own process group: Hydra and Open MPI signal ours, gforker only this process, so
@@ -371,7 +375,7 @@ def main(argv: list[str]) -> int:
                                  preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
     except OSError as e:
         _write_all(2, f"[{rank}] keras-ring-run: cannot run {command[0]!r}: {e}\n".encode())
-        return _report(rank, 127)
+        return _report(rank, 127, _marks(status))
 
     def forward(signum, frame) -> None:
         try:  # to the rank's group: its own children (data loader workers) too

@@ -25,7 +25,6 @@ The wrapper is ``_rank_wrapper``; the launcher's side of its frames is ``_launch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import os
 import re
@@ -252,8 +251,19 @@ def _say_if_signalled(rank: int, code: int) -> None:
     except ValueError:
         name = None
     if name is not None:
-        print(f"keras-ring-run: rank {rank} was killed by {name} (exit code {code})",
-              file=sys.stderr, flush=True)
+        _say(f"rank {rank} was killed by {name} (exit code {code})")
+
+
+def _say(text: str) -> None:
+    """A line of the launcher's own, on its stderr; where that cannot be written (a full
+    disk, closed) on its stdout, else nowhere: the exit code still tells. Never an
+    exception, which in an output thread would leave mpirun's output unread."""
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            print(f"keras-ring-run: {text}", file=stream, flush=True)
+            return
+        except (OSError, ValueError, AttributeError):
+            continue
 
 
 def _end_with(launcher: int) -> None:
@@ -470,42 +480,38 @@ class _Job:
         if self.reader_gone:
             return _BROKEN_PIPE_EXIT
         if self.output_error is not None:
-            for stream in (sys.stderr, sys.stdout):  # whichever can still be written
-                with contextlib.suppress(OSError, ValueError, AttributeError):
-                    print(f"keras-ring-run: {self.output_error}; the job was stopped",
-                          file=stream, flush=True)
+            _say(f"{self.output_error}; the job was stopped")
             return _OUTPUT_ERROR_EXIT
         if self.signalled is not None:
             # The ranks' own exit codes (143, or none where they were killed) only echo it.
             name = signal.Signals(self.signalled).name
-            print(f"keras-ring-run: terminated by {name}; the job was stopped",
-                  file=sys.stderr)
+            _say(f"terminated by {name}; the job was stopped")
             return 128 + self.signalled
         if self.gave_up_on_cause and self.cause is None:
             rank, code = self.follow_on
-            print(f"keras-ring-run: rank {rank} failed because another rank had, and no rank "
+            _say(f"rank {rank} failed because another rank had, and no rank "
                   f"reported a failure of its own within {_CAUSE_WAIT_SECONDS} s; the job "
-                  f"was stopped (exit code {code}, rank {rank}'s)", file=sys.stderr)
+                  f"was stopped (exit code {code}, rank {rank}'s)")
             return code
         if self.first_failure is not None:
             return self.first_failure[1]
         if self.stalled is not None:
-            print(f"keras-ring-run: rank {self.stalled} ended normally after a peer did not "
+            _say(f"rank {self.stalled} ended normally after a peer did not "
                   "take part in a collective in time (the program caught the "
-                  "CollectiveTimeoutError); the job was stopped, and failed", file=sys.stderr)
+                  "CollectiveTimeoutError); the job was stopped, and failed")
             return 1
         if self.started < self.ranks:
-            print(f"keras-ring-run: {self.ranks - self.started} of {self.ranks} ranks never "
+            _say(f"{self.ranks - self.started} of {self.ranks} ranks never "
                   "started: mpirun could not launch them (its message above says why, e.g. a "
-                  "host it cannot reach); the job failed", file=sys.stderr)
+                  "host it cannot reach); the job failed")
             return code or 1
         if len(self.ended) < self.ranks:
             # Killed before its wrapper could tell: MPICH's mpirun kills every rank when one
             # that started MPI leaves without finalizing it (os._exit), and exits 0 or with
             # the signal it killed with (9), which names no rank's failure: 1, as documented.
-            print(f"keras-ring-run: {self.ranks - len(self.ended)} of {self.ranks} ranks ended "
+            _say(f"{self.ranks - len(self.ended)} of {self.ranks} ranks ended "
                   "without an exit status (killed by mpirun, e.g. after another rank left "
-                  "with os._exit); the job failed", file=sys.stderr)
+                  "with os._exit); the job failed")
             return 1
         return code
 
@@ -532,15 +538,16 @@ def run(args: argparse.Namespace) -> int:
         cmd = mpirun_command(mpirun, mpi_flavour(mpirun), args.np, args.hosts, args.command,
                              args.horovodrun.env, args.horovodrun.mpi_args)
     except LaunchError as e:
-        print(f"keras-ring-run: {e}", file=sys.stderr)
+        _say(f"{e}")
         return 2
     token = secrets.token_hex(8)
     env = dict(os.environ, **args.horovodrun.env, **{_rank_wrapper.TOKEN_ENV: token})
     job = _Job(cmd, env, token.encode(), args.np)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        # Under nohup SIGHUP is ignored, and stays so: the job outlives its terminal.
-        if signal.getsignal(sig) is not signal.SIG_IGN:
+        # Under nohup SIGHUP is ignored, and stays so: the job outlives its terminal. (A
+        # shell's background job ignores SIGINT too, yet `kill -INT` should still stop it.)
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, lambda signum, frame: job.on_signal(signum))
     return job.wait()
 

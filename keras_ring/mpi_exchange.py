@@ -65,7 +65,8 @@ def _check_launcher_connection() -> None:
             "not that rank's connection to mpirun: a process the rank started without passing "
             "its descriptors on (multiprocessing's 'spawn' or 'forkserver' start method, or "
             "subprocess with close_fds=True) cannot start MPI. Call keras_ring.init() in the "
-            "rank itself, or start the process with the 'fork' method")
+            "rank itself, or start the process with the 'fork' method, which keeps the connection "
+            "(then only one of the two, the rank or its child, may call init())")
 
 
 def comm_bootstrap(config: Config, comm: Any) -> PeerTable:

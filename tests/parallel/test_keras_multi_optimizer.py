@@ -126,3 +126,88 @@ def test_a_multi_optimizer_under_mixed_float16(world, how):
     assert keras_ring.optimizer.is_wrapped(model.optimizer)
     ks.assert_same_on_all_ranks(ks.weights(model) + [model.optimizer.dynamic_scale.numpy()])
     assert np.isfinite(np.concatenate([w.ravel() for w in ks.weights(model)])).all()
+
+
+class TwoOptimizerModel(keras.Model):
+    """keras-io's GAN shape: its own train_step applies an optimizer it holds to each part,
+    one of them a MultiOptimizer given a function (of wrapped optimizers)."""
+
+    def __init__(self, first_optimizer, second_optimizer):
+        super().__init__()
+        self.first = keras.layers.Dense(8, activation="tanh")
+        self.second = keras.layers.Dense(ks.CLASSES)
+        self.first_optimizer, self.second_optimizer = first_optimizer, second_optimizer
+        self.loss_fn = ks.loss()
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.loss_fn(y, self(x))
+        first, second = self.first.trainable_variables, self.second.trainable_variables
+        grads = tape.gradient(loss, first + second)
+        self.first_optimizer.apply(grads[:len(first)], first)
+        self.second_optimizer.apply(grads[len(first):], second)
+        return {"loss": loss}
+
+
+def test_a_multi_optimizer_a_model_applies_to_some_of_its_variables_is_left_to_build(world):
+    # Asked which optimizers train the model, keras_ring built such a MultiOptimizer on all
+    # of the model's variables, and its apply to the first layer's alone failed ("Gradients
+    # must match trainable variables one-to-one").
+    rank, size = world
+    x, y = _data(size)
+    kernel, bias = keras_ring.wrap(keras.optimizers.SGD(0.1)), keras_ring.wrap(
+        keras.optimizers.Adam(0.01))
+    keras.utils.set_random_seed(ks.rank_seed(rank))
+    model = TwoOptimizerModel(
+        keras.optimizers.MultiOptimizer(lambda v: kernel if len(v.shape) == 2 else bias),
+        keras_ring.wrap(keras.optimizers.SGD(0.1)))
+    model(x[:1])
+    model.compile()
+    model.fit(ks.shard(x, rank, size, BATCH), ks.shard(y, rank, size, BATCH), batch_size=BATCH,
+              epochs=1, shuffle=False, verbose=0,
+              callbacks=[BroadcastGlobalVariablesCallback(0)])
+    ks.assert_same_on_all_ranks(ks.weights(model))
+    assert [int(o.iterations.numpy()) for o in (kernel, bias)] == [4, 4]
+
+
+def test_an_unbuilt_multi_optimizer_beside_its_wrapped_parts_trains(world):
+    # A model built only by its first step, compiled with a MultiOptimizer given a function
+    # and holding its wrapped parts as attributes: the MultiOptimizer, not built yet, counted
+    # as an unwrapped optimizer beside wrapped ones, and fit was refused.
+    rank, size = world
+    x, y = _data(size)
+    adam, sgd = keras_ring.wrap(keras.optimizers.Adam(0.01)), keras_ring.wrap(
+        keras.optimizers.SGD(0.1))
+
+    class Lazy(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = keras.layers.Dense(8), keras.layers.Dense(ks.CLASSES)
+            self.parts = [adam, sgd]
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    keras.utils.set_random_seed(ks.rank_seed(rank))
+    model = Lazy()
+    _fit(keras.optimizers.MultiOptimizer(lambda v: sgd if v.shape[-1] == ks.CLASSES else adam),
+         rank, size, x, y, epochs=1, model=model)
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
+def test_loss_scaling_around_wrapped_parts_in_a_custom_loop_is_refused(world):
+    # Outside fit nothing asked: each rank's LossScaleOptimizer checked its own gradients,
+    # and ranks that skipped different steps paired their parts' collectives across steps.
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(0))
+    optimizer = keras.optimizers.LossScaleOptimizer(_multi(True))
+    grads = [keras.ops.ones_like(v) for v in model.trainable_variables]
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer '.*' is a LossScaleOptimizer "
+                                         r".*Wrap the MultiOptimizer instead"):
+        optimizer.apply(grads, model.trainable_variables)

@@ -399,8 +399,15 @@ def test_output_that_cannot_be_written_stops_the_job_saying_so(mpirun, clean_env
     # The launcher's output thread died on the write error (ENOSPC; an AttributeError where
     # stdout was closed); nobody read mpirun's pipe any more, and the ranks, mpirun and the
     # launcher all waited for ever, the ranks blocked writing their output.
-    script = rank_program(tmp_path, """
+    # Both ranks say they are up before either floods stdout: the first write error stops
+    # the job, and a rank not yet up would never name its pid.
+    script = rank_program(tmp_path, f"""
+        import time
         print("up", os.getpid(), file=sys.stderr, flush=True)
+        open(os.path.join({str(tmp_path)!r}, f"up.{{RANK}}"), "w").close()
+        while not all(os.path.exists(os.path.join({str(tmp_path)!r}, f"up.{{r}}"))
+                      for r in (0, 1)):
+            time.sleep(0.01)
         for i in range(20000):
             print("line", i)
         sys.stdout.flush()
@@ -424,6 +431,25 @@ def test_output_that_cannot_be_written_stops_the_job_saying_so(mpirun, clean_env
     pids = [int(line.split()[-1]) for line in err.splitlines() if " up " in line]
     assert len(pids) == 2, err
     assert all(_ends_within(pid, GUARD) for pid in pids), err
+
+
+def test_a_background_launcher_still_stops_the_job_on_sigint(mpirun, clean_env, tmp_path):
+    # A shell starts a background job with SIGINT ignored; `kill -INT` must still stop it
+    # (only SIGHUP's ignored disposition, nohup's, is kept).
+    script = rank_program(tmp_path, """
+        print("up", flush=True)
+        signal.pause()
+    """)
+    proc = launch(mpirun, ["-np", "2", sys.executable, script], clean_env,
+                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert [proc.stdout.readline().split()[-1] for _ in range(2)] == [b"up", b"up"]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=GUARD)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
 
 
 def test_a_launcher_under_nohup_lets_the_job_outlive_a_hangup(mpirun, clean_env, tmp_path):
