@@ -28,13 +28,23 @@ def memcpy_bandwidth(nbytes: int = 64 << 20) -> float:
     return nbytes / best / 1e9
 
 
+class _Run:
+    """What the command line chose for the whole run."""
+
+    quick = False  # --quick: one short batch per cell (checks a table's shape, measures nothing)
+
+
+def quick() -> bool:
+    return _Run.quick
+
+
 def timed(fn, nbytes: int, comm) -> float:
     """Median seconds per call: warm-up, then repeated batches, ranks started together."""
     fn()
     fn()
-    iters = max(3, min(200, int(0.05 / max(nbytes / 2e9, 2e-5))))
+    iters = 2 if _Run.quick else max(3, min(200, int(0.05 / max(nbytes / 2e9, 2e-5))))
     samples = []
-    for _ in range(5):
+    for _ in range(1 if _Run.quick else 5):
         comm.Barrier()
         t = time.perf_counter()
         for _ in range(iters):
@@ -84,7 +94,11 @@ def _parse_args(default_max: int) -> argparse.Namespace:
     parser.add_argument("--max-bytes", type=int, default=default_max)
     parser.add_argument("--only", default="",
                         help="comma-separated column names to time (default: all)")
-    return parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="time each cell briefly: the tables' shape, no usable numbers")
+    args = parser.parse_args()
+    _Run.quick = args.quick
+    return args
 
 
 def size_range(default_max: int) -> tuple[int, int]:

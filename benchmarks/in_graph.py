@@ -31,7 +31,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras_ring as kr  # noqa: E402
 
-from _bench import preamble, size_range, sizes, timed  # noqa: E402
+from _bench import preamble, quick, size_range, sizes, timed  # noqa: E402
 
 ROUNDS = 5
 CHAIN_BYTES = 64 << 20  # K * nbytes per graph call, at most (K from 1 to MAX_CHAIN)
@@ -76,8 +76,9 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     # Every rank adds every set; each uses its own.
     alone = [kr.add_process_set([r]) for r in range(comm.size)][comm.rank]
+    rounds = 2 if quick() else ROUNDS
     preamble(comm, f"float32 Sum; graph = K allreduces in one tf.function (K <= {MAX_CHAIN}); "
-                   f"{ROUNDS} interleaved rounds")
+                   f"{rounds} interleaved rounds")
     if comm.rank == 0:
         print(f"{'bytes':>10} {'K':>3} | {'graph us':>9} {'alone us':>9} {'call us':>9} "
               f"{'MPI us':>9} {'eager us':>9} {'TF disp us':>10} | {'graph/MPI':>11} "
@@ -85,7 +86,7 @@ def main() -> None:
     for nbytes in sizes(min_bytes, max_bytes):
         cols = columns(nbytes, comm, alone)
         times: dict[str, list[float]] = {name: [] for name in cols}
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for name, (fn, per_call) in cols.items():
                 times[name].append(timed(fn, nbytes * per_call, comm) / per_call)
         mpi = times["MPI"]
