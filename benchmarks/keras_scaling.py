@@ -5,8 +5,8 @@ the cost of communication is separated from the cost of sharing the cores.
 Run with: python benchmarks/keras_scaling.py [--ranks 2] [--steps 60] [--repeat 3] [--models mlp]
 (it starts its own processes: one alone, N independent ones, then N-rank mpirun jobs; all are
 measured --repeat times, interleaved, and each column shows the median, because one round on
-a small shared machine moves by several percent). The N-rank job runs once per bucket layout
-and round: "default" (what wrap() chooses: "auto"), "one bucket" (32 MiB, no first bucket:
+a small shared machine moves by several percent). Each round's N-rank job trains one model
+per bucket layout, in turn (a different layout first in each round): "default" (what wrap() chooses: "auto"), "one bucket" (32 MiB, no first bucket:
 the layout before issue 17, in which these models' gradients go in one collective after
 backprop) and "overlap" (a 1 MiB first bucket, then 2 MiB buckets: communication during
 backprop), so the layouts are compared side by side.
@@ -45,19 +45,33 @@ BUCKETS = {"default": {}, "one bucket": {"bucket_bytes": 32 << 20, "first_bucket
 
 
 def worker(model_name: str, steps: int, distributed: bool, threads: int,
-           buckets: str = "default") -> None:
-    """Trains on synthetic data and prints one JSON line with the median ms/step."""
-    import numpy as np
+           layouts: list[str]) -> None:
+    """Trains on synthetic data and prints one JSON line with the median ms/step per bucket
+    layout (each a model of its own, trained in turn in this process)."""
     import tensorflow as tf
 
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
-    import keras
-
     if distributed:
         import keras_ring
 
         keras_ring.init()
+    result = {}
+    for layout in layouts:
+        ms = _train(model_name, steps, layout if distributed else None)
+        if distributed:
+            ms = max(keras_ring.allgather_object(ms))  # a step is as slow as the slowest rank
+        result[layout] = ms
+    if not distributed or keras_ring.rank() == 0:
+        print(json.dumps(result), flush=True)
+
+
+def _train(model_name: str, steps: int, layout: str | None) -> float:
+    """Median ms per step of one fit (wrapped with `layout`'s buckets unless None)."""
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
     batch = MODELS[model_name]
     model = build_model(model_name)
     shape = model.input_shape[1:]
@@ -66,8 +80,10 @@ def worker(model_name: str, steps: int, distributed: bool, threads: int,
     y = rng.integers(0, 10, batch * 8)
     optimizer = keras.optimizers.SGD(0.01)
     callbacks = []
-    if distributed:
-        optimizer = keras_ring.wrap(optimizer, **BUCKETS[buckets])
+    if layout is not None:
+        import keras_ring
+
+        optimizer = keras_ring.wrap(optimizer, **BUCKETS[layout])
         callbacks.append(keras_ring.callbacks.BroadcastGlobalVariablesCallback(0))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
@@ -81,15 +97,11 @@ def worker(model_name: str, steps: int, distributed: bool, threads: int,
             times.append(time.perf_counter() - self.t)
 
     model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[*callbacks, Timer()])
-    ms = float(np.median(times[10:])) * 1e3  # after warm-up (tracing, first steps)
-    if distributed:
-        ms = max(keras_ring.allgather_object(ms))  # the step is as slow as the slowest rank
-        if keras_ring.rank() != 0:
-            return
-    print(json.dumps({"ms": ms}), flush=True)
+    return float(np.median(times[10:])) * 1e3  # after warm-up (tracing, first steps)
 
 
-def _run(cmds: list[list[str]]) -> list[float]:
+def _run(cmds: list[list[str]]) -> list[dict[str, float]]:
+    """Each command's JSON lines: {layout: ms}."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for c in cmds]
     results = []
@@ -97,7 +109,7 @@ def _run(cmds: list[list[str]]) -> list[float]:
         out, err = p.communicate(timeout=900)
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(p.args)} failed:\n{err[-2000:]}")
-        results += [json.loads(line)["ms"] for line in out.splitlines() if line.startswith("{")]
+        results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return results
 
 
@@ -109,12 +121,13 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="mlp")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--buckets", choices=list(BUCKETS), default="default")
+    parser.add_argument("--buckets", default=",".join(BUCKETS),
+                        help="a worker's bucket layouts, comma-separated, trained in turn")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                         help="the models of the table (all by default)")
     args = parser.parse_args()
     if args.worker:
-        worker(args.model, args.steps, args.worker == "dist", args.threads, args.buckets)
+        worker(args.model, args.steps, args.worker == "dist", args.threads, args.buckets.split(","))
         return
     n = args.ranks
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -130,13 +143,18 @@ def main() -> None:
         common = ["--model", model, "--steps", str(args.steps)]
         singles, bases = [], []
         dists: dict[str, list[float]] = {b: [] for b in BUCKETS}
-        for _ in range(args.repeat):
-            singles += _run([[*me, "--worker", "single", *common]])
-            baseline = _run([[*me, "--worker", "single", "--threads", str(share), *common] for _ in range(n)])
-            bases.append(sum(baseline) / len(baseline))
+        single_only = ["--buckets", "default"]
+        for i in range(args.repeat):
+            singles += [r["default"] for r in _run([[*me, "--worker", "single", *single_only, *common]])]
+            baseline = _run([[*me, "--worker", "single", "--threads", str(share), *single_only, *common]
+                             for _ in range(n)])
+            bases.append(sum(r["default"] for r in baseline) / len(baseline))
+            # One job trains every layout in turn, first a different one each round.
+            order = list(BUCKETS)[i % len(BUCKETS):] + list(BUCKETS)[:i % len(BUCKETS)]
+            (dist,) = _run([[mpirun, "-np", str(n), *me, "--worker", "dist", "--buckets", ",".join(order),
+                             *common]])
             for layout, times in dists.items():
-                times += _run([[mpirun, "-np", str(n), *me, "--worker", "dist", "--buckets", layout,
-                                *common]])
+                times.append(dist[layout])
         single, base = statistics.median(singles), statistics.median(bases)
         cells = ""
         for layout, times in dists.items():
