@@ -232,7 +232,11 @@ def test_with_an_old_nccl_the_script_runs_one_rank_per_gpu_and_never_passes(tmp_
     # A stand-in python: every package imports, CuPy sees 1 GPU, the newest NCCL is 2.27, and
     # every run of the checks "passes". Two ranks cannot share the GPU with that NCCL: the
     # script runs one rank (the library, NCCL and the host cost still get checked), skips the
-    # failure scenarios (two ranks each) and exits 4, not 0.
+    # failure scenarios (two ranks each) and exits 4, not 0. The build is not what is tested
+    # here (test_gpu_check_library builds for real): a stand-in compiler writes empty files.
+    cxx = tmp_path / "g++"
+    cxx.write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cxx.chmod(0o755)
     fake = tmp_path / "python"
     fake.write_text("#!/bin/bash\n"
                     'echo "$*" >> "$(dirname "$0")/calls"\n'
@@ -244,7 +248,8 @@ def test_with_an_old_nccl_the_script_runs_one_rank_per_gpu_and_never_passes(tmp_
     fake.chmod(0o755)
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
                           env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "NP": "2",
-                               "OUT": str(tmp_path / "out")},
+                               "CXX": str(cxx), "OUT": str(tmp_path / "out"),
+                               "BUILD_DIR": str(tmp_path / "build")},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "2 ranks would share 1 GPU(s), which needs NCCL >= 2.30" in proc.stdout

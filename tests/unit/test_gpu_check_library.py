@@ -5,6 +5,7 @@ in test_gpu_check.py."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,27 +13,36 @@ from tests.unit.test_gpu_check import ROOT, gc
 
 # ---------------------------------------------------------------- the library the GPU run loads
 
-def test_the_core_library_builds_without_tensorflow_loads_and_reports_a_missing_gpu(tmp_path):
-    """gpu_check.sh's own build (BUILD_ONLY=1), then what every rank does first on the GPU
-    machine: load the library, init, a barrier, a device allreduce. Here there is no CUDA, so
-    the allreduce must fail cleanly with FAILED_PRECONDITION, and the runtime still shut down.
-    A source missing from the script's list once built a library that could not load.
-    Built as the GPU machine's g++ builds (libstdc++ linked statically): exported, that copy
-    mixed locale facets with the process's libstdc++.so.6 and crashed the first message that
-    printed a double, so the library must export none of it."""
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """gpu_check.sh's own build (BUILD_ONLY=1) into a directory of this module's, as the GPU
+    machine's g++ builds (libstdc++ linked statically): (the script's run, the library)."""
     import shutil
-    import socket
 
-    cxx = tmp_path / "g++"
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    cxx = tmp / "g++"
     cxx.write_text(f'#!/bin/sh\nexec {shutil.which("g++") or shutil.which("c++")} "$@" -static-libstdc++\n')
     cxx.chmod(0o755)
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "CXX": str(cxx),
-                               "BUILD_ONLY": "1", "OUT": str(tmp_path)},
+                               "BUILD_ONLY": "1", "OUT": str(tmp), "BUILD_DIR": str(tmp / "build")},
                           capture_output=True, text=True, timeout=600)
+    return proc, tmp / "build" / "libkeras_ring_core.so"
+
+
+def test_the_core_library_builds_without_tensorflow_loads_and_reports_a_missing_gpu(built):
+    """What every rank does first on the GPU machine with gpu_check.sh's build: load the
+    library, init, a barrier, a device allreduce. Here there is no CUDA, so the allreduce
+    must fail cleanly with FAILED_PRECONDITION, and the runtime still shut down.
+    A source missing from the script's list once built a library that could not load.
+    Built as the GPU machine's g++ builds (libstdc++ linked statically): exported, that copy
+    mixed locale facets with the process's libstdc++.so.6 and crashed the first message that
+    printed a double, so the library must export none of it."""
+    import socket
+
+    proc, library = built
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "linked libstdc++ statically (kept private" in proc.stdout, proc.stdout
-    library = ROOT / "build" / "gpu_check" / "libkeras_ring_core.so"
     exported = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True,
                               text=True, check=True).stdout.split()
     assert "keras_ring_device_allreduce" in exported
@@ -138,18 +148,15 @@ print(core.control_path, "|", " ".join(f"{u:.3f}" for u in us))
 @pytest.mark.parametrize("env, path", [({}, "shared memory, fast agreement"),
                                        ({"KERAS_RING_SHM": "0", "KERAS_RING_FAST_AGREE": "0"},
                                         "TCP, full agreement")])
-def test_gpu_check_ranks_agree_as_a_users_job_on_one_host_does(tmp_path, env, path):
+def test_gpu_check_ranks_agree_as_a_users_job_on_one_host_does(tmp_path, built, env, path):
     """Two real processes of gpu_check's core library: they connect with a user's defaults
     (shared memory, the fast agreement; the first GPU runs at 2 ranks used TCP and the full
     exchange, which no user gets), the same KERAS_RING_* variables change that, and the
     control path's round trip (barriers) is measured on every rank."""
     import os
 
-    library = ROOT / "build" / "gpu_check" / "libkeras_ring_core.so"
-    if not library.exists():
-        subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True,
-                       env={**os.environ, "PYTHON": sys.executable, "BUILD_ONLY": "1",
-                            "OUT": str(tmp_path)}, capture_output=True, timeout=600)
+    proc, library = built
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_RING_")}
     child_env.update(env, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANKS, str(r), str(tmp_path),
