@@ -85,8 +85,7 @@ def _install_loss_scale_hook() -> None:
         if parts is not None and not is_wrapped(self):  # in a custom loop, too
             variables = kwargs.get("trainable_variables", args[1] if len(args) > 1 else None)
             if not parts and not self.built and variables is not None:
-                self.build(list(variables))  # as the original would, to learn the parts
-                parts = _keras_private.sub_optimizers(self) or []
+                parts = _built_parts(self, variables)  # as the original would build it
             _refuse_loss_scaling_of_wrapped_parts(parts, f"LossScaleOptimizer '{self.name}'")
         return original(self, *args, **kwargs)
 
@@ -189,11 +188,17 @@ def _parts(model: Any, name: str, optimizer: Any) -> list[tuple[str, Any]]:
     if (not parts and not optimizer.built and name == "optimizer"
             and _keras_private.keras_train_step(model) and model.trainable_variables
             and not _keras_private.unbuilt_layers(model)):
-        optimizer.build(model.trainable_variables)
-        parts = _keras_private.sub_optimizers(optimizer) or []
+        parts = _built_parts(optimizer, model.trainable_variables)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         _refuse_loss_scaling_of_wrapped_parts(parts, f"{type(model).__name__}'s {name}")
     return [(f"{name}.optimizers[{i}]", part) for i, part in enumerate(parts)]
+
+
+def _built_parts(optimizer: Any, variables: Any) -> list:
+    """The sub-optimizers of a ``MultiOptimizer`` given a function, which it makes only when
+    built: builds it on ``variables`` first."""
+    optimizer.build(list(variables))
+    return _keras_private.sub_optimizers(optimizer) or []
 
 
 def _refuse_loss_scaling_of_wrapped_parts(parts: list, where: str) -> None:
