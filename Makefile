@@ -22,8 +22,9 @@ GUARD_UNIT := timeout --signal=TERM --kill-after=30 1800
 # fault tests provoke): alone, one pytest kept 1.15 of 2 cores busy. Two xdist workers, each
 # taking a whole module at a time (a module's tests share jobs and fixtures), fill the idle
 # core. Tests that check /dev/shm run their jobs in one of their own (private_shm.py), so
-# the other worker's jobs cannot pass for a leak.
-UNIT_WORKERS := -n 2 --dist loadscope
+# the other worker's jobs cannot pass for a leak. Modules go out in the order that
+# tests/unit/conftest.py collects them: the long ones first.
+UNIT_WORKERS := -n 2 --dist loadscope --no-loadscope-reorder
 
 CORE_SRC := $(wildcard keras_ring/ops/cc/core/*.cc keras_ring/ops/cc/core/nccl/*.cc)
 CORE_HDR := $(wildcard keras_ring/ops/cc/core/*.h keras_ring/ops/cc/core/nccl/*.h)

@@ -1,5 +1,6 @@
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,26 @@ from keras_ring.config import MPI_VARIABLE_PREFIXES
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
+
+# make test-unit runs two xdist workers that take whole modules (--dist loadscope) in the
+# order collected (--no-loadscope-reorder). xdist's own order, by number of tests, put the few
+# long modules last, where one of them ran on alone while the other worker had nothing left.
+# These take a minute or more on 2 cores (measured with --durations; heaviest first): they
+# start first, the short modules fill in around them (the longest-first rule for two machines).
+LONG_MODULES = ("test_job_failure.py", "test_faults.py", "test_benchmarks.py",
+                "test_api_single_process.py", "test_spark.py", "test_bad_input.py",
+                "test_big_ring.py", "test_rendezvous.py", "test_gpu_check_library.py",
+                "test_init_comm.py", "test_keras_examples.py", "test_timeline_path.py",
+                "test_launcher_failures.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The long modules first, in LONG_MODULES' order; then the rest, those with more tests
+    first (xdist's own order); each module's tests keep theirs."""
+    first = {name: i for i, name in enumerate(LONG_MODULES)}
+    counts = Counter(item.path.name for item in items)
+    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -counts[item.path.name],
+                                 item.path.name))
 
 
 @pytest.fixture
