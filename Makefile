@@ -123,7 +123,7 @@ OLD_TESTS := $(addprefix tests/parallel/,test_collectives.py test_gradients.py t
 	test_keras_equivalence.py test_keras_optimizer.py test_keras_save_load.py \
 	test_keras_lazy_models.py test_keras_callbacks.py test_keras_horovod_api.py \
 	test_keras_sync_batch_norm.py test_keras_weight_check.py test_keras_custom_train_step.py \
-	test_mismatch.py test_keras_float8.py)
+	test_mismatch.py test_keras_float8.py test_keras_model_config.py)
 
 # After the main venv's install (order only): two editable installs at once would both write
 # the project's egg-info.

@@ -33,19 +33,21 @@ def settings(optimizer: Any) -> Any:
     except Exception as e:  # noqa: BLE001 - every rank must still take part in the check
         return f"no get_config ({type(e).__name__})"
     # __class__: a wrapped optimizer's reports the class it wraps.
-    found = {**_canonical(config), _CLASS: optimizer.__class__.__name__}
+    found = {**canonical(config), _CLASS: optimizer.__class__.__name__}
     schedule = config.get("learning_rate") if isinstance(config, dict) else None
     if isinstance(schedule, dict):  # a schedule's settings, unlike a rate, never change
-        found["learning_rate"] = _canonical(schedule)
+        found["learning_rate"] = canonical(schedule)
     return found
 
 
-def _canonical(value: Any) -> Any:
+def canonical(value: Any, left_out: frozenset = _LEFT_OUT) -> Any:
+    """``value`` (a Keras config) in a form whose ``repr`` is the same on every rank where
+    the configs agree, without the dict keys in ``left_out`` at any depth."""
     if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
-                if k not in _LEFT_OUT}
+        return {str(k): canonical(v, left_out)
+                for k, v in sorted(value.items(), key=lambda kv: str(kv[0])) if k not in left_out}
     if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
+        return [canonical(v, left_out) for v in value]
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
@@ -60,6 +62,19 @@ def digest(value: Any) -> float:
     return float(int.from_bytes(raw, "little"))
 
 
+def differences(first: Any, other: Any, first_rank: int, other_rank: int,
+                 alone: str = _CLASS) -> str:
+    """Up to four settings that differ between two ranks' ``canonical`` configs, each with
+    both values; where ``alone`` differs (the class), only it, since the rest follows."""
+    if not (isinstance(first, dict) and isinstance(other, dict)):
+        return f"rank {first_rank} {first!r}, rank {other_rank} {other!r}"
+    keys = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+    keys = [alone] if alone in keys else keys
+    shown = "; ".join(f"{k}: rank {first_rank} {first.get(k)!r}, rank {other_rank} "
+                      f"{other.get(k)!r}" for k in keys[:4])
+    return shown + (", ..." if len(keys) > 4 else "")
+
+
 def mismatch(optimizers: list[Any], ranks: list[int], epoch: int,
              process_set: ProcessSet) -> OptimizerMismatchError:
     """The error for digests that differ (every rank calls this alike: one allgather)."""
@@ -68,15 +83,7 @@ def mismatch(optimizers: list[Any], ranks: list[int], epoch: int,
                                 process_set=process_set)
     odd = next((i for i in range(1, len(everyone)) if everyone[i] != everyone[0]), 1)
     which = next((j for j in range(len(mine)) if everyone[odd][j] != everyone[0][j]), 0)
-    first, other = everyone[0][which], everyone[odd][which]
-    if isinstance(first, dict) and isinstance(other, dict):
-        keys = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
-        keys = [_CLASS] if _CLASS in keys else keys
-        shown = "; ".join(f"{k}: rank {ranks[0]} {first.get(k)!r}, rank {ranks[odd]} "
-                          f"{other.get(k)!r}" for k in keys[:4])
-        shown += ", ..." if len(keys) > 4 else ""
-    else:
-        shown = f"rank {ranks[0]} {first!r}, rank {ranks[odd]} {other!r}"
+    shown = differences(everyone[0][which], everyone[odd][which], ranks[0], ranks[odd])
     error = OptimizerMismatchError.about(
         ranks[odd],
         f"keras_ring: the ranks' optimizers differ in settings other than the learning rate as "

@@ -13,7 +13,8 @@ between fits (keras-io's fine-tuning) would else go unseen by a one-epoch fit.
 The same allgather carries the epoch: ranks that resume at different epochs (a backup
 restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
 digest of each optimizer's other settings (``_optimizer_settings``), and at the first epoch
-one of the model's adapted preprocessing state (``_adapted_state``). The rates are compared
+one of the model's adapted preprocessing state (``_adapted_state``) and one of how its layers
+are built (``_model_config``). The rates are compared
 once more as ``fit`` ends: a change in the last (or only) epoch met no epoch's check.
 """
 
@@ -28,7 +29,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ring import _adapted_state, _keras_private, _optimizer_settings, _weight_check
+from keras_ring import (_adapted_state, _keras_private, _model_config, _optimizer_settings,
+                        _weight_check)
 from keras_ring.collectives import allgather
 from keras_ring.errors import (RATE_CHECK, TRAIN_END, EpochMismatchError,
                                LearningRateMismatchError)
@@ -100,15 +102,20 @@ class RateCheck(keras.callbacks.Callback):
         mine = np.array([epoch] + [current_rate(o) for o in optimizers] +
                         [_optimizer_settings.digest(_optimizer_settings.settings(o))
                          for o in optimizers] +
-                        [_adapted_state.digest(self.model) if first else 0.0], np.float64)
+                        [_adapted_state.digest(self.model) if first else 0.0,
+                         _model_config.digest(self.model) if first else 0.0], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
                              process_set=self.process_set).numpy()
         if (everyone[:, 0] != epoch).any():
             raise _epoch_mismatch(ranks, everyone[:, 0])
-        if (everyone[:, 1 + count:-1] != everyone[0, 1 + count:-1]).any():
+        if (everyone[:, 1 + count:-2] != everyone[0, 1 + count:-2]).any():
             raise _optimizer_settings.mismatch(optimizers, ranks, epoch, self.process_set)
-        if (everyone[:, -1] != everyone[0, -1]).any():
+        if (everyone[:, -2] != everyone[0, -2]).any():
             raise _adapted_state.mismatch(self.model, ranks, self.process_set)
+        if (everyone[:, -1] != everyone[0, -1]).any():
+            built_apart = _model_config.mismatch(self.model, ranks, self.process_set)
+            if built_apart is not None:  # else the weight check names how the weights differ
+                raise built_apart
         if first:  # the rates: the broadcast callback may still set them, at the first batch
             self._rates_pending = True
             return

@@ -78,6 +78,7 @@ LAYERS = {
     "keras_ring._step_check": 7,
     "keras_ring._rate_check": 7,
     "keras_ring._optimizer_settings": 7,
+    "keras_ring._model_config": 7,  # how each rank's model is built, beside its weights
     "keras_ring._adapted_state": 7,  # preprocessing layers' state, refreshed and compared
     "keras_ring.sync_batch_normalization": 7,
     "keras_ring.optimizer": 7,
