@@ -13,8 +13,9 @@ between fits (keras-io's fine-tuning) would else go unseen by a one-epoch fit.
 The same allgather carries the epoch: ranks that resume at different epochs (a backup
 restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
 digest of each optimizer's other settings (``_optimizer_settings``), and at the first epoch
-one of the model's adapted preprocessing state (``_adapted_state``) and one of how its layers
-are built (``_model_config``). The rates are compared
+one of the model's adapted preprocessing state (``_adapted_state``), one of how its layers
+are built (``_model_config``) and one of the files fit's callbacks write (``_shared_files``).
+The rates are compared
 once more as ``fit`` ends: a change in the last (or only) epoch met no epoch's check.
 """
 
@@ -30,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ring import (_adapted_state, _keras_private, _model_config, _optimizer_settings,
-                        _weight_check)
+                        _shared_files, _weight_check)
 from keras_ring.collectives import allgather
 from keras_ring.errors import (RATE_CHECK, TRAIN_END, EpochMismatchError,
                                LearningRateMismatchError)
@@ -72,6 +73,7 @@ class RateCheck(keras.callbacks.Callback):
         self._find = find
         self._first = True
         self._rates_pending = False
+        self.written: list[str] = []  # what fit's other callbacks write (_shared_files)
 
     @classmethod
     def later(cls, find: Finder) -> "RateCheck":
@@ -101,25 +103,35 @@ class RateCheck(keras.callbacks.Callback):
         count = len(optimizers)
         mine = np.array([epoch] + [current_rate(o) for o in optimizers] +
                         [_optimizer_settings.digest(_optimizer_settings.settings(o))
-                         for o in optimizers] +
-                        [_adapted_state.digest(self.model) if first else 0.0,
-                         _model_config.digest(self.model) if first else 0.0], np.float64)
+                         for o in optimizers] + (self._first_epoch_digests() if first else
+                                                 [0.0] * 3), np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
                              process_set=self.process_set).numpy()
         if (everyone[:, 0] != epoch).any():
             raise _epoch_mismatch(ranks, everyone[:, 0])
-        if (everyone[:, 1 + count:-2] != everyone[0, 1 + count:-2]).any():
+        if (everyone[:, 1 + count:-3] != everyone[0, 1 + count:-3]).any():
             raise _optimizer_settings.mismatch(optimizers, ranks, epoch, self.process_set)
-        if (everyone[:, -2] != everyone[0, -2]).any():
-            raise _adapted_state.mismatch(self.model, ranks, self.process_set)
-        if (everyone[:, -1] != everyone[0, -1]).any():
-            built_apart = _model_config.mismatch(self.model, ranks, self.process_set)
-            if built_apart is not None:  # else the weight check names how the weights differ
-                raise built_apart
+        self._compare_first_epoch_digests(everyone[:, -3:], ranks)
         if first:  # the rates: the broadcast callback may still set them, at the first batch
             self._rates_pending = True
             return
         _compare_rates(ranks, everyone[:, 1:1 + count], f"as epoch {epoch} begins", _EPOCH_CAUSE)
+
+    def _first_epoch_digests(self) -> list[float]:
+        return [_adapted_state.digest(self.model), _model_config.digest(self.model),
+                _shared_files.digest(self.written)]
+
+    def _compare_first_epoch_digests(self, digests: np.ndarray, ranks: list[int]) -> None:
+        """Every rank raises alike where the first epoch's digests say the ranks preprocess
+        or build their models differently, or write the same files."""
+        if (digests[:, 0] != digests[0, 0]).any():
+            raise _adapted_state.mismatch(self.model, ranks, self.process_set)
+        if (digests[:, 1] != digests[0, 1]).any():
+            built_apart = _model_config.mismatch(self.model, ranks, self.process_set)
+            if built_apart is not None:  # else the weight check names how the weights differ
+                raise built_apart
+        if _shared_files.shared(list(digests[:, 2])):
+            raise _shared_files.collision(self.written, ranks, self.process_set)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         # A fit's first epoch: after every callback's broadcast. Rates set on some ranks only
@@ -309,6 +321,9 @@ def install_fit_hook(find: Finder) -> None:
         if check is not None:
             bound = signature.bind(self, *args, **kwargs)
             callbacks = bound.arguments.get("callbacks")
+            check.written = _shared_files.written_paths(
+                callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
+                else callbacks)
             if callbacks is None or isinstance(callbacks, (list, tuple)):
                 bound.arguments["callbacks"] = [*(callbacks or []), check]
                 return original(*bound.args, **bound.kwargs)

@@ -79,6 +79,7 @@ LAYERS = {
     "keras_ring._rate_check": 7,
     "keras_ring._optimizer_settings": 7,
     "keras_ring._model_config": 7,  # how each rank's model is built, beside its weights
+    "keras_ring._shared_files": 7,  # files that callbacks of several ranks would write
     "keras_ring._adapted_state": 7,  # preprocessing layers' state, refreshed and compared
     "keras_ring.sync_batch_normalization": 7,
     "keras_ring.optimizer": 7,
