@@ -12,7 +12,8 @@ differs, :func:`mismatch` names the first layer that differs, and how, on every 
 Left out, since one program may differ there by rank: names (Keras numbers layers as they
 are made), seeds (each rank draws its own masks and initial values), batch sizes and build
 shapes (uneven batches), trainable flags (the weight check tells those apart, by weight),
-and the wiring of functional models (it is written in layer names).
+the wiring of functional models (it is written in layer names) and the code of ``Lambda``
+layers (marshaled with the path of its file, which may differ by host).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from keras_ring.process_sets import ProcessSet
 _RANK_OWN = frozenset({
     "name", "seed", "trainable", "batch_shape", "batch_size", "batch_input_shape",
     "build_config", "build_input_shape", "inbound_nodes", "input_layers", "output_layers",
-    "layers"})  # a container's layers are described one by one
+    "layers",  # a container's layers are described one by one
+    "code"})  # a Lambda's marshaled function: it holds its file's path, which hosts may not share
 _CLASS = "class"
 _POLICY = "dtype policy"
 

@@ -53,11 +53,15 @@ def test_same_weights_but_another_model_on_one_rank_fails_every_rank(world, odd,
     assert caught.value.rank == size - 1
 
 
-def test_names_seeds_and_the_order_models_were_made_in_may_differ_by_rank(world):
+def test_names_seeds_lambdas_files_and_the_order_models_were_made_in_may_differ(world):
     rank, size = world
     for _ in range(rank):  # Keras numbers names as layers are made: they differ by rank
         keras.layers.Dense(1)
     model = _model(dropout=True, seed=rank)
+    # The program's file at another path on each host: a Lambda's code holds the path.
+    double = eval(compile("lambda x: x * 2.0", f"/host{rank}/train.py", "eval"))
+    model = keras.Sequential([*model.layers, keras.layers.Lambda(double)])
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
     assert ks.weights(model)[0].shape == (4, 8)
     _fit(model, rank)
     ks.assert_same_on_all_ranks(ks.weights(model))
