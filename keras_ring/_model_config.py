@@ -31,7 +31,7 @@ _RANK_OWN = frozenset({
     "name", "seed", "trainable", "batch_shape", "batch_size", "batch_input_shape",
     "build_config", "build_input_shape", "inbound_nodes", "input_layers", "output_layers",
     "layers",  # a container's layers are described one by one
-    "code"})  # a Lambda's marshaled function: it holds its file's path, which hosts may not share
+    "code"})  # a Lambda's marshaled function: it holds its file's path (hosts may differ)
 _CLASS = "class"
 _POLICY = "dtype policy"
 

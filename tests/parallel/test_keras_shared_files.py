@@ -1,7 +1,8 @@
 """A ModelCheckpoint or CSVLogger given to fit on every rank with one path: the ranks would
 write one file and corrupt it (probe N: "Bad CRC-32" in .keras checkpoints, exit 0). fit must
-fail on every rank before anything is written into them, naming the ranks and the path; paths of each
-rank's own, on_rank_zero and BestModelCheckpoint train (keras_ring._shared_files)."""
+fail on every rank before anything is written into them, naming the ranks and the path;
+paths of each rank's own, on_rank_zero and BestModelCheckpoint train
+(keras_ring._shared_files)."""
 
 import os
 import shutil
