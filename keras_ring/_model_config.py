@@ -9,11 +9,14 @@ own model and the averaged update trains none of them, silently. ``fit``'s epoch
 carries a 48-bit :func:`digest` of every layer's description from the first epoch; where it
 differs, :func:`mismatch` names the first layer that differs, and how, on every rank.
 
-Left out, since one program may differ there by rank: names (Keras numbers layers as they
-are made), seeds (each rank draws its own masks and initial values), batch sizes and build
-shapes (uneven batches), trainable flags (the weight check tells those apart, by weight),
-the wiring of functional models (it is written in layer names) and the code of ``Lambda``
-layers (marshaled with the path of its file, which may differ by host).
+Only Keras's own layers are compared by their configuration; a layer of the program's own
+class by its class and dtype policy (its constructor's arguments may be the rank's own: a
+log directory, the rank itself). Left out, since one program may differ there by rank: names
+(Keras numbers layers as they are made), seeds (each rank draws its own masks and initial
+values), batch sizes and build shapes (uneven batches), trainable flags (the weight check
+tells those apart, by weight), the wiring of functional models (it is written in layer
+names), a ``Lambda``'s function (marshaled with its file's path, which may differ by host,
+and with the values it closes over), and objects inside a configuration beyond their type.
 """
 
 from __future__ import annotations
@@ -31,18 +34,21 @@ _RANK_OWN = frozenset({
     "name", "seed", "trainable", "batch_shape", "batch_size", "batch_input_shape",
     "build_config", "build_input_shape", "inbound_nodes", "input_layers", "output_layers",
     "layers",  # a container's layers are described one by one
-    "code"})  # a Lambda's marshaled function: it holds its file's path (hosts may differ)
+    "function"})  # a Lambda's, marshaled: its file's path and the values it closes over
+_COMPARED = frozenset({"keras", "keras_ring"})  # top packages whose layers' configs are compared
 _CLASS = "class"
 _POLICY = "dtype policy"
 
 
 def _describe(layer: Any) -> dict:
-    """The layer's class, dtype policy and canonical configuration (without _RANK_OWN)."""
+    """The layer's class, dtype policy and, for Keras's own layers, canonical configuration
+    (without _RANK_OWN)."""
+    cls = type(layer)
     try:
-        config = canonical(layer.get_config(), _RANK_OWN)
+        config = (canonical(layer.get_config(), _RANK_OWN, opaque=True)
+                  if cls.__module__.split(".")[0] in _COMPARED else {})
     except Exception as e:  # noqa: BLE001 - every rank must still take part in the check
         config = f"no get_config ({type(e).__name__})"
-    cls = type(layer)
     found = config if isinstance(config, dict) else {"config": config}
     found.pop("dtype", None)  # a serialized policy, its name left out with the others: below
     return {**found, _CLASS: f"{cls.__module__}.{cls.__qualname__}",
@@ -69,11 +75,14 @@ def mismatch(model: Any, ranks: list[int],
                                 process_set=process_set)
     if any(g[0] != gathered[0][0] for g in gathered):
         return None
-    everyone = [g[1] for g in gathered]
-    odd = next((i for i in range(1, len(everyone)) if everyone[i] != everyone[0]), 1)
-    first, other = everyone[0], everyone[odd]
-    at = next((j for j in range(min(len(first), len(other))) if first[j][1] != other[j][1]),
-              None)
+    # Compared as the digest was taken, by repr (a NaN setting equals itself there).
+    everyone = [[(name, repr(d)) for name, d in g[1]] for g in gathered]
+    odd = next((i for i in range(1, len(everyone)) if everyone[i] != everyone[0]), None)
+    if odd is None:  # the digests differed over equal descriptions: not expected
+        return None
+    first, other = gathered[0][1], gathered[odd][1]
+    at = next((j for j in range(min(len(first), len(other)))
+               if everyone[0][j][1] != everyone[odd][j][1]), None)
     if at is None:
         shown = (f"rank {ranks[0]}'s has {len(first)} layers, rank {ranks[odd]}'s "
                  f"{len(other)}")
@@ -89,4 +98,4 @@ def mismatch(model: Any, ranks: list[int],
         "broadcast and the weight check pass). Build or load the same model on every rank: "
         "the same checkpoint, layers, activations and dtype policy (names, seeds, batch "
         "sizes and trainable flags may differ). KERAS_RING_CHECK_WEIGHTS=0 (on every rank) "
-        "turns this check off.")
+        "turns this check off, with the weight checks.")

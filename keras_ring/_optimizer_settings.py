@@ -40,20 +40,26 @@ def settings(optimizer: Any) -> Any:
     return found
 
 
-def canonical(value: Any, left_out: frozenset = _LEFT_OUT) -> Any:
+def canonical(value: Any, left_out: frozenset = _LEFT_OUT, opaque: bool = False) -> Any:
     """``value`` (a Keras config) in a form whose ``repr`` is the same on every rank where
-    the configs agree, without the dict keys in ``left_out`` at any depth."""
+    the configs agree, without the dict keys in ``left_out`` at any depth. Numbers become
+    floats (-0.0 as 0.0, NaN as "nan", which equals itself); sets are sorted; other objects
+    become their ``repr`` without an address, or with ``opaque`` their type alone (a repr may
+    hold a name that Keras numbers per process)."""
     if isinstance(value, dict):
-        return {str(k): canonical(v, left_out)
+        return {str(k): canonical(v, left_out, opaque)
                 for k, v in sorted(value.items(), key=lambda kv: str(kv[0])) if k not in left_out}
     if isinstance(value, (list, tuple)):
-        return [canonical(v, left_out) for v in value]
+        return [canonical(v, left_out, opaque) for v in value]
+    if isinstance(value, (set, frozenset)):  # its order follows the process's hash seed
+        return sorted((canonical(v, left_out, opaque) for v in value), key=repr)
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-        return float(value)  # 1, 1.0 and np.float64(1.0) are one setting, alike in digest too
+        number = float(value)  # 1, 1.0 and np.float64(1.0) are one setting, alike in digest too
+        return "nan" if number != number else number + 0.0  # -0.0 + 0.0 is 0.0
     text = repr(value)  # an object: its address would differ by rank, its type does not
-    return type(value).__qualname__ if " at 0x" in text else text
+    return type(value).__qualname__ if opaque or " at 0x" in text else text
 
 
 def digest(value: Any) -> float:

@@ -14,7 +14,7 @@ The same allgather carries the epoch: ranks that resume at different epochs (a b
 restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
 digest of each optimizer's other settings (``_optimizer_settings``), and at the first epoch
 one of the model's adapted preprocessing state (``_adapted_state``), one of how its layers
-are built (``_model_config``) and one of the files fit's callbacks write (``_shared_files``).
+are built (``_model_config``) and whether fit's callbacks write files (``_shared_files``).
 The rates are compared
 once more as ``fit`` ends: a change in the last (or only) epoch met no epoch's check.
 """
@@ -73,7 +73,7 @@ class RateCheck(keras.callbacks.Callback):
         self._find = find
         self._first = True
         self._rates_pending = False
-        self.written: list[str] = []  # what fit's other callbacks write (_shared_files)
+        self.written: list = []  # what fit's other callbacks write (_shared_files)
 
     @classmethod
     def later(cls, find: Finder) -> "RateCheck":
@@ -119,7 +119,7 @@ class RateCheck(keras.callbacks.Callback):
 
     def _first_epoch_digests(self) -> list[float]:
         return [_adapted_state.digest(self.model), _model_config.digest(self.model),
-                _shared_files.digest(self.written)]
+                1.0 if self.written else 0.0]
 
     def _compare_first_epoch_digests(self, digests: np.ndarray, ranks: list[int]) -> None:
         """Every rank raises alike where the first epoch's digests say the ranks preprocess
@@ -130,8 +130,10 @@ class RateCheck(keras.callbacks.Callback):
             built_apart = _model_config.mismatch(self.model, ranks, self.process_set)
             if built_apart is not None:  # else the weight check names how the weights differ
                 raise built_apart
-        if _shared_files.shared(list(digests[:, 2])):
-            raise _shared_files.collision(self.written, ranks, self.process_set)
+        if digests[:, 2].any():  # some rank's callbacks write files: which, and whose
+            shared = _shared_files.collision(self.written, ranks, self.process_set)
+            if shared is not None:
+                raise shared
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         # A fit's first epoch: after every callback's broadcast. Rates set on some ranks only
@@ -321,7 +323,7 @@ def install_fit_hook(find: Finder) -> None:
         if check is not None:
             bound = signature.bind(self, *args, **kwargs)
             callbacks = bound.arguments.get("callbacks")
-            check.written = _shared_files.written_paths(
+            check.written = _shared_files.written_files(
                 callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
                 else callbacks)
             if callbacks is None or isinstance(callbacks, (list, tuple)):

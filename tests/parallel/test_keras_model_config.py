@@ -67,6 +67,31 @@ def test_names_seeds_lambdas_files_and_the_order_models_were_made_in_may_differ(
     ks.assert_same_on_all_ranks(ks.weights(model))
 
 
+class Tagged(keras.layers.Layer):
+    """A layer of the program's own, made with the rank's own values: its class and dtype
+    policy are compared, not its constructor's arguments."""
+
+    def __init__(self, rank, log_dir, **kwargs):
+        super().__init__(**kwargs)
+        self.rank, self.log_dir = rank, log_dir
+
+    def call(self, x):
+        return x
+
+
+def test_the_programs_own_layers_and_lambdas_may_hold_the_ranks_own_values(world):
+    rank, size = world
+    scale = {"factor": 2.0, "log_dir": f"/tmp/rank{rank}"}  # an argparse Namespace, say
+    model = keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8), Tagged(rank, f"/tmp/rank{rank}"),
+        keras.layers.Lambda(lambda t: t * scale["factor"]),
+        keras.layers.Masking(mask_value=float("nan")),  # a setting not equal to itself
+        keras.layers.Dense(2)])
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    _fit(model, rank)
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
 class Residual(keras.Model):
     """A subclassed model: Keras cannot write its configuration (get_config raises)."""
 

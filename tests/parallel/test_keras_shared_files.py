@@ -54,6 +54,18 @@ def test_one_path_written_by_every_rank_fails_every_rank_before_writing(shared_d
     assert written == []
 
 
+def test_a_shared_log_beside_checkpoints_of_each_ranks_own_fails_naming_the_log(shared_dir):
+    rank = keras_ring.rank()
+    own = keras.callbacks.ModelCheckpoint(os.path.join(shared_dir, f"rank{rank}.keras"))
+    with pytest.raises(ValueError, match=r"would all write .*log\.csv \(a CSVLogger"):
+        _fit([own, keras.callbacks.CSVLogger(os.path.join(shared_dir, "log.csv"))])
+
+
+def test_one_backup_directory_for_every_rank_fails_advising_one_of_each_ranks_own(shared_dir):
+    with pytest.raises(ValueError, match=r"a BackupAndRestore .* backup directory of its own"):
+        _fit([keras.callbacks.BackupAndRestore(os.path.join(shared_dir, "backup"))])
+
+
 def test_paths_of_each_ranks_own_train(shared_dir):
     rank = keras_ring.rank()
     path = os.path.join(shared_dir, f"rank{rank}-{{epoch}}.keras")

@@ -24,7 +24,11 @@ LONG_MODULES = ("test_job_failure.py", "test_faults.py", "test_benchmarks.py",
 
 def pytest_collection_modifyitems(items):
     """The long modules first, in LONG_MODULES' order; then the rest, those with more tests
-    first (xdist's own order); each module's tests keep theirs."""
+    first (xdist's own order); each module's tests keep theirs. Only a run of this suite
+    alone: with other suites' modules of the same names, pytest's order stays."""
+    here = Path(__file__).resolve().parent
+    if any(here not in Path(item.path).resolve().parents for item in items):
+        return
     first = {name: i for i, name in enumerate(LONG_MODULES)}
     counts = Counter(item.path.name for item in items)
     items.sort(key=lambda item: (first.get(item.path.name, len(first)), -counts[item.path.name],

@@ -121,8 +121,13 @@ def test_keras_scaling_table_has_every_bucket_layout(clean_env):
         assert len(rounds) == 3, (model, proc.stdout)  # one round: default/one bucket/overlap
 
 
+def _cxx() -> str:
+    """The compiler make uses (CXX, else g++), so objects from make's build/obj link."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def _compile(args: list[str]) -> None:
-    cxx = shutil.which("g++") or shutil.which("c++")
+    cxx = _cxx()
     subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", f"-I{CORE}", *args],
                    check=True, capture_output=True, text=True)
 

@@ -22,3 +22,12 @@ def test_the_long_modules_come_first_and_each_module_keeps_its_tests_order():
     assert sorted(modules) == [f.name for f in files]
     for name in modules:
         assert [item.index for item in items if item.path.name == name] == [0, 1, 2], name
+
+
+def test_a_run_with_other_suites_keeps_pytests_order():
+    unit = sorted((ROOT / "tests" / "unit").glob("test_*.py"))[:3]
+    items = [SimpleNamespace(path=ROOT / "tests" / "parallel" / "test_keras_callbacks.py"),
+             *(SimpleNamespace(path=f) for f in unit)]
+    before = list(items)
+    pytest_collection_modifyitems(items)
+    assert items == before
