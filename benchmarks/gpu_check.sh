@@ -19,9 +19,9 @@
 # PyTorch (the comparison) is optional. The driver starts the ranks itself (one host needs no
 # MPI); USE_MPI=1 starts them with mpirun and mpi4py instead. Output: $OUT/gpu_check.{log,json} and
 # $OUT/gpu_check_faults.json if OUT is set, else build/gpu_check/. Exit status 0 when every
-# check passed. BUILD_DIR=dir builds in dir (default build/gpu_check); BUILD_ONLY=1 stops
-# after the build (it needs nothing but g++: that part is checked on machines without a GPU
-# too).
+# check passed. BUILD_DIR=dir builds in dir (default build/gpu_check; a relative one, like
+# OUT, is taken from the repository's root); BUILD_ONLY=1 stops after the build (it needs
+# nothing but g++: that part is checked on machines without a GPU too).
 #
 #   benchmarks/gpu_check.sh
 #   NP=4 PYTHON=python3.11 benchmarks/gpu_check.sh
