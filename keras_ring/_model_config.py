@@ -75,14 +75,15 @@ def mismatch(model: Any, ranks: list[int],
                                 process_set=process_set)
     if any(g[0] != gathered[0][0] for g in gathered):
         return None
-    # Compared as the digest was taken, by repr (a NaN setting equals itself there).
-    everyone = [[(name, repr(d)) for name, d in g[1]] for g in gathered]
+    # Compared as the digest was taken: descriptions by repr (a NaN setting equals itself
+    # there), names not at all.
+    everyone = [[repr(d) for _, d in g[1]] for g in gathered]
     odd = next((i for i in range(1, len(everyone)) if everyone[i] != everyone[0]), None)
     if odd is None:  # the digests differed over equal descriptions: not expected
         return None
     first, other = gathered[0][1], gathered[odd][1]
     at = next((j for j in range(min(len(first), len(other)))
-               if everyone[0][j][1] != everyone[odd][j][1]), None)
+               if everyone[0][j] != everyone[odd][j]), None)
     if at is None:
         shown = (f"rank {ranks[0]}'s has {len(first)} layers, rank {ranks[odd]}'s "
                  f"{len(other)}")
