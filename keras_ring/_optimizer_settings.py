@@ -43,7 +43,8 @@ def settings(optimizer: Any) -> Any:
 def canonical(value: Any, left_out: frozenset = _LEFT_OUT, opaque: bool = False) -> Any:
     """``value`` (a Keras config) in a form whose ``repr`` is the same on every rank where
     the configs agree, without the dict keys in ``left_out`` at any depth. Numbers become
-    floats (-0.0 as 0.0, NaN as "nan", which equals itself); sets are sorted; other objects
+    ints where whole (below 2**53), else floats: 8, 8.0 and np.float64(8) are one setting,
+    shown as 8; -0.0 is 0 and NaN "nan", which equals itself. Sets are sorted; other objects
     become their ``repr`` without an address, or with ``opaque`` their type alone (a repr may
     hold a name that Keras numbers per process)."""
     if isinstance(value, dict):
@@ -57,7 +58,9 @@ def canonical(value: Any, left_out: frozenset = _LEFT_OUT, opaque: bool = False)
         return value
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
         number = float(value)  # 1, 1.0 and np.float64(1.0) are one setting, alike in digest too
-        return "nan" if number != number else number + 0.0  # -0.0 + 0.0 is 0.0
+        if number != number:
+            return "nan"
+        return int(number) if number.is_integer() and abs(number) < 2**53 else number + 0.0
     text = repr(value)  # an object: its address would differ by rank, its type does not
     return type(value).__qualname__ if opaque or " at 0x" in text else text
 

@@ -190,6 +190,9 @@ def test_optimizer_settings_compare_by_value_and_never_fail_to_be_read():
     assert digest(keras.optimizers.SGD(momentum=np.float64(0.9))) == digest(
         keras.optimizers.SGD(momentum=0.9))
     assert digest(keras.optimizers.SGD(momentum=0.9)) != digest(keras.optimizers.SGD(momentum=0.5))
+    # Messages show a whole number as the program wrote it, not as 8.0.
+    assert repr(settings.canonical({"units": np.float32(8.0), "bias": -0.0, "rate": 0.5})) == (
+        "{'bias': 0, 'rate': 0.5, 'units': 8}")
 
     class Unreadable(keras.optimizers.SGD):
         def get_config(self):
