@@ -12,6 +12,7 @@ import re
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import tensorflow as tf
 # A function's graph and the bodies of tf.cond and tf.while_loop: no public names.
 from tensorflow.python.framework.func_graph import FuncGraph
@@ -196,7 +197,8 @@ def _place() -> str:
     return f" (in {' > '.join(reversed(kinds))})" if kinds else ""
 
 
-def _common(kind: str, tensor_name: str, process_set_id: int) -> dict:
+def _common(kind: str, tensor_name: str, process_set_id: int) -> tuple:
+    """(the name input, the attrs) of a collective op."""
     # `eager`: called eagerly, the waiting thread is the user's, so waits may yield the core
     # to the peers (the kernel's Request::may_yield); graphs' pool threads sleep at once.
     eager = tf.executing_eagerly()
@@ -204,59 +206,78 @@ def _common(kind: str, tensor_name: str, process_set_id: int) -> dict:
     # across places (a custom step's weight check runs as one rank traces its step and, on
     # another, inside the traced step's If).
     placed = not eager and not tensor_name.startswith("keras_ring.")
-    return _attrs(kind, tensor_name, _place() if placed else "", process_set_id, eager)
+    name = (tensor_name + (_place() if placed else "")).strip()
+    return (_eager_name(name) if eager else name), _attrs(kind, tensor_name, process_set_id, eager)
+
+
+@functools.lru_cache(maxsize=1024)  # the same few names, called eagerly again and again
+def _eager_name(name: str) -> tf.Tensor:
+    with tf.device("/CPU:0"):  # a host input on a GPU kernel too
+        return tf.constant(name)
 
 
 @functools.lru_cache(maxsize=4096)  # the attrs of the same few calls; read, never changed
-def _attrs(kind: str, tensor_name: str, place: str, process_set_id: int, eager: bool) -> dict:
-    return dict(eager=eager, tensor_name=(tensor_name + place).strip(),
-                process_set_id=process_set_id, name=_node_name(kind, tensor_name))
+def _attrs(kind: str, tensor_name: str, process_set_id: int, eager: bool) -> dict:
+    return dict(eager=eager, process_set_id=process_set_id, name=_node_name(kind, tensor_name))
+
+
+def _collective(op: Callable, kind: str, inputs: tuple, tensor_name: str, process_set_id: int,
+                **attrs):
+    """``op`` called on ``inputs`` and the name input, with the common attrs and ``attrs``."""
+    name, common = _common(kind, tensor_name, process_set_id)
+    return _call(op, *inputs, name, **common, **attrs)
+
+
+def _scales(prescale: float, postscale: float) -> dict:
+    return dict(prescale_factor=_factor_attr(prescale), postscale_factor=_factor_attr(postscale))
 
 
 def allreduce(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str,
               process_set_id: int = 0):
-    return _call(library().ops.keras_ring_allreduce,
-        tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
-        postscale_factor=_factor_attr(postscale),
-        **_common("Allreduce", tensor_name, process_set_id))
+    return _collective(library().ops.keras_ring_allreduce, "Allreduce", (tensor,), tensor_name,
+                       process_set_id, reduce_op=reduce_op, **_scales(prescale, postscale))
 
 
 def grouped_allreduce(tensors, reduce_op: int, prescale: float, postscale: float,
                       tensor_name: str, process_set_id: int = 0):
-    return _call(library().ops.keras_ring_grouped_allreduce,
-        tensors, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
-        postscale_factor=_factor_attr(postscale),
-        **_common("GroupedAllreduce", tensor_name, process_set_id))
+    return _collective(library().ops.keras_ring_grouped_allreduce, "GroupedAllreduce",
+                       (tensors,), tensor_name, process_set_id, reduce_op=reduce_op,
+                       **_scales(prescale, postscale))
 
 
 def allgather(tensor, tensor_name: str, process_set_id: int = 0):
-    return _call(library().ops.keras_ring_allgather,
-        tensor, **_common("Allgather", tensor_name, process_set_id))
+    return _collective(library().ops.keras_ring_allgather, "Allgather", (tensor,), tensor_name,
+                       process_set_id)
 
 
 def broadcast(tensor, root_rank: int, tensor_name: str, process_set_id: int = 0):
     """``root_rank`` is the root's rank within the process set."""
-    return _call(library().ops.keras_ring_broadcast,
-        tensor, root_rank=root_rank, **_common("Broadcast", tensor_name, process_set_id))
+    return _collective(library().ops.keras_ring_broadcast, "Broadcast", (tensor,), tensor_name,
+                       process_set_id, root_rank=root_rank)
 
 
 def reducescatter(tensor, reduce_op: int, prescale: float, postscale: float, tensor_name: str,
                   process_set_id: int = 0):
-    return _call(library().ops.keras_ring_reducescatter,
-        tensor, reduce_op=reduce_op, prescale_factor=_factor_attr(prescale),
-        postscale_factor=_factor_attr(postscale),
-        **_common("Reducescatter", tensor_name, process_set_id))
+    return _collective(library().ops.keras_ring_reducescatter, "Reducescatter", (tensor,),
+                       tensor_name, process_set_id, reduce_op=reduce_op,
+                       **_scales(prescale, postscale))
 
 
 def alltoall(tensor, splits, tensor_name: str, process_set_id: int = 0):
     """(output, received_splits); ``splits`` an int32 vector, empty for equal parts."""
-    return _call(library().ops.keras_ring_alltoall,
-        tensor, splits, **_common("Alltoall", tensor_name, process_set_id))
+    return _collective(library().ops.keras_ring_alltoall, "Alltoall", (tensor, splits),
+                       tensor_name, process_set_id)
+
+
+def tensor_name(op) -> str:
+    """The name a collective op was made with (its last input), with its place."""
+    # bytes from an eager tensor, a 0-d array of them from a graph's constant
+    name = np.asarray(tf.get_static_value(op.inputs[-1])).item()
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def _grad_name(op) -> str:
-    name = op.get_attr("tensor_name")
-    name = _PLACE.sub("", name.decode() if isinstance(name, bytes) else name)
+    name = _PLACE.sub("", tensor_name(op))
     if name.startswith("(in tf."):
         name = ""  # an unnamed one's place: the gradient's own place is added anew
     return f"{name}_grad" if name else ""
@@ -268,18 +289,18 @@ def _set(op) -> int:
 
 def _allreduce_grad(op, grad):
     """The allreduce of the upstream gradient, with the same op and scale factors."""
-    return allreduce(
+    return [allreduce(
         grad, op.get_attr("reduce_op"), _factor(op, "prescale_factor"),
         _factor(op, "postscale_factor"), _grad_name(op), _set(op),
-    )
+    ), None]
 
 
 def _grouped_allreduce_grad(op, *grads):
     grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
-    return grouped_allreduce(
+    return [*grouped_allreduce(
         grads, op.get_attr("reduce_op"), _factor(op, "prescale_factor"),
         _factor(op, "postscale_factor"), _grad_name(op), _set(op),
-    )
+    ), None]
 
 
 def _allgather_grad(op, grad, rank: Callable[[int], int]):
@@ -294,15 +315,15 @@ def _allgather_grad(op, grad, rank: Callable[[int], int]):
     start = tf.reduce_sum(all_rows[: rank(_set(op))])
     mine = tf.slice(grad, tf.concat([[start], tf.zeros([tf.rank(grad) - 1], tf.int64)], 0),
                     tf.concat([rows, tf.fill([tf.rank(grad) - 1], tf.constant(-1, tf.int64))], 0))
-    return tf.reshape(mine, tf.shape(x))
+    return [tf.reshape(mine, tf.shape(x)), None]
 
 
 def _broadcast_grad(op, grad, rank: Callable[[int], int]):
     """Sum-allreduce of the upstream gradient on the root, zeros elsewhere."""
     summed = allreduce(grad, int(ReduceOp.Sum), 1.0, 1.0, _grad_name(op), _set(op))
     if rank(_set(op)) == op.get_attr("root_rank"):
-        return summed
-    return tf.zeros_like(summed)
+        return [summed, None]
+    return [tf.zeros_like(summed), None]
 
 
 def _reducescatter_grad(op, grad, size: Callable[[int], int]):
@@ -313,13 +334,13 @@ def _reducescatter_grad(op, grad, size: Callable[[int], int]):
         factor *= size(_set(op))
     if factor != 1.0:
         grad = grad * tf.cast(factor, grad.dtype)
-    return allgather(grad, _grad_name(op), _set(op))
+    return [allgather(grad, _grad_name(op), _set(op)), None]
 
 
 def _alltoall_grad(op, grad, _received_splits_grad):
     """Sends every row's gradient back where the row came from."""
     back, _ = alltoall(grad, op.outputs[1], _grad_name(op), _set(op))
-    return [back, None]
+    return [back, None, None]
 
 
 _registered = False

@@ -17,6 +17,7 @@ import tensorflow as tf
 import keras
 import keras_ring
 from keras_ring import _bucket_tuning, timeline
+from keras_ring.ops import wrappers
 from keras_ring.callbacks import BroadcastGlobalVariablesCallback
 
 from tests.parallel import keras_support as ks
@@ -131,7 +132,7 @@ def test_first_bucket_has_no_path_from_the_last_gradient(world):
         (tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))).graph
     marks = [op for op in graph.get_operations() if op.type == "KerasRingTimelineMark"]
     buckets = sorted((op for op in graph.get_operations() if op.type == "KerasRingGroupedAllreduce"),
-                     key=lambda op: int(op.get_attr("tensor_name").decode().rsplit("bucket", 1)[1]))
+                     key=lambda op: int(wrappers.tensor_name(op).rsplit("bucket", 1)[1]))
     assert len(marks) == 1 and len(buckets) == 3
     assert marks[0] not in _ancestors(buckets[0])
     assert marks[0] in _ancestors(buckets[-1])

@@ -42,12 +42,13 @@ def test_gpu_kernels_leave_int32_to_the_cpu(op):
     assert constraint.name == "T" and allowed == expected
 
 
-def test_alltoall_splits_stay_in_host_memory_on_gpus():
-    # The kernel reads the splits when it builds the request and the worker writes the
-    # received splits: both must be host memory, the data device memory.
-    assert list(_kernels("KerasRingAlltoall")["GPU"].host_memory_arg) == ["splits", "received_splits"]
+def test_names_and_alltoall_splits_stay_in_host_memory_on_gpus():
+    # The kernel reads the name and the splits when it builds the request and the worker
+    # writes the received splits: all host memory, the data device memory.
+    assert sorted(_kernels("KerasRingAlltoall")["GPU"].host_memory_arg) == [
+        "received_splits", "splits", "tensor_name"]
     for op in OPS[:-1]:
-        assert list(_kernels(op)["GPU"].host_memory_arg) == []
+        assert list(_kernels(op)["GPU"].host_memory_arg) == ["tensor_name"]
 
 
 def _probe(dirs: str) -> tuple[int, int, str]:

@@ -63,23 +63,28 @@ absl::Status AttachToGpuStream(::tensorflow::OpKernelContext* ctx, ::keras_ring:
 
 REGISTER_KERNEL_BUILDER(Name("KerasRingAllreduce")
                             .Device(::tensorflow::DEVICE_GPU)
-                            .TypeConstraint("T", kReduceTypes),
+                            .TypeConstraint("T", kReduceTypes)
+                            .HostMemory("tensor_name"),
                         AllreduceKernel);
 REGISTER_KERNEL_BUILDER(Name("KerasRingGroupedAllreduce")
                             .Device(::tensorflow::DEVICE_GPU)
-                            .TypeConstraint("T", kReduceTypes),
+                            .TypeConstraint("T", kReduceTypes)
+                            .HostMemory("tensor_name"),
                         GroupedAllreduceKernel);
 REGISTER_KERNEL_BUILDER(Name("KerasRingAllgather")
                             .Device(::tensorflow::DEVICE_GPU)
-                            .TypeConstraint("T", kMoveTypes),
+                            .TypeConstraint("T", kMoveTypes)
+                            .HostMemory("tensor_name"),
                         AllgatherKernel);
 REGISTER_KERNEL_BUILDER(Name("KerasRingBroadcast")
                             .Device(::tensorflow::DEVICE_GPU)
-                            .TypeConstraint("T", kMoveTypes),
+                            .TypeConstraint("T", kMoveTypes)
+                            .HostMemory("tensor_name"),
                         BroadcastKernel);
 REGISTER_KERNEL_BUILDER(Name("KerasRingReducescatter")
                             .Device(::tensorflow::DEVICE_GPU)
-                            .TypeConstraint("T", kReduceTypes),
+                            .TypeConstraint("T", kReduceTypes)
+                            .HostMemory("tensor_name"),
                         ReducescatterKernel);
 // The splits are read when the request is built and the received splits written by the
 // worker, both on the host. TensorFlow would place these int32 tensors in host memory anyway
@@ -87,6 +92,7 @@ REGISTER_KERNEL_BUILDER(Name("KerasRingReducescatter")
 REGISTER_KERNEL_BUILDER(Name("KerasRingAlltoall")
                             .Device(::tensorflow::DEVICE_GPU)
                             .TypeConstraint("T", kMoveTypes)
+                            .HostMemory("tensor_name")
                             .HostMemory("splits")
                             .HostMemory("received_splits"),
                         AlltoallKernel);

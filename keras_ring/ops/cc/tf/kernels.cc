@@ -75,7 +75,6 @@ absl::Status ToTf(const kr::Status& s) {
 CollectiveKernel::CollectiveKernel(OpKernelConstruction* c)
     : AsyncOpKernel(c),
       on_gpu_(c->device_type() == ::tensorflow::DeviceType(::tensorflow::DEVICE_GPU)) {
-  OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
   OP_REQUIRES_OK(c, c->GetAttr("eager", &eager_));
   OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_id_));
   // Graphs' CPU collectives only: the runtime's idle path runs them on the calling thread
@@ -114,8 +113,14 @@ void CollectiveKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
     ctx->SetStatus(ToTf(kr::NoRuntimeError(process_set_id_)));
     return done();
   }
+  const Tensor& name = ctx->input(DataInputs(ctx));
+  OP_REQUIRES_ASYNC(ctx, ::tensorflow::TensorShapeUtils::IsScalar(name.shape()),
+                    absl::InvalidArgumentError(
+                        "keras_ring: a collective's tensor_name must be a scalar string, got "
+                        "shape " + name.shape().DebugString()),
+                    done);
   kr::Request request;
-  request.name = tensor_name_;
+  request.name = std::string(name.scalar<::tensorflow::tstring>()());
   request.may_yield = eager_ && !on_gpu_;
   OP_REQUIRES_OK_ASYNC(ctx, Build(ctx, &request), done);
   if (on_gpu_) OP_REQUIRES_OK_ASYNC(ctx, AttachToGpuStream(ctx, *runtime, &request), done);
@@ -176,7 +181,7 @@ absl::Status AllreduceKernel::Build(OpKernelContext* ctx, kr::Request* r) {
 absl::Status GroupedAllreduceKernel::Build(OpKernelContext* ctx, kr::Request* r) {
   r->kind = kr::Kind::kGroupedAllreduce;
   SetReduction(r);
-  for (int i = 0; i < ctx->num_inputs(); ++i) {
+  for (int i = 0; i < DataInputs(ctx); ++i) {
     const Tensor& in = ctx->input(i);
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(ForwardOrAllocate(ctx, i, &out));

@@ -52,9 +52,12 @@ class CollectiveKernel : public ::tensorflow::AsyncOpKernel {
   // the worker, after every rank's signature arrived.
   std::function<::keras_ring::Status(int64_t, void**)> AllocateRows(
       ::tensorflow::OpKernelContext* ctx, const ::tensorflow::TensorShape& row_shape) const;
+  // How many of the op's inputs are data: all but the last, the collective's name.
+  static int DataInputs(const ::tensorflow::OpKernelContext* ctx) {
+    return ctx->num_inputs() - 1;
+  }
 
  private:
-  std::string tensor_name_;
   bool eager_ = false;
   bool on_gpu_ = false;
   bool sync_ = false;

@@ -2,6 +2,9 @@
 // them in program order inside tf.function (automatic control dependencies). Scale factors
 // are strings holding a double: TensorFlow's float attrs are 32-bit, and a factor rounded to
 // float (0.7 -> 0.69999999) truncates integers wrongly and scales float64 imprecisely.
+// A collective's name is its last input, not an attr: TensorFlow's eager runtime keeps one
+// kernel per set of attrs for ever (about 38 KB each), so a name that changed with every
+// eager call (`name=f"loss{step}"`) grew the process without bound.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -13,12 +16,12 @@ using ::tensorflow::shape_inference::ShapeHandle;
 
 REGISTER_OP("KerasRingAllreduce")
     .Input("tensor: T")
+    .Input("tensor_name: string")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64}")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: string = '1.0'")  // a double, written exactly (repr)
     .Attr("postscale_factor: string = '1.0'")
-    .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
@@ -27,26 +30,26 @@ REGISTER_OP("KerasRingAllreduce")
 
 REGISTER_OP("KerasRingGroupedAllreduce")
     .Input("tensors: T")
+    .Input("tensor_name: string")
     .Output("outputs: T")
     .Attr("T: list({half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64})")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: string = '1.0'")  // a double, written exactly (repr)
     .Attr("postscale_factor: string = '1.0'")
-    .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
       return absl::OkStatus();
     })
     .Doc("Allreduces a list of tensors as one collective: one fused pass per dtype.");
 
 REGISTER_OP("KerasRingAllgather")
     .Input("tensor: T")
+    .Input("tensor_name: string")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64, bool}")
-    .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
@@ -69,10 +72,10 @@ REGISTER_OP("KerasRingAllgather")
 
 REGISTER_OP("KerasRingBroadcast")
     .Input("tensor: T")
+    .Input("tensor_name: string")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64, bool}")
     .Attr("root_rank: int")
-    .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
@@ -95,12 +98,12 @@ absl::Status RowsUnknown(InferenceContext* c) {
 
 REGISTER_OP("KerasRingReducescatter")
     .Input("tensor: T")
+    .Input("tensor_name: string")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64}")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: string = '1.0'")  // a double, written exactly (repr)
     .Attr("postscale_factor: string = '1.0'")
-    .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
@@ -111,10 +114,10 @@ REGISTER_OP("KerasRingReducescatter")
 REGISTER_OP("KerasRingAlltoall")
     .Input("tensor: T")
     .Input("splits: int32")  // rows for each rank; empty: equal parts
+    .Input("tensor_name: string")
     .Output("output: T")
     .Output("received_splits: int32")
     .Attr("T: {half, bfloat16, float, double, int8, uint8, int16, uint16, int32, int64, bool}")
-    .Attr("tensor_name: string = ''")
     .Attr("eager: bool = false")  // called eagerly: its waits may yield the core (Deadline)
     .Attr("process_set_id: int = 0")  // which runtime: 0 all ranks, else a process set
     .SetIsStateful()
