@@ -183,6 +183,8 @@ def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
     # A check's name may carry a place (" (in tf.cond true branch)"): matched up to it.
     hint = next((h for name, h in _MISMATCH_HINTS.items()
                  if "operation mismatch" in message and f"'{name}" in message), "")
+    if not hint and "name mismatch" in message and f"'{TRAIN_END}'" in message:
+        hint = _TRAIN_END_HINT  # an epoch's end met the next epoch's rate check
     if not hint and "name mismatch" in message and "(in tf." in message:
         hint = _PLACE_HINT
     err = cls(node_def, op, message + hint)

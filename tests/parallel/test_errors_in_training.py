@@ -15,6 +15,7 @@ import tensorflow as tf
 import keras
 import keras_ring as kr
 from keras_ring import errors
+from keras_ring.callbacks import BroadcastGlobalVariablesCallback
 
 
 def _width(rank: int, size: int) -> int:
@@ -89,3 +90,24 @@ def test_in_predict(world):
     with pytest.raises(tf.errors.OpError) as info:
         model.predict(np.ones((2, _width(rank, size)), "float32"), verbose=0)
     _check(info.value, size)
+
+
+def test_early_stopping_on_one_ranks_own_metric_is_named_at_the_epochs_end(world):
+    # EarlyStopping without MetricAverageCallback stops the last rank after its second epoch
+    # while the others go on: its fit's last rate check meets their next epoch's, a name
+    # mismatch, which said only "uneven data shards" (pointing the wrong way).
+    rank, size = world
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.01)), loss="mse")
+    # The loss falls every epoch; the last rank waits for it to rise, so it stops as soon
+    # as Keras lets it (epoch 1).
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0,
+                                         mode="max" if rank == size - 1 else "min")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(kr.CollectiveMismatchError) as info:
+        model.fit(x, y, batch_size=4, epochs=4, verbose=0,
+                  callbacks=[BroadcastGlobalVariablesCallback(0), stop])
+    message = str(info.value)
+    assert "name mismatch" in message and "'keras_ring.rate_check.train_end'" in message, message
+    assert "The fit ended on some ranks only" in message and "EarlyStopping" in message, message
+    assert kr.allreduce(tf.constant([1.0]), op=kr.Sum).numpy()[0] == size  # still usable
