@@ -170,9 +170,22 @@ def broadcast_model(model: keras.Model, root_rank: int = 0,
     _adapted_state.refresh(model)  # Normalization's copy of its statistics, as Keras's loader
 
 
+def _built_without_call(model: keras.Model) -> bool:
+    """Whether ``model.build(input_shape)`` marked the model built without running it: a
+    subclassed model without a build() of its own (Keras's default build does not run
+    call(); Sequential and functional models have their own), none of whose layers ran."""
+    return (bool(getattr(type(model).build, "_is_default", False)) and model.built
+            and not any(layer.built for layer in _keras_private.nested_layers(model)[1:]))
+
+
 def _unbuilt_message(model: keras.Model, unbuilt: list) -> str:
     start = f"keras_ring: cannot broadcast the variables of model '{model.name}': "
     layer = f"its layer '{unbuilt[0].name}'{' (and more)' if len(unbuilt) > 1 else ''}"
+    if _built_without_call(model):  # model.build(shape) of a subclassed model
+        return (start + f"{layer} does not exist yet: the model was built by Keras's default "
+                "build(), which marks a subclassed model built without running its call(). "
+                "Call the model on one batch before fit (model(x[:1])), or give the model a "
+                "build() that builds its layers")
     if model.built:  # the model ran, and its call() never reached these layers
         # Skipping them would leave each rank its own initial values wherever a custom
         # train_step builds them later, and the weight check settled before they existed.
@@ -182,10 +195,14 @@ def _unbuilt_message(model: keras.Model, unbuilt: list) -> str:
                 "layer.build(input_shape) in the model's build() or __init__; if nothing uses "
                 "it, remove it from the model")
     what = "it is" if unbuilt[0] is model else f"{layer} is"
+    # Keras's default build() would only mark a subclassed model built (the case above).
+    how = ("call it on one batch (model(x[:1])), give it a keras.Input"
+           if getattr(type(model).build, "_is_default", False) else
+           "model.build(input_shape), call it on a batch, give it a keras.Input")
     return (start + f"{what} not built yet, so some variables do not exist (Keras builds a "
-            "layer without an Input when it first runs). Build it first: "
-            "model.build(input_shape), call it on a batch, give it a keras.Input, or compile it "
-            "with keras_ring.wrap(optimizer), which makes fit() build it before the first step")
+            f"layer without an Input when it first runs). Build it first: {how}, or compile "
+            "it with keras_ring.wrap(optimizer), which makes fit() build it before the first "
+            "step")
 
 
 def _check_same_variables(model: keras.Model, weights: int, slots: int, held: dict[str, int],

@@ -6,6 +6,8 @@ happen before that step, so N ranks x batch B still train exactly like one proce
 batch N*B from the root's initial weights.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -125,6 +127,27 @@ def test_a_model_that_cannot_be_built_yet_gets_an_error_that_says_what_to_do(wor
     with pytest.raises(ValueError, match=r"not built yet.*model\.build\("):
         keras_ring.callbacks.broadcast_model(model, 0)
     assert not model.optimizer.built  # and nothing was built on an empty variable list
+
+
+@pytest.mark.parametrize("built_by", ["nothing", "default_build"])
+def test_a_subclassed_model_without_a_build_is_told_to_run_on_a_batch(world, built_by):
+    # Keras's default build() of a subclassed model marks it built without running call():
+    # "model.build(input_shape)" was advice that led to a second error, which said call()
+    # never reaches the layers (probe P: Horovod's custom train_step with a tape).
+    model = Subclassed()
+    if built_by == "default_build":
+        with warnings.catch_warnings():  # Keras warns that the build builds nothing
+            warnings.simplefilter("ignore")
+            model.build((None, ks.FEATURES))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=ks.loss())
+    expected = {"nothing": r"not built yet.*call it on one batch \(model\(x\[:1\]\)\)",
+                "default_build": r"built by Keras's default build\(\), which marks a "
+                                 r"subclassed model built without running its call\(\)"}
+    with pytest.raises(ValueError, match=expected[built_by]) as caught:
+        keras_ring.callbacks.broadcast_model(model, 0)
+    assert "model.build(input_shape)" not in str(caught.value)
+    model(np.zeros((1, ks.FEATURES), "float32"))  # the advice works
+    keras_ring.callbacks.broadcast_model(model, 0)
 
 
 class WithUnusedLayer(Subclassed):
