@@ -211,6 +211,16 @@ def idf_weights(layer: Any) -> Any:
     return None if weights is None else np.asarray(weights)
 
 
+def frozen_weights(model: Any) -> list:
+    """The model's frozen weights, in ``model.weights`` order: made trainable, no longer
+    trainable (their layer's ``trainable`` set False, or their own). Keras keeps them in a
+    layer's list of trainable variables; state made non-trainable (BatchNormalization's
+    moving statistics, a stateful RNN's states) is in another list and not among them."""
+    frozen = {id(v) for layer in nested_layers(model)
+              for v in getattr(layer, "_trainable_variables", ()) if not v.trainable}
+    return [w for w in model.weights if id(w) in frozen]
+
+
 def nested_layers(model: Any) -> list:
     """The model itself and every layer inside it, nested ones too (Keras's own walk)."""
     return list(model._flatten_layers())

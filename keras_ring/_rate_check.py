@@ -14,8 +14,9 @@ The same allgather carries the epoch: ranks that resume at different epochs (a b
 restored on rank 0 alone) would run different numbers of steps; and, from the first epoch, a
 digest of each optimizer's other settings (``_optimizer_settings``), and at the first epoch
 one of the model's adapted preprocessing state (``_adapted_state``), one of how its layers
-are built (``_model_config``) and whether fit's callbacks write files (``_shared_files``).
-The rates are compared
+are built (``_model_config``) and whether fit's callbacks write files (``_shared_files``);
+from the second epoch, a digest of the weights (``_weight_check.digest``): equal as the fit
+began, the training must keep them equal. The rates and that digest are compared
 once more as ``fit`` ends: a change in the last (or only) epoch met no epoch's check.
 """
 
@@ -73,6 +74,7 @@ class RateCheck(keras.callbacks.Callback):
         self._find = find
         self._first = True
         self._rates_pending = False
+        self._epoch = 0  # the epoch training now
         self.written: list = []  # what fit's other callbacks write (_shared_files)
 
     @classmethod
@@ -101,21 +103,33 @@ class RateCheck(keras.callbacks.Callback):
             return
         optimizers = rated(self.optimizers)
         count = len(optimizers)
+        # Weights: equal as the fit began (the weight check), each later epoch's start
+        # compares a digest of them, which the training must have kept equal.
         mine = np.array([epoch] + [current_rate(o) for o in optimizers] +
                         [_optimizer_settings.digest(_optimizer_settings.settings(o))
-                         for o in optimizers] + (self._first_epoch_digests() if first else
-                                                 [0.0] * 3), np.float64)
+                         for o in optimizers] + [0.0 if first else _weight_check.digest(
+                             self.model)] + (self._first_epoch_digests() if first else
+                                             [0.0] * 3), np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
                              process_set=self.process_set).numpy()
         if (everyone[:, 0] != epoch).any():
             raise _epoch_mismatch(ranks, everyone[:, 0])
-        if (everyone[:, 1 + count:-3] != everyone[0, 1 + count:-3]).any():
+        if (everyone[:, 1 + count:-4] != everyone[0, 1 + count:-4]).any():
             raise _optimizer_settings.mismatch(optimizers, ranks, epoch, self.process_set)
+        self._epoch = epoch
+        self._compare_weights(everyone[:, -4], f"at the end of epoch {epoch - 1}")
         self._compare_first_epoch_digests(everyone[:, -3:], ranks)
         if first:  # the rates: the broadcast callback may still set them, at the first batch
             self._rates_pending = True
             return
         _compare_rates(ranks, everyone[:, 1:1 + count], f"as epoch {epoch} begins", _EPOCH_CAUSE)
+
+    def _compare_weights(self, digests: np.ndarray, when: str) -> None:
+        """Every rank raises alike where the weights' digests differ beyond rounding."""
+        if (digests != digests[0]).any():
+            drifted = _weight_check.drifted(self.model, when, self.process_set)
+            if drifted is not None:
+                raise drifted
 
     def _first_epoch_digests(self) -> list[float]:
         return [_adapted_state.digest(self.model), _model_config.digest(self.model),
@@ -155,10 +169,12 @@ class RateCheck(keras.callbacks.Callback):
         ranks = self.process_set.members()
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
-        mine = np.array([current_rate(o) for o in rated(self.optimizers)], np.float64)
+        mine = np.array([current_rate(o) for o in rated(self.optimizers)] +
+                        [_weight_check.digest(self.model)], np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=TRAIN_END,
                              process_set=self.process_set).numpy()
-        _compare_rates(ranks, everyone, "as fit ends", _END_CAUSE)
+        _compare_rates(ranks, everyone[:, :-1], "as fit ends", _END_CAUSE)
+        self._compare_weights(everyone[:, -1], f"as fit ends (after epoch {self._epoch})")
 
 
 _EPOCH_CAUSE = (

@@ -190,6 +190,6 @@ def _message(variables: list[Any], ranks: list[int], differs: tf.Tensor, odd_ran
     fields = {"count": tf.strings.as_string(tf.size(names)), "shown": shown, "odd": odd}
     template = _weight_check.TEMPLATE.format(
         total=len(variables), first=ranks[0], count="{count}", shown="{shown}", odd="{odd}",
-        **text)
+        **{"kind": "trainable weights", **text})
     pieces = re.split(r"\{(count|shown|odd)\}", template)  # text, field, text, field, ...
     return tf.strings.join([fields[p] if i % 2 else p for i, p in enumerate(pieces)])

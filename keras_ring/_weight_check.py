@@ -25,6 +25,7 @@ The ranks apply the same averaged gradients, so rounding differences do not grow
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -205,13 +206,28 @@ def trained_variables(model: Any, local: set[int]) -> list[Any]:
 # The error's text; a traced step fills in {count}, {shown} and {odd} with string tensors.
 TEMPLATE = (
     f"keras_ring: {WEIGHTS_DIFFER}: {{where}}, {{count}} of {{total}} "
-    "trainable weights ({shown}) differ between rank {first} and rank(s) {odd}, also after "
+    "{kind} ({shown}) differ between rank {first} and rank(s) {odd}, also after "
     "the first step. Averaged gradients never remove such a difference. Start every rank "
     "from the same weights: {advice}; weights meant to differ belong to the local_layers of "
     "a {partial}. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
 FIT_ADVICE = (
     "put keras_ring.callbacks.BroadcastGlobalVariablesCallback(0) in fit's callbacks (or call "
     "keras_ring.broadcast_variables(model.variables, root_rank=0) before training)")
+
+
+# The end of an epoch: the weights were equal as the fit began, the training moved them apart.
+DRIFT_TEMPLATE = (
+    f"keras_ring: {WEIGHTS_DIFFER}: {{where}}, {{count}} of {{total}} "
+    "{kind} ({shown}) differ between rank {first} and rank(s) {odd}, though they were equal "
+    "when the fit began: the training updated them differently on each rank. Update every "
+    "weight with the ranks' averaged gradients: a keras_ring-wrapped optimizer that is "
+    "model.optimizer or an attribute of the model (an optimizer a custom train_step reaches "
+    "any other way is one keras_ring cannot see), or gradients from DistributedGradientTape; "
+    "code that assigns weights from this rank's own data makes them differ too, as does a "
+    "callback that sets them on some ranks only (EarlyStopping(restore_best_weights=True) "
+    "restoring each rank's own best epoch: put keras_ring.callbacks.MetricAverageCallback() "
+    "first in fit's callbacks); weights meant to differ belong to the local_layers of a "
+    "{partial}. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
 
 
 LAYOUT_TEMPLATE = (
@@ -239,9 +255,11 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
         mine = row(layout, [fingerprint(value_of(v)) for v in variables])
         rows = split_rows(allgather(mine, name=NAME, process_set=process_set).numpy(),
                           len(ranks))
-    for rank, (tags, _) in zip(ranks[1:], rows[1:]):
-        if tags != rows[0][0]:
-            detail = layout.describe(rows[0][0], tags, ranks[0], rank)
+    for rank, (tags, prints) in zip(ranks[1:], rows[1:]):
+        if tags != rows[0][0] or len(prints) != len(rows[0][1]):
+            detail = (layout.describe(rows[0][0], tags, ranks[0], rank) if tags != rows[0][0]
+                      else f"rank {ranks[0]} holds {len(rows[0][1])} trainable and frozen "
+                           f"weights, rank {rank} {len(prints)}")
             return _error(LAYOUT_TEMPLATE.format(where=text["where"], detail=detail), rank,
                           layout=True)
     apart = np.stack([p for _, p in rows]) != rows[0][1]  # by rank and weight
@@ -253,8 +271,11 @@ def compare_variables(variables: list[Any], text: dict[str, Any],
     odd = [ranks[i] for i in range(1, len(ranks)) if apart[i].any()]
     names = [label(v) for v, d in zip(variables, differs) if d]
     shown = ", ".join(f"'{n}'" for n in names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
-    return _error(TEMPLATE.format(count=len(names), total=len(variables), shown=shown,
-                                  first=ranks[0], odd=", ".join(map(str, odd)), **text), odd[0])
+    template = text.get("template", TEMPLATE)
+    fields = {"kind": "trainable weights", **text}
+    return _error(template.format(count=len(names), total=len(variables), shown=shown,
+                                  first=ranks[0], odd=", ".join(map(str, odd)), **fields),
+                  odd[0])
 
 
 def _error(message: str, rank: int, layout: bool = False) -> WeightMismatchError:
@@ -287,10 +308,12 @@ def value_of(variable: Any) -> Any:
 
 
 def compare_weights(model: Any, local: set[int], process_set: ProcessSet = global_process_set,
-                    later: bool = False) -> WeightMismatchError | None:
-    """The error to raise on every rank of ``process_set`` when their trainable weights
-    (except those with ids in ``local``) differ, else None; a collective: every rank calls it.
-    ``later``: they compared equal at an earlier fit and trained since."""
+                    later: bool = False, drift: str | None = None
+                    ) -> WeightMismatchError | None:
+    """The error to raise on every rank of ``process_set`` when their trainable or frozen
+    weights (except those with ids in ``local``) differ, else None; a collective: every rank
+    calls it. ``later``: they compared equal at an earlier fit and trained since; ``drift``
+    (when, such as "at the end of epoch 3"): they did in this fit, which trained since."""
     where = f"at the start of training model '{model.name}'"
     if later:
         where = (f"as a later fit of model '{model.name}' begins (they were equal when it began "
@@ -298,9 +321,49 @@ def compare_weights(model: Any, local: set[int], process_set: ProcessSet = globa
                  "checkpoint loaded on one rank, or EarlyStopping(restore_best_weights=True) "
                  "restoring each rank's own best epoch, which MetricAverageCallback first in "
                  "fit's callbacks makes the same)")
-    variables = trained_variables(model, local)
-    return compare_variables(
-        variables,
-        {"where": where, "advice": FIT_ADVICE, "partial": "PartialDistributedOptimizer"},
-        process_set, tolerance=LATER_TOLERANCE if later else None,
-        layout=ModelLayout(model, variables))
+    text = {"where": where, "advice": FIT_ADVICE, "partial": "PartialDistributedOptimizer"}
+    if drift is not None:
+        text.update(where=f"{drift} of model '{model.name}'", template=DRIFT_TEMPLATE)
+    trained = trained_variables(model, local)
+    # Frozen weights too: a frozen base restored on one rank only computes differently on
+    # each rank, though the trainable weights agree (no broadcast: nothing mends it).
+    frozen = [v for v in _keras_private.frozen_weights(model) if not variable_keys(v) & local]
+    if frozen:
+        text["kind"] = "trainable and frozen weights"
+    return compare_variables(trained + frozen, text, process_set,
+                             tolerance=LATER_TOLERANCE if later or drift else None,
+                             layout=ModelLayout(model, trained))
+
+
+def _compared(model: Any) -> tuple[Any, set[int]] | None:
+    """(the model's check, the ids its comparisons leave out) where the check compared the
+    weights equal in this fit; else None."""
+    checker = getattr(model, _INSTALLED, None)
+    if not isinstance(checker, _Checker) or not checker.passed:
+        return None
+    if checker.current in (None, _UNKNOWN):
+        return None
+    return checker, checker.current[0]
+
+
+def digest(model: Any) -> float:
+    """48 bits of the fingerprints of the weights ``compare_weights`` compares, for the rows
+    of fit's epoch check; 0.0 where the check has not compared them equal in this fit."""
+    found = _compared(model)
+    if found is None:
+        return 0.0
+    local = found[1]
+    variables = trained_variables(model, local) + [
+        v for v in _keras_private.frozen_weights(model) if not variable_keys(v) & local]
+    with tf.init_scope():
+        prints = np.array([int(fingerprint(value_of(v))) for v in variables], np.int64)
+    return float(int.from_bytes(hashlib.blake2b(prints.tobytes(), digest_size=6).digest(),
+                                "little"))
+
+
+def drifted(model: Any, when: str, process_set: ProcessSet) -> WeightMismatchError | None:
+    """The error for weights that this fit moved apart by ``when`` ("at the end of epoch 3";
+    every rank calls this alike, where the ranks' digests differed: a collective), or None
+    where they differ only by rounding (a GPU's updates need not be bit-identical)."""
+    found = _compared(model)
+    return compare_weights(model, found[1] if found else set(), process_set, drift=when)

@@ -594,3 +594,85 @@ def test_a_gradient_through_a_conditional_inside_another_or_a_loop(world):
     assert calls_in_a_loop(tf.constant(1.0)).numpy() == (2.0 * size) ** 3
     y, grad = looped()  # y = (size * v)^2 after two rounds: d/dv = 2 size^2 v
     assert (y.numpy(), grad.numpy()) == ((2.0 * size) ** 2, 2.0 * size ** 2 * 2.0)
+
+
+def _with_frozen_base(base_seed: int) -> keras.Model:
+    """A base "pretrained" from ``base_seed`` and frozen, and a head from one seed."""
+    keras.utils.set_random_seed(base_seed)
+    base = keras.layers.Dense(8, activation="tanh", name="base")
+    base.build((None, ks.FEATURES))
+    base.trainable = False
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((ks.FEATURES,)), base, keras.layers.Dense(ks.CLASSES)])
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.1)), loss=ks.loss())
+    return model
+
+
+def test_a_frozen_base_that_differs_by_rank_fails_before_the_second_step(world):
+    # A pretrained base loaded on one rank only and frozen, without the broadcast: the
+    # trainable head agreed, so each rank trained its head on its own base, silently
+    # (probe P). Frozen weights are compared with the trainable ones.
+    rank, size = world
+    model = _with_frozen_base(ks.rank_seed(rank))
+    x, y = _data(rank)
+    with pytest.raises(WeightMismatchError) as info:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    message = str(info.value)
+    assert _expected_message(size) in message, message
+    # The base's kernel (its bias starts at zero everywhere).
+    assert re.search(r"1 of 4 trainable and frozen weights \('[^']*base/kernel'\)",
+                     message), message
+    # The broadcast gives every rank the root's frozen base too, and the check passes.
+    model = _with_frozen_base(ks.rank_seed(rank))
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[BroadcastGlobalVariablesCallback(0)])
+    ks.assert_same_on_all_ranks(ks.weights(model) + [w.numpy() for w in model.non_trainable_weights])
+
+
+class HiddenOptimizerGan(keras.Model):
+    """keras-io's GAN shape, but the generator's optimizer is a plain one the train_step
+    reaches through a closure, not an attribute: keras_ring cannot see it."""
+
+    def __init__(self, generator_optimizer):
+        super().__init__()
+        self.discriminator = keras.Sequential([keras.Input((ks.FEATURES,)), keras.layers.Dense(1)])
+        self.generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(ks.FEATURES)],
+                                          name="generator")
+        self.d_optimizer = kr.wrap(keras.optimizers.SGD(0.05))
+        self.step_generator = lambda grads: generator_optimizer.apply(
+            grads, self.generator.trainable_weights)
+
+    def train_step(self, data):
+        real, _ = data
+        noise = tf.random.normal([tf.shape(real)[0], 2], seed=kr.rank())
+        with tf.GradientTape(persistent=True) as tape:
+            fake = self.generator(noise)
+            d_loss = tf.reduce_mean(self.discriminator(fake)) - tf.reduce_mean(
+                self.discriminator(real))
+            g_loss = -tf.reduce_mean(self.discriminator(fake))
+        self.d_optimizer.apply(tape.gradient(d_loss, self.discriminator.trainable_weights),
+                               self.discriminator.trainable_weights)
+        self.step_generator(tape.gradient(g_loss, self.generator.trainable_weights))
+        return {"d_loss": d_loss}
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_weights_that_training_moves_apart_fail_at_the_epochs_end(world, epochs):
+    # The weights agreed as fit began; the generator then trained on each rank's own
+    # gradients, and fit returned on every rank with different models (probe P). Each
+    # epoch's start and fit's end compare a digest of the weights.
+    rank, size = world
+    keras.utils.set_random_seed(3)
+    model = HiddenOptimizerGan(keras.optimizers.SGD(0.05))
+    model.compile()
+    x, y = _data(rank)
+    steps = Steps()
+    with pytest.raises(WeightMismatchError) as info:
+        model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0,
+                  callbacks=[BroadcastGlobalVariablesCallback(0), steps])
+    message = str(info.value)
+    when = "at the end of epoch 0" if epochs == 2 else "as fit ends (after epoch 0)"
+    assert f"{when} of model" in message, message
+    assert re.search(r"\d of 4 trainable weights \('generator[^']*'", message), message
+    assert "though they were equal when the fit began" in message, message
+    assert steps.ended == len(x) // BATCH  # one epoch trained, the next refused
