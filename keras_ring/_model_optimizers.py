@@ -157,16 +157,24 @@ def _trained_optimizers(model: Any) -> list[Any]:
     return [value for _, value in wrapped]
 
 
-def _optimizers_of(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-    """(name, optimizer) of the compiled one (unless compile() chose it, unasked) and those
-    ``model`` holds as attributes: the wrapped ones, and the others. A LossScaleOptimizer
-    around a wrapped one (wrapped after compile) is made to communicate first, so it counts
-    as wrapped."""
+def training_optimizers(model: Any) -> list[tuple[str, Any]]:
+    """(name, optimizer) of the compiled one ("optimizer"), unless compile() chose it,
+    unasked (the RMSprop a GAN's ``super().compile()`` gets and never applies), then those
+    ``model`` holds as attributes (keras-io's GAN: ``d_optimizer``, ``g_optimizer``), in the
+    model's order, the same on every rank."""
     held = _keras_private.held_optimizers(model)
     compiled = getattr(model, "optimizer", None)
     default = model.__dict__.get(_COMPILE_DEFAULT)
     if compiled is not None and (default is None or default() is not compiled):
         held.insert(0, ("optimizer", compiled))
+    return held
+
+
+def _optimizers_of(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """``training_optimizers(model)``: the wrapped ones, and the others. A LossScaleOptimizer
+    around a wrapped one (wrapped after compile) is made to communicate first, so it counts
+    as wrapped."""
+    held = training_optimizers(model)
     for _, value in held:
         _distribute_loss_scaling(value)
     held = [part for name, value in held for part in _parts(model, name, value)]

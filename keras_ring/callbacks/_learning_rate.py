@@ -1,23 +1,94 @@
-"""Shared by the learning-rate callbacks: reading and setting the rate, momentum correction."""
+"""Shared by the learning-rate callbacks: which optimizers they set, reading and setting
+their rates, momentum correction."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
 
 from keras_ring import _keras_private
-from keras_ring._model_optimizers import distributed_optimizers
+from keras_ring._model_optimizers import distributed_optimizers, training_optimizers
 from keras_ring.objects import broadcast_object
 from keras_ring.runtime import RUNTIME
 
+Named = list[tuple[str, Any]]  # (name, optimizer): "optimizer", or the model's attribute
 
-def optimizer_of(model: Any, who: str) -> keras.optimizers.Optimizer:
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
+
+def optimizers_of(model: Any, who: str) -> Named:
+    """The optimizers a learning-rate callback sets: ``model.optimizer`` for a model that
+    keeps none as attributes (every model that Keras's own ``train_step`` trains); else the
+    optimizers it keeps as attributes (keras-io's GAN: ``d_optimizer``, ``g_optimizer``),
+    after the compiled one unless ``compile()`` chose that one itself, unasked (the RMSprop
+    a GAN's ``super().compile()`` gets and its ``train_step`` never applies: setting only
+    that one changed nothing, silently). As keras_ring's broadcast and checks count them,
+    wrapped or not (a custom step may average through a ``DistributedGradientTape``); in
+    the model's order, the same on every rank.
+    """
+    compiled = getattr(model, "optimizer", None)
+    if _keras_private.held_optimizers(model):
+        return training_optimizers(model)
+    if compiled is None:
         raise ValueError(f"{who} needs a compiled model with an optimizer; "
                          f"{type(model).__name__}.optimizer is None")
-    return optimizer
+    return [("optimizer", compiled)]
+
+
+def describe(names: list[str], rates: list[float]) -> str:
+    return ", ".join(f"{name}: {rate:g}" for name, rate in zip(names, rates))
+
+
+def check_initial_lr(value: Any, number: Callable[[Any], float]
+                     ) -> float | dict[str, float] | None:
+    """``initial_lr`` as given: None, a number, or a dict of one per optimizer, by the name
+    the model holds it under (``{"d_optimizer": 2e-4, "g_optimizer": 1e-4}``); ``number``
+    checks each number (raising the callback's own ``ValueError``)."""
+    if not isinstance(value, dict):
+        return None if value is None else number(value)
+    if not value or not all(isinstance(name, str) for name in value):
+        raise ValueError("initial_lr as a dict maps the names the model holds its "
+                         f"optimizers under to their rates, got {value!r}")
+    return {name: number(rate) for name, rate in value.items()}
+
+
+def initial_rates(model: Any, optimizers: Named, given: float | dict | None,
+                  who: str) -> list[float]:
+    """Each optimizer's initial rate (the one its warmup ends at, its schedule multiplies),
+    in the order of ``optimizers``.
+
+    Raises:
+        ValueError: where one number is given for optimizers whose rates differ (it can be
+            the initial rate of one of them at most: each would be warmed up or scheduled to
+            it, silently; pass a dict), or a dict whose names are not the optimizers'.
+    """
+    names = [name for name, _ in optimizers]
+    if given is None:
+        return root_rates(model, [o for _, o in optimizers], who)
+    if isinstance(given, dict):
+        if sorted(given) != sorted(names):
+            raise ValueError(f"{who}: initial_lr names {sorted(given)}, but "
+                             f"{type(model).__name__} trains with the optimizers {names}")
+        return [given[name] for name in names]
+    # The rates differ on every rank alike: each rank runs the same program, and a
+    # checkpoint restored on the root only keeps its optimizers' rates in proportion.
+    rates = [current_rate(o) for _, o in optimizers]
+    if len(set(rates)) > 1:
+        raise ValueError(
+            f"{who}: initial_lr={given:g} is one rate, but {type(model).__name__} trains "
+            f"with optimizers of different rates ({describe(names, rates)}), and one number "
+            "cannot be the initial rate of each. Pass initial_lr=None to take each one's own "
+            "rate, or a dict of one rate per optimizer (initial_lr={"
+            + ", ".join(f"{name!r}: ..." for name in names) + "})")
+    return [given] * len(optimizers)
+
+
+def given_back(optimizers: Named, rates: list[float]) -> float | dict[str, float]:
+    """What a callback's ``initial_lr`` shows once training started: the number for one
+    optimizer, else a dict by name (what it would take to resume)."""
+    if len(optimizers) == 1:
+        return rates[0]
+    return {name: rate for (name, _), rate in zip(optimizers, rates)}
 
 
 def _innermost(optimizer: Any) -> Any:
@@ -59,11 +130,12 @@ def current_rate(optimizer: Any) -> float:
     return float(rate.numpy() if hasattr(rate, "numpy") else rate)
 
 
-def root_rate(model: Any, optimizer: Any, who: str) -> float:
-    """The rate a callback given no ``initial_lr`` starts from: the root's (the first rank
-    the model's keras_ring optimizers average over). A checkpoint restored on the root only
-    reaches the others with the broadcast, in the first batch, after ``on_train_begin``:
-    each rank's own rate would make each warm up to its own, silently.
+def root_rates(model: Any, optimizers: list, who: str) -> list[float]:
+    """The rates a callback given no ``initial_lr`` starts from: the root's (the first rank
+    the model's keras_ring optimizers average over), one per optimizer. A checkpoint
+    restored on the root only reaches the others with the broadcast, in the first batch,
+    after ``on_train_begin``: each rank's own rate would make each warm up to its own,
+    silently.
 
     Raises:
         ValueError: in an elastic job, where every world after the first resumes with the
@@ -77,20 +149,28 @@ def root_rate(model: Any, optimizer: Any, who: str) -> float:
             "after the first resumes from the last commit, where the optimizer's rate is "
             "the warmed or scheduled one, not the initial rate, and a worker that joins "
             "would read it where the others do not")
-    rate = current_rate(optimizer)
+    rates = [current_rate(optimizer) for optimizer in optimizers]
     found = distributed_optimizers(model)
     if found is None:  # trains alone on each rank: nothing to agree on
-        return rate
+        return rates
     ranks = found[1].ranks
-    return broadcast_object(rate, root_rank=ranks[0] if ranks else 0,
+    return broadcast_object(rates, root_rank=ranks[0] if ranks else 0,
                             name="keras_ring.initial_lr", process_set=found[1])
 
 
-def log_rate(model: Any, logs: dict | None) -> None:
-    """Puts the rate the epoch ended with into its logs (History, CSVLogger, TensorBoard),
-    under Keras 3's key, as Horovod's callbacks did under ``lr``."""
-    if logs is not None:
-        logs["learning_rate"] = current_rate(model.optimizer)
+def log_rates(optimizers: Named, logs: dict | None) -> None:
+    """Puts the rates the epoch ended with into its logs (History, CSVLogger, TensorBoard),
+    as Horovod's callbacks did under ``lr``: under Keras 3's key ``learning_rate`` for one
+    optimizer; for several (keras-io's GAN), one key each, prefixed with the optimizer's
+    name as Keras prefixes a model's outputs' metrics (``d_optimizer_learning_rate``), and
+    no ``learning_rate``, which would be one of them or the unused compiled one's."""
+    if logs is None:
+        return
+    if len(optimizers) == 1:
+        logs["learning_rate"] = current_rate(optimizers[0][1])
+        return
+    for name, optimizer in optimizers:
+        logs[f"{name}_learning_rate"] = current_rate(optimizer)
 
 
 def set_rate(optimizer: Any, rate: float, momentum_correction: bool) -> None:

@@ -25,10 +25,19 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     Every rank computes the same rate, so the ranks stay in step. The optimizer's learning
     rate must be a float (a variable), not a ``LearningRateSchedule``.
 
+    A model that keeps its optimizers as attributes (keras-io's GAN, compiled with none)
+    trains with those, not with ``model.optimizer``: the multiplier scales each one's own
+    initial rate, and each epoch's logs get ``{name}_learning_rate`` for each
+    (``learning_rate`` where one optimizer trains the model).
+
     Args:
         initial_lr: the rate the multiplier scales; None means the optimizer's rate when
             training starts, the root rank's (a checkpoint restored there is broadcast only
-            in the first batch).
+            in the first batch). For a model that keeps its optimizers as attributes
+            (keras-io's GAN): ``None`` takes each one's own rate, a number is every one's
+            (a ``ValueError`` where their rates differ), and a dict gives one per optimizer
+            by attribute name (``{"d_optimizer": 2e-4, "g_optimizer": 1e-4}``). Once
+            training starts it holds the rate (or the dict of rates) it scales.
         multiplier: a float, or a callable taking the (possibly fractional) epoch.
         start_epoch: the schedule applies to epochs from this one (inclusive). Default 0.
             A float is compared as Horovod does (``epoch >= start_epoch``): 5.0 is epoch 5,
@@ -58,14 +67,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, initial_lr: float | None, multiplier: float | Callable[[float], float],
+    def __init__(self, initial_lr: float | dict[str, float] | None,
+                 multiplier: float | Callable[[float], float],
                  start_epoch: float = 0, end_epoch: float | None = None, staircase: bool = True,
                  momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
         super().__init__()
-        if initial_lr is not None and (isinstance(initial_lr, bool)
-                                       or not isinstance(initial_lr, (int, float)) or initial_lr < 0):
-            raise ValueError(f"initial_lr must be a non-negative number or None, got {initial_lr!r}")
-        self.initial_lr = None if initial_lr is None else float(initial_lr)
+        self.initial_lr = lr_util.check_initial_lr(initial_lr, _non_negative)
         self.multiplier = _as_function(multiplier, start_epoch)
         _check_epochs(start_epoch, end_epoch)
         self.start_epoch = start_epoch
@@ -75,12 +82,17 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.steps_per_epoch = steps_per_epoch
         self._epoch = 0
         self._steps = 1
+        self._optimizers: lr_util.Named = []  # (name, optimizer), set as training starts
+        self._initial: list[float] = []  # each one's rate that the multiplier scales
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        optimizer = lr_util.optimizer_of(self.model, "LearningRateScheduleCallback")
-        lr_util.check_settable(optimizer, "LearningRateScheduleCallback")
-        if self.initial_lr is None:
-            self.initial_lr = lr_util.root_rate(self.model, optimizer, "LearningRateScheduleCallback")
+        who = "LearningRateScheduleCallback"
+        self._optimizers = lr_util.optimizers_of(self.model, who)
+        for name, optimizer in self._optimizers:
+            lr_util.check_settable(optimizer, who if len(self._optimizers) == 1
+                                   else f"{who} (for {name})")
+        self._initial = lr_util.initial_rates(self.model, self._optimizers, self.initial_lr, who)
+        self.initial_lr = lr_util.given_back(self._optimizers, self._initial)
         if not self.staircase:
             self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                                   "LearningRateScheduleCallback")
@@ -88,28 +100,40 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def _active(self, epoch: int) -> bool:
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
 
-    def learning_rate_at(self, epoch: int, batch: int = 0) -> float | None:
-        """The rate for batch ``batch`` of epoch ``epoch``, or None outside the epoch range."""
+    def learning_rate_at(self, epoch: int, batch: int = 0,
+                         initial_lr: float | None = None) -> float | None:
+        """The rate for batch ``batch`` of epoch ``epoch``, or None outside the epoch range.
+        ``initial_lr``: the rate the multiplier scales, by default the callback's (a number)."""
         if not self._active(epoch):
             return None
         e = epoch if self.staircase else epoch + batch / self._steps
-        return self.initial_lr * float(self.multiplier(e))
+        initial = self.initial_lr if initial_lr is None else initial_lr
+        return initial * float(self.multiplier(e))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         if self.staircase:
-            self._set(self.learning_rate_at(epoch))
+            self._set(epoch, 0)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        lr_util.log_rate(self.model, logs)
+        lr_util.log_rates(self._optimizers, logs)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if not self.staircase:
-            self._set(self.learning_rate_at(self._epoch, batch))
+            self._set(self._epoch, batch)
 
-    def _set(self, rate: float | None) -> None:
-        if rate is not None:
-            lr_util.set_rate(self.model.optimizer, rate, self.momentum_correction)
+    def _set(self, epoch: int, batch: int) -> None:
+        if not self._active(epoch):
+            return
+        for (_, optimizer), initial in zip(self._optimizers, self._initial):
+            rate = self.learning_rate_at(epoch, batch, initial)
+            lr_util.set_rate(optimizer, rate, self.momentum_correction)
+
+
+def _non_negative(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"initial_lr must be a non-negative number or None, got {value!r}")
+    return float(value)
 
 
 def _as_function(multiplier: Any, start_epoch: float) -> Callable[[float], float]:

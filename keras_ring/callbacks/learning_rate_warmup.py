@@ -34,6 +34,12 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     exactly ``initial_lr``, and from then on the callback no longer touches the rate (so a
     ``LearningRateScheduleCallback`` with ``start_epoch=warmup_epochs`` can take over).
 
+    A model that keeps its optimizers as attributes (keras-io's GAN, compiled with none)
+    trains with those, not with ``model.optimizer``: each of them is warmed up from its own
+    initial rate ``/ size()`` to that rate, and each epoch's logs get
+    ``{name}_learning_rate`` for each (``learning_rate`` where one optimizer trains the
+    model).
+
     The rate is set before each batch (with ``steps_per_execution=k``, before each group of
     k batches, at the rate of the group's last batch, so the warmup still ends at exactly
     ``initial_lr``). The optimizer's learning rate must be a float (a variable), not a
@@ -44,6 +50,11 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             training starts (the already-scaled rate, e.g. ``0.1 * size()``), the root
             rank's (a checkpoint restored there is broadcast only in the first batch). A
             warmup resumed mid-way needs it given: the restored rate is not the target.
+            For a model that keeps its optimizers as attributes (keras-io's GAN), each is
+            warmed up to its own rate: ``None`` takes each one's, a number is every one's
+            (a ``ValueError`` where their rates differ), and a dict gives one per
+            optimizer by attribute name (``{"d_optimizer": 2e-4, "g_optimizer": 1e-4}``).
+            Once training starts it holds the rate (or the dict of rates) warmed up to.
         warmup_epochs: how many epochs the warmup lasts (may be fractional). Default 5.
         momentum_correction: rescale SGD's and RMSprop's momentum velocity by new / old
             rate whenever the rate changes, as the paper prescribes. Default True.
@@ -61,11 +72,13 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, initial_lr: float | None = None, warmup_epochs: float = 5,
+    def __init__(self, initial_lr: float | dict[str, float] | None = None,
+                 warmup_epochs: float = 5,
                  momentum_correction: bool = True, steps_per_epoch: int | None = None,
                  verbose: int = 0) -> None:
         super().__init__()
-        self.initial_lr = None if initial_lr is None else _positive_number(initial_lr, "initial_lr")
+        self.initial_lr = lr_util.check_initial_lr(
+            initial_lr, lambda rate: _positive_number(rate, "initial_lr"))
         self.warmup_epochs = _positive_number(warmup_epochs, "warmup_epochs", allow_zero=True)
         self.momentum_correction = bool(momentum_correction)
         if steps_per_epoch is not None:
@@ -77,12 +90,17 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._per_call = 1  # batches one on_train_batch_begin covers (steps_per_execution)
         self._finished = False
         self._announce = False  # the warmup ended in this epoch: say so at its end
+        self._optimizers: lr_util.Named = []  # (name, optimizer), set as training starts
+        self._initial: list[float] = []  # each one's rate at the end of warmup
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        optimizer = lr_util.optimizer_of(self.model, "LearningRateWarmupCallback")
-        lr_util.check_settable(optimizer, "LearningRateWarmupCallback")
-        if self.initial_lr is None:
-            self.initial_lr = lr_util.root_rate(self.model, optimizer, "LearningRateWarmupCallback")
+        who = "LearningRateWarmupCallback"
+        self._optimizers = lr_util.optimizers_of(self.model, who)
+        for name, optimizer in self._optimizers:
+            lr_util.check_settable(optimizer, who if len(self._optimizers) == 1
+                                   else f"{who} (for {name})")
+        self._initial = lr_util.initial_rates(self.model, self._optimizers, self.initial_lr, who)
+        self.initial_lr = lr_util.given_back(self._optimizers, self._initial)
         self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                               "LearningRateWarmupCallback")
         self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
@@ -91,29 +109,35 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._say_finished()
         self._epoch = epoch
 
-    def learning_rate_at(self, epoch: int, batch: int, batches: int = 1) -> float | None:
+    def learning_rate_at(self, epoch: int, batch: int, batches: int = 1,
+                         initial_lr: float | None = None) -> float | None:
         """The rate batch ``batch`` of epoch ``epoch`` runs at, with the ``batches - 1`` after
         it (one call of a ``steps_per_execution`` model's step runs them all at one rate: the
-        rate of the last), or None once warmup is over."""
+        rate of the last), or None once warmup is over. ``initial_lr``: the rate warmed up
+        to, by default the callback's (a number)."""
+        initial = self.initial_lr if initial_lr is None else initial_lr
         if epoch + batch / self._steps >= self.warmup_epochs:
             return None
         e = epoch + min(batch + batches, self._steps) / self._steps
         if e >= self.warmup_epochs:
-            return self.initial_lr  # exactly, not a rounding away from it
+            return initial  # exactly, not a rounding away from it
         n = size()
-        return self.initial_lr / n * (e * (n - 1) / self.warmup_epochs + 1)
+        return initial / n * (e * (n - 1) / self.warmup_epochs + 1)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        rate = self.learning_rate_at(self._epoch, batch, self._per_call)
-        if rate is None:
-            return
-        lr_util.set_rate(self.model.optimizer, rate, self.momentum_correction)
-        if rate == self.initial_lr and not self._finished:
+        reached = True
+        for (_, optimizer), initial in zip(self._optimizers, self._initial):
+            rate = self.learning_rate_at(self._epoch, batch, self._per_call, initial)
+            if rate is None:
+                return  # the same batch for every optimizer: warmup is over
+            lr_util.set_rate(optimizer, rate, self.momentum_correction)
+            reached = reached and rate == initial
+        if reached and not self._finished:
             self._finished = True
             self._announce = True  # at the end of the epoch, as Keras's own callbacks do
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        lr_util.log_rate(self.model, logs)
+        lr_util.log_rates(self._optimizers, logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._say_finished()
@@ -123,6 +147,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         # callbacks, so: at the next epoch's start, or at the end of training), as
         # EarlyStopping reports after the bar, not into its carriage-return updates.
         if self._announce and self.verbose and rank() == 0:
+            names = [name for name, _ in self._optimizers]
+            target = (f"{self._initial[0]:g}" if len(names) == 1
+                      else lr_util.describe(names, self._initial))
             print(f"Epoch {self._epoch + 1}: finished gradual learning rate warmup to "
-                  f"{self.initial_lr:g}.", flush=True)
+                  f"{target}.", flush=True)
         self._announce = False

@@ -635,3 +635,126 @@ def test_the_broadcast_refuses_a_custom_step_that_averages_nothing(world, run_ea
         model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
                   callbacks=[BroadcastGlobalVariablesCallback(0), probe])
     assert steps == []  # the callback raised at the end of the first step
+
+
+# --- a model that keeps its optimizers as attributes (keras-io's GAN) ----------------------
+
+LATENT = 4
+
+
+class TwoOptimizerGAN(keras.Model):
+    """keras-io's GAN in small: compile() gives Keras no optimizer (so model.optimizer is
+    its default RMSprop, which train_step never applies) and keeps two as attributes."""
+
+    def __init__(self, seed):
+        super().__init__()
+        keras.utils.set_random_seed(seed)
+        self.discriminator = keras.Sequential([keras.Input((ks.FEATURES,)), keras.layers.Dense(1)])
+        self.generator = keras.Sequential([keras.Input((LATENT,)),
+                                           keras.layers.Dense(ks.FEATURES)])
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def train_step(self, data):
+        real, noise = data
+        ones, zeros = tf.ones((tf.shape(real)[0], 1)), tf.zeros((tf.shape(real)[0], 1))
+        with tf.GradientTape() as tape:
+            fake = self.discriminator(self.generator(noise))
+            d_loss = self.loss_fn(ones, fake) + self.loss_fn(zeros, self.discriminator(real))
+        weights = self.discriminator.trainable_weights
+        self.d_optimizer.apply_gradients(zip(tape.gradient(d_loss, weights), weights))
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(zeros, self.discriminator(self.generator(noise)))
+        weights = self.generator.trainable_weights
+        self.g_optimizer.apply_gradients(zip(tape.gradient(g_loss, weights), weights))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+class AttributeRates(keras.callbacks.Callback):
+    """Records the rate each batch of the GAN's two optimizers and its unused compiled one."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch, self.rates = 0, {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates[self.epoch, batch] = tuple(
+            float(o.learning_rate.numpy())
+            for o in (self.model.d_optimizer, self.model.g_optimizer, self.model.optimizer))
+
+
+def _fit_gan(rank, size, rates, callbacks, epochs):
+    gan = TwoOptimizerGAN(ks.rank_seed(rank))
+    gan.compile(*(keras_ring.wrap(keras.optimizers.SGD(rate, momentum=0.9)) for rate in rates))
+    x, _ = ks.classification_data(size * BATCH * STEPS, seed=0)
+    noise = np.random.default_rng(1).normal(size=(len(x), LATENT)).astype("float32")
+    probe = AttributeRates()
+    history = gan.fit(ks.shard(x, rank, size, BATCH), ks.shard(noise, rank, size, BATCH),
+                      batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                      callbacks=[BroadcastGlobalVariablesCallback(0), *callbacks, probe])
+    assert type(gan.optimizer).__name__ == "RMSprop"  # compile()'s own, unasked
+    ks.assert_same_on_all_ranks(ks.weights(gan))
+    return history.history, probe.rates
+
+
+def test_warmup_warms_each_optimizer_a_gan_keeps_to_its_own_rate(world):
+    # Only model.optimizer (the RMSprop nothing applies) was warmed up: the GAN's optimizers
+    # kept their full rates from the first step, and the logs showed RMSprop's 0.001.
+    rank, size = world
+    d_rate, g_rate = 0.05 * size, 0.03 * size
+    warmup = LearningRateWarmupCallback(warmup_epochs=2)
+    logs, rates = _fit_gan(rank, size, (d_rate, g_rate), [warmup], epochs=3)
+    assert warmup.initial_lr == {"d_optimizer": pytest.approx(d_rate),
+                                 "g_optimizer": pytest.approx(g_rate)}
+    for (epoch, batch), (d, g, unused) in rates.items():
+        where = f"epoch {epoch} batch {batch}"
+        expected = [_warmup_rate(initial, size, 2, epoch, batch) for initial in (d_rate, g_rate)]
+        np.testing.assert_allclose([d, g], expected, rtol=1e-6, err_msg=where)
+        assert unused == np.float32(0.001), where
+    assert rates[0, 0][0] < d_rate  # warmed up, each to its own rate exactly
+    assert rates[1, STEPS - 1][:2] == (np.float32(d_rate), np.float32(g_rate))
+    assert "learning_rate" not in logs  # one key per optimizer, none for the unused one
+    ends = [rates[e, STEPS - 1] for e in range(3)]
+    np.testing.assert_allclose(logs["d_optimizer_learning_rate"], [d for d, _, _ in ends])
+    np.testing.assert_allclose(logs["g_optimizer_learning_rate"], [g for _, g, _ in ends])
+
+
+@pytest.mark.parametrize("initial_lr", [None, {"d_optimizer": 0.2, "g_optimizer": 0.1}],
+                         ids=["own rates", "a rate each"])
+def test_a_schedule_scales_each_optimizer_a_gan_keeps_by_its_own_rate(world, initial_lr):
+    rank, size = world
+    schedule = LearningRateScheduleCallback(initial_lr, multiplier=0.5, start_epoch=1, end_epoch=3)
+    logs, rates = _fit_gan(rank, size, (0.2, 0.1), [schedule], epochs=4)
+    factors = [1.0, 1.0, 0.5, 0.5]  # before its range: the optimizers' own; after: the last
+    for (epoch, batch), (d, g, unused) in rates.items():
+        np.testing.assert_allclose([d, g], [0.2 * factors[epoch], 0.1 * factors[epoch]], 1e-6,
+                                   err_msg=f"epoch {epoch} batch {batch}")
+        assert unused == np.float32(0.001)
+    assert "learning_rate" not in logs
+    np.testing.assert_allclose(logs["d_optimizer_learning_rate"], [0.2 * f for f in factors], 1e-6)
+    np.testing.assert_allclose(logs["g_optimizer_learning_rate"], [0.1 * f for f in factors], 1e-6)
+
+
+@pytest.mark.parametrize("callback, message", [
+    (lambda: LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=1),
+     r"initial_lr=0.1 is one rate, but TwoOptimizerGAN trains with optimizers of different "
+     r"rates \(d_optimizer: 0.1, g_optimizer: 0.05\)"),
+    (lambda: LearningRateScheduleCallback(0.1, multiplier=0.5),
+     r"initial_lr=0.1 is one rate, .*\(d_optimizer: 0.1, g_optimizer: 0.05\)"),
+    (lambda: LearningRateScheduleCallback({"d_optimizer": 0.1, "optimizer": 0.05}, 0.5),
+     r"initial_lr names \['d_optimizer', 'optimizer'\], but TwoOptimizerGAN trains with the "
+     r"optimizers \['d_optimizer', 'g_optimizer'\]"),
+], ids=["warmup", "schedule", "names"])
+def test_one_initial_lr_for_a_gans_optimizers_of_different_rates_is_refused(world, callback,
+                                                                            message):
+    # One number cannot be the initial rate of both: each would be warmed up or scheduled
+    # to it (or, before, neither: only the unused RMSprop).
+    rank, size = world
+    with pytest.raises(ValueError, match=message):
+        _fit_gan(rank, size, (0.1, 0.05), [callback()], epochs=1)
