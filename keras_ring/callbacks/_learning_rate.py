@@ -83,6 +83,18 @@ def initial_rates(model: Any, optimizers: Named, given: float | dict | None,
     return [given] * len(optimizers)
 
 
+def start(model: Any, initial_lr: float | dict | None, who: str
+          ) -> tuple[Named, list[float], float | dict[str, float]]:
+    """What a learning-rate callback needs as training starts: the optimizers it sets
+    (each checked settable), each one's initial rate, and what its ``initial_lr`` shows
+    from then on (:func:`given_back`)."""
+    optimizers = optimizers_of(model, who)
+    for name, optimizer in optimizers:
+        check_settable(optimizer, who if len(optimizers) == 1 else f"{who} (for {name})")
+    rates = initial_rates(model, optimizers, initial_lr, who)
+    return optimizers, rates, given_back(optimizers, rates)
+
+
 def given_back(optimizers: Named, rates: list[float]) -> float | dict[str, float]:
     """What a callback's ``initial_lr`` shows once training started: the number for one
     optimizer, else a dict by name (what it would take to resume)."""

@@ -86,13 +86,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self._initial: list[float] = []  # each one's rate that the multiplier scales
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        who = "LearningRateScheduleCallback"
-        self._optimizers = lr_util.optimizers_of(self.model, who)
-        for name, optimizer in self._optimizers:
-            lr_util.check_settable(optimizer, who if len(self._optimizers) == 1
-                                   else f"{who} (for {name})")
-        self._initial = lr_util.initial_rates(self.model, self._optimizers, self.initial_lr, who)
-        self.initial_lr = lr_util.given_back(self._optimizers, self._initial)
+        self._optimizers, self._initial, self.initial_lr = lr_util.start(
+            self.model, self.initial_lr, "LearningRateScheduleCallback")
         if not self.staircase:
             self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                                   "LearningRateScheduleCallback")

@@ -94,13 +94,8 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._initial: list[float] = []  # each one's rate at the end of warmup
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        who = "LearningRateWarmupCallback"
-        self._optimizers = lr_util.optimizers_of(self.model, who)
-        for name, optimizer in self._optimizers:
-            lr_util.check_settable(optimizer, who if len(self._optimizers) == 1
-                                   else f"{who} (for {name})")
-        self._initial = lr_util.initial_rates(self.model, self._optimizers, self.initial_lr, who)
-        self.initial_lr = lr_util.given_back(self._optimizers, self._initial)
+        self._optimizers, self._initial, self.initial_lr = lr_util.start(
+            self.model, self.initial_lr, "LearningRateWarmupCallback")
         self._steps = lr_util.steps_per_epoch(self.steps_per_epoch, self.params,
                                               "LearningRateWarmupCallback")
         self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
