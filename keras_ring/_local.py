@@ -70,7 +70,9 @@ class LocalSources:
         for source in self.sources:
             keys |= variable_keys(source)
         for layer in self.layers:
-            for weight in layer.trainable_weights:
+            # All its weights: a frozen one of a local layer may differ by rank too (the
+            # weight check compares frozen weights); untrained ones get no gradient anyway.
+            for weight in layer.weights:
                 keys |= variable_keys(weight)
         return keys
 

@@ -2,8 +2,8 @@
 
 A callback that sets the rate from this rank's own epoch metrics decides on each rank alone
 (``ReduceLROnPlateau`` without ``MetricAverageCallback`` before it). Ranks that then apply the
-same averaged gradients with different rates train apart, silently: the weight check compared
-them once, at the start. The rates are compared after every callback's ``on_epoch_begin``
+same averaged gradients with different rates train apart (the weights' digest below would
+tell an epoch later, naming weights, not the rate). The rates are compared after every callback's ``on_epoch_begin``
 (``LearningRateScheduler`` sets the rate there) and before the epoch's first step: one
 allgather of a float64 per optimizer per epoch. A rank that stopped instead
 (``EarlyStopping``) has left ``fit``: its peers' check fails on its shutdown notice, as their
@@ -15,8 +15,8 @@ restored on rank 0 alone) would run different numbers of steps; and, from the fi
 digest of each optimizer's other settings (``_optimizer_settings``), and at the first epoch
 one of the model's adapted preprocessing state (``_adapted_state``), one of how its layers
 are built (``_model_config``) and whether fit's callbacks write files (``_shared_files``);
-from the second epoch, a digest of the weights (``_weight_check.digest``): equal as the fit
-began, the training must keep them equal. The rates and that digest are compared
+a digest of the weights taken as the last epoch ended (``_weight_check.digest``): equal as
+the fit began, the training must keep them equal. The rates and that digest are compared
 once more as ``fit`` ends: a change in the last (or only) epoch met no epoch's check.
 """
 
@@ -74,7 +74,8 @@ class RateCheck(keras.callbacks.Callback):
         self._find = find
         self._first = True
         self._rates_pending = False
-        self._epoch = 0  # the epoch training now
+        self._weights = 0.0  # the digest of the weights as the last epoch ended
+        self._ended = -1  # that epoch
         self.written: list = []  # what fit's other callbacks write (_shared_files)
 
     @classmethod
@@ -89,6 +90,7 @@ class RateCheck(keras.callbacks.Callback):
         if self.process_set is None:
             return
         self._first, self._rates_pending = True, False
+        self._weights, self._ended = 0.0, -1
         # Variables assigned since the layers last read them (a broadcast_variables before
         # fit) reach the Normalization layers' copies before the step is traced.
         _adapted_state.refresh(self.model)
@@ -103,26 +105,33 @@ class RateCheck(keras.callbacks.Callback):
             return
         optimizers = rated(self.optimizers)
         count = len(optimizers)
-        # Weights: equal as the fit began (the weight check), each later epoch's start
-        # compares a digest of them, which the training must have kept equal.
+        # Weights: equal as the fit began (the weight check), so the digest taken at the
+        # last epoch's end (0.0 before) must be the same on every rank.
         mine = np.array([epoch] + [current_rate(o) for o in optimizers] +
                         [_optimizer_settings.digest(_optimizer_settings.settings(o))
-                         for o in optimizers] + [0.0 if first else _weight_check.digest(
-                             self.model)] + (self._first_epoch_digests() if first else
-                                             [0.0] * 3), np.float64)
+                         for o in optimizers] + [0.0 if first else self._weights] +
+                        (self._first_epoch_digests() if first else [0.0] * 3), np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=NAME,
                              process_set=self.process_set).numpy()
         if (everyone[:, 0] != epoch).any():
             raise _epoch_mismatch(ranks, everyone[:, 0])
         if (everyone[:, 1 + count:-4] != everyone[0, 1 + count:-4]).any():
             raise _optimizer_settings.mismatch(optimizers, ranks, epoch, self.process_set)
-        self._epoch = epoch
-        self._compare_weights(everyone[:, -4], f"at the end of epoch {epoch - 1}")
+        self._compare_weights(everyone[:, -4], f"at the end of epoch {self._ended}")
         self._compare_first_epoch_digests(everyone[:, -3:], ranks)
         if first:  # the rates: the broadcast callback may still set them, at the first batch
             self._rates_pending = True
             return
         _compare_rates(ranks, everyone[:, 1:1 + count], f"as epoch {epoch} begins", _EPOCH_CAUSE)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        # Taken here, sent as the next epoch begins or fit ends: after every callback's
+        # on_epoch_end (this one is fit's last), before EarlyStopping(restore_best_weights)
+        # restores each rank's own best epoch in its on_train_end, which the next fit's
+        # weight check names (failing this fit would lose what it trained).
+        if (self.process_set is not None and RUNTIME.config.check_weights
+                and len(self.process_set.members()) > 1):
+            self._weights, self._ended = _weight_check.digest(self.model), epoch
 
     def _compare_weights(self, digests: np.ndarray, when: str) -> None:
         """Every rank raises alike where the weights' digests differ beyond rounding."""
@@ -169,12 +178,12 @@ class RateCheck(keras.callbacks.Callback):
         ranks = self.process_set.members()
         if len(ranks) < 2 or not RUNTIME.config.check_weights:
             return
-        mine = np.array([current_rate(o) for o in rated(self.optimizers)] +
-                        [_weight_check.digest(self.model)], np.float64)
+        mine = np.array([current_rate(o) for o in rated(self.optimizers)] + [self._weights],
+                        np.float64)
         everyone = allgather(tf.constant(mine[np.newaxis]), name=TRAIN_END,
                              process_set=self.process_set).numpy()
         _compare_rates(ranks, everyone[:, :-1], "as fit ends", _END_CAUSE)
-        self._compare_weights(everyone[:, -1], f"as fit ends (after epoch {self._epoch})")
+        self._compare_weights(everyone[:, -1], f"at the end of epoch {self._ended}")
 
 
 _EPOCH_CAUSE = (

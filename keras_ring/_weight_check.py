@@ -1,5 +1,7 @@
-"""Every rank trains the same model: a check that the ranks' weights agree when ``fit`` or
-``train_on_batch`` starts training a model, after each ``init()``.
+"""Every rank trains the same model: a check that the ranks' weights (trainable, and frozen:
+made trainable, now ``trainable=False``) agree when ``fit`` or ``train_on_batch`` starts
+training a model, after each ``init()``, and a digest of them that ``fit``'s epoch check
+compares at each epoch's end (``_rate_check``).
 
 Ranks that start from different weights (no ``BroadcastGlobalVariablesCallback``, a
 checkpoint restored on one rank only) never fail by themselves: the averaged gradients move
@@ -203,6 +205,11 @@ def trained_variables(model: Any, local: set[int]) -> list[Any]:
     return [v for v in model.trainable_variables if not variable_keys(v) & local]
 
 
+def frozen_variables(model: Any, local: set[int]) -> list[Any]:
+    """The model's frozen weights (``_keras_private.frozen_weights``) but the local ones."""
+    return [v for v in _keras_private.frozen_weights(model) if not variable_keys(v) & local]
+
+
 # The error's text; a traced step fills in {count}, {shown} and {odd} with string tensors.
 TEMPLATE = (
     f"keras_ring: {WEIGHTS_DIFFER}: {{where}}, {{count}} of {{total}} "
@@ -224,10 +231,9 @@ DRIFT_TEMPLATE = (
     "model.optimizer or an attribute of the model (an optimizer a custom train_step reaches "
     "any other way is one keras_ring cannot see), or gradients from DistributedGradientTape; "
     "code that assigns weights from this rank's own data makes them differ too, as does a "
-    "callback that sets them on some ranks only (EarlyStopping(restore_best_weights=True) "
-    "restoring each rank's own best epoch: put keras_ring.callbacks.MetricAverageCallback() "
-    "first in fit's callbacks); weights meant to differ belong to the local_layers of a "
-    "{partial}. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off.")
+    "callback that sets them on some ranks only; weights meant to differ belong to the "
+    "local_layers of a {partial}. KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this "
+    "check off.")
 
 
 LAYOUT_TEMPLATE = (
@@ -327,7 +333,7 @@ def compare_weights(model: Any, local: set[int], process_set: ProcessSet = globa
     trained = trained_variables(model, local)
     # Frozen weights too: a frozen base restored on one rank only computes differently on
     # each rank, though the trainable weights agree (no broadcast: nothing mends it).
-    frozen = [v for v in _keras_private.frozen_weights(model) if not variable_keys(v) & local]
+    frozen = frozen_variables(model, local)
     if frozen:
         text["kind"] = "trainable and frozen weights"
     return compare_variables(trained + frozen, text, process_set,
@@ -335,28 +341,29 @@ def compare_weights(model: Any, local: set[int], process_set: ProcessSet = globa
                              layout=ModelLayout(model, trained))
 
 
-def _compared(model: Any) -> tuple[Any, set[int]] | None:
-    """(the model's check, the ids its comparisons leave out) where the check compared the
-    weights equal in this fit; else None."""
+def _compared(model: Any) -> set[int] | None:
+    """The ids the model's check leaves out, where it compared the weights equal in this
+    fit since the last ``init()``; else None."""
     checker = getattr(model, _INSTALLED, None)
-    if not isinstance(checker, _Checker) or not checker.passed:
+    if (not isinstance(checker, _Checker) or not checker.passed
+            or checker.generation != RUNTIME.generation):
         return None
-    if checker.current in (None, _UNKNOWN):
-        return None
-    return checker, checker.current[0]
+    if checker.current is _UNKNOWN:  # a training function made anew mid-fit
+        checker.current = checker.settings()
+    return None if checker.current is None else checker.current[0]
 
 
 def digest(model: Any) -> float:
     """48 bits of the fingerprints of the weights ``compare_weights`` compares, for the rows
     of fit's epoch check; 0.0 where the check has not compared them equal in this fit."""
-    found = _compared(model)
-    if found is None:
+    local = _compared(model)
+    if local is None:
         return 0.0
-    local = found[1]
-    variables = trained_variables(model, local) + [
-        v for v in _keras_private.frozen_weights(model) if not variable_keys(v) & local]
-    with tf.init_scope():
-        prints = np.array([int(fingerprint(value_of(v))) for v in variables], np.int64)
+    variables = trained_variables(model, local) + frozen_variables(model, local)
+    if not variables:
+        return 0.0
+    with tf.init_scope():  # one read of all the fingerprints
+        prints = tf.stack([fingerprint(value_of(v)) for v in variables]).numpy()
     return float(int.from_bytes(hashlib.blake2b(prints.tobytes(), digest_size=6).digest(),
                                 "little"))
 
@@ -365,5 +372,5 @@ def drifted(model: Any, when: str, process_set: ProcessSet) -> WeightMismatchErr
     """The error for weights that this fit moved apart by ``when`` ("at the end of epoch 3";
     every rank calls this alike, where the ranks' digests differed: a collective), or None
     where they differ only by rounding (a GPU's updates need not be bit-identical)."""
-    found = _compared(model)
-    return compare_weights(model, found[1] if found else set(), process_set, drift=when)
+    local = _compared(model)
+    return compare_weights(model, set() if local is None else local, process_set, drift=when)
