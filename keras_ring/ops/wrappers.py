@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context  # the eager device scope: no public name
 # A function's graph and the bodies of tf.cond and tf.while_loop: no public names.
 from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import resource_variable_ops
@@ -225,7 +226,28 @@ def _collective(op: Callable, kind: str, inputs: tuple, tensor_name: str, proces
                 **attrs):
     """``op`` called on ``inputs`` and the name input, with the common attrs and ``attrs``."""
     name, common = _common(kind, tensor_name, process_set_id)
+    if common["eager"] and _small_host_ints(inputs):
+        with tf.device("/CPU:0"):
+            return _call(op, *inputs, name, **common, **attrs)
     return _call(op, *inputs, name, **common, **attrs)
+
+
+_SMALL = 64  # elements: TensorFlow's bound for pinning an eager op to the CPU
+
+
+def _small_host_ints(inputs: tuple) -> bool:
+    """Whether TensorFlow would run an eager op on these inputs on the CPU though a GPU is
+    the default device: every input a host int32/int64 tensor of at most 64 elements, and
+    no device asked for (its MaybePinSmallOpsToCpu). A string input (the name) rules every
+    op out there, so the collectives apply the rule themselves: a step count or the weight
+    check's row stays on the host path, as when the name was an attr, not NCCL's."""
+    tensors = [t for x in inputs for t in (x if isinstance(x, (list, tuple)) else (x,))]
+    if not all(getattr(t, "dtype", None) in (tf.int32, tf.int64) for t in tensors):
+        return False  # floats, the usual case, leave here
+    if context.context().device_name:
+        return False  # a device scope: TensorFlow pins nothing there either
+    return all(t.shape.num_elements() is not None and t.shape.num_elements() <= _SMALL
+               and "CPU" in getattr(t, "device", "") for t in tensors)
 
 
 def _scales(prescale: float, postscale: float) -> dict:

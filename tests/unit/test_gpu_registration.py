@@ -51,6 +51,21 @@ def test_names_and_alltoall_splits_stay_in_host_memory_on_gpus():
         assert list(_kernels(op)["GPU"].host_memory_arg) == ["tensor_name"]
 
 
+def test_small_host_int_collectives_are_pinned_to_the_cpu_as_tensorflow_pins_ops():
+    # TensorFlow runs an eager op on small host int32/int64 inputs on the CPU though a GPU
+    # is the default; the name, a string input, rules that out for every collective, so the
+    # wrappers apply the rule (a step count must not become an NCCL call).
+    from keras_ring.ops.wrappers import _small_host_ints as pinned
+
+    assert pinned((tf.constant([1, 2], tf.int64),))
+    assert pinned(([tf.constant(1), tf.constant(2)],))  # a grouped call's list
+    assert pinned((tf.constant([3]), tf.constant([], tf.int32)))  # alltoall's splits
+    assert not pinned((tf.constant([1.0]),))
+    assert not pinned((tf.zeros([65], tf.int32),))  # over TensorFlow's 64 elements
+    with tf.device("/CPU:0"):
+        assert not pinned((tf.constant([1], tf.int64),))  # a device asked for: left alone
+
+
 def _probe(dirs: str) -> tuple[int, int, str]:
     version = ctypes.c_int(-1)
     err = ctypes.create_string_buffer(4096)
