@@ -70,9 +70,11 @@ def initial_rates(model: Any, optimizers: Named, given: float | dict | None,
             raise ValueError(f"{who}: initial_lr names {sorted(given)}, but "
                              f"{type(model).__name__} trains with the optimizers {names}")
         return [given[name] for name in names]
-    # The rates differ on every rank alike: each rank runs the same program, and a
-    # checkpoint restored on the root only keeps its optimizers' rates in proportion.
+    # The root's rates decide, so that every rank raises alike (a checkpoint restored on the
+    # root only may hold rates that differ where the others' are equal).
     rates = [current_rate(o) for _, o in optimizers]
+    if len(rates) > 1:
+        rates = _from_root(model, rates, "keras_ring.initial_lr_check")
     if len(set(rates)) > 1:
         raise ValueError(
             f"{who}: initial_lr={given:g} is one rate, but {type(model).__name__} trains "
@@ -93,6 +95,16 @@ def start(model: Any, initial_lr: float | dict | None, who: str
         check_settable(optimizer, who if len(optimizers) == 1 else f"{who} (for {name})")
     rates = initial_rates(model, optimizers, initial_lr, who)
     return optimizers, rates, given_back(optimizers, rates)
+
+
+def one_rate(initial_lr: Any, given: float | None, who: str) -> float:
+    """``given``, else the callback's ``initial_lr``, which must be one rate (a dict holds
+    one per optimizer of a model that keeps several as attributes)."""
+    rate = initial_lr if given is None else given
+    if isinstance(rate, dict) or rate is None:
+        raise ValueError(f"{who}.learning_rate_at needs initial_lr=, the rate of one "
+                         f"optimizer: the callback's initial_lr is {rate!r}")
+    return rate
 
 
 def given_back(optimizers: Named, rates: list[float]) -> float | dict[str, float]:
@@ -161,13 +173,19 @@ def root_rates(model: Any, optimizers: list, who: str) -> list[float]:
             "after the first resumes from the last commit, where the optimizer's rate is "
             "the warmed or scheduled one, not the initial rate, and a worker that joins "
             "would read it where the others do not")
-    rates = [current_rate(optimizer) for optimizer in optimizers]
+    return _from_root(model, [current_rate(optimizer) for optimizer in optimizers],
+                      "keras_ring.initial_lr")
+
+
+def _from_root(model: Any, rates: list[float], name: str) -> list[float]:
+    """The root's ``rates`` (the first rank the model's keras_ring optimizers average over;
+    a collective there), or this rank's where the model trains alone on each rank."""
     found = distributed_optimizers(model)
     if found is None:  # trains alone on each rank: nothing to agree on
         return rates
     ranks = found[1].ranks
-    return broadcast_object(rates, root_rank=ranks[0] if ranks else 0,
-                            name="keras_ring.initial_lr", process_set=found[1])
+    return broadcast_object(rates, root_rank=ranks[0] if ranks else 0, name=name,
+                            process_set=found[1])
 
 
 def log_rates(optimizers: Named, logs: dict | None) -> None:

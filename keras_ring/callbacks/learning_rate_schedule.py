@@ -102,7 +102,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if not self._active(epoch):
             return None
         e = epoch if self.staircase else epoch + batch / self._steps
-        initial = self.initial_lr if initial_lr is None else initial_lr
+        initial = lr_util.one_rate(self.initial_lr, initial_lr, "LearningRateScheduleCallback")
         return initial * float(self.multiplier(e))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:

@@ -110,7 +110,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         it (one call of a ``steps_per_execution`` model's step runs them all at one rate: the
         rate of the last), or None once warmup is over. ``initial_lr``: the rate warmed up
         to, by default the callback's (a number)."""
-        initial = self.initial_lr if initial_lr is None else initial_lr
+        initial = lr_util.one_rate(self.initial_lr, initial_lr, "LearningRateWarmupCallback")
         if epoch + batch / self._steps >= self.warmup_epochs:
             return None
         e = epoch + min(batch + batches, self._steps) / self._steps

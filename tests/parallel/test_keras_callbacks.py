@@ -720,6 +720,9 @@ def test_warmup_warms_each_optimizer_a_gan_keeps_to_its_own_rate(world):
     assert rates[0, 0][0] < d_rate  # warmed up, each to its own rate exactly
     assert rates[1, STEPS - 1][:2] == (np.float32(d_rate), np.float32(g_rate))
     assert "learning_rate" not in logs  # one key per optimizer, none for the unused one
+    with pytest.raises(ValueError, match="needs initial_lr=, the rate of one optimizer"):
+        warmup.learning_rate_at(0, 0)  # whose? (a TypeError, dict times float, before)
+    assert warmup.learning_rate_at(0, STEPS - 1, initial_lr=d_rate) is not None
     ends = [rates[e, STEPS - 1] for e in range(3)]
     np.testing.assert_allclose(logs["d_optimizer_learning_rate"], [d for d, _, _ in ends])
     np.testing.assert_allclose(logs["g_optimizer_learning_rate"], [g for _, g, _ in ends])
@@ -750,11 +753,16 @@ def test_a_schedule_scales_each_optimizer_a_gan_keeps_by_its_own_rate(world, ini
     (lambda: LearningRateScheduleCallback({"d_optimizer": 0.1, "optimizer": 0.05}, 0.5),
      r"initial_lr names \['d_optimizer', 'optimizer'\], but TwoOptimizerGAN trains with the "
      r"optimizers \['d_optimizer', 'g_optimizer'\]"),
-], ids=["warmup", "schedule", "names"])
-def test_one_initial_lr_for_a_gans_optimizers_of_different_rates_is_refused(world, callback,
-                                                                            message):
+    (lambda: LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=1),
+     r"initial_lr=0.1 is one rate, .*\(d_optimizer: 0.1, g_optimizer: 0.05\)"),
+], ids=["warmup", "schedule", "names", "root_only"])
+def test_one_initial_lr_for_a_gans_optimizers_of_different_rates_is_refused(
+        world, callback, message, request):
     # One number cannot be the initial rate of both: each would be warmed up or scheduled
-    # to it (or, before, neither: only the unused RMSprop).
+    # to it (or, before, neither: only the unused RMSprop). "root_only": the rates differ on
+    # the root alone (a checkpoint restored there): every rank must refuse, not rank 0 alone.
     rank, size = world
+    root_only = request.node.callspec.id == "root_only"
+    rates = (0.1, 0.05) if not root_only or rank == 0 else (0.1, 0.1)
     with pytest.raises(ValueError, match=message):
-        _fit_gan(rank, size, (0.1, 0.05), [callback()], epochs=1)
+        _fit_gan(rank, size, rates, [callback()], epochs=1)
