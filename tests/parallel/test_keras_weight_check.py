@@ -154,25 +154,14 @@ def _assert_only_the_local_layer_differs(model, local, size):
     assert all((kernels[r] != kernels[0]).any() for r in range(1, size))
 
 
-def test_local_layers_may_differ(world):
-    rank, size = world
-    model = ks.mlp(ks.rank_seed(rank))
-    local = model.layers[0]
-    optimizer = kr.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[local])
-    model.compile(optimizer=optimizer, loss=ks.loss())
-    x, y = _data(rank)
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
-        BroadcastGlobalVariablesCallback(0, local_variables=local.trainable_weights)])
-    _assert_only_the_local_layer_differs(model, local, size)
-
-
-def test_frozen_weights_of_local_layers_may_differ(world):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_local_layers_may_differ(world, frozen):
     # Frozen weights are compared too, but not those of a local layer: a frozen per-rank
     # head (or LoRA's frozen kernel inside one) differs by design.
     rank, size = world
     model = ks.mlp(ks.rank_seed(rank))
     local = model.layers[0]
-    local.trainable = False
+    local.trainable = not frozen
     optimizer = kr.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[local])
     model.compile(optimizer=optimizer, loss=ks.loss())
     x, y = _data(rank)
