@@ -174,6 +174,12 @@ def keras_train_step(model: Any) -> bool:
     return owner is not None and owner.__module__.startswith("keras.")
 
 
+def default_build(layer: Any) -> bool:
+    """Whether the layer's class keeps Keras's own ``build`` (marked ``_is_default``), which
+    for a subclassed model only marks it built, without running ``call()``."""
+    return bool(getattr(type(layer).build, "_is_default", False))
+
+
 def unbuilt_layers(model: Any) -> list:
     """The layers of the model (itself and nested ones) that have no variables yet because
     they have not run. Left out, since building them makes no variable: those without a

@@ -3,7 +3,8 @@
 A callback that sets the rate from this rank's own epoch metrics decides on each rank alone
 (``ReduceLROnPlateau`` without ``MetricAverageCallback`` before it). Ranks that then apply the
 same averaged gradients with different rates train apart (the weights' digest below would
-tell an epoch later, naming weights, not the rate). The rates are compared after every callback's ``on_epoch_begin``
+tell an epoch later, naming weights, not the rate). The rates are compared after every
+callback's ``on_epoch_begin``
 (``LearningRateScheduler`` sets the rate there) and before the epoch's first step: one
 allgather of a float64 per optimizer per epoch. A rank that stopped instead
 (``EarlyStopping``) has left ``fit``: its peers' check fails on its shutdown notice, as their

@@ -26,9 +26,10 @@ def optimizers_of(model: Any, who: str) -> Named:
     wrapped or not (a custom step may average through a ``DistributedGradientTape``); in
     the model's order, the same on every rank.
     """
+    found = training_optimizers(model)
+    if any(name != "optimizer" for name, _ in found):  # attributes: keras-io's GAN
+        return found
     compiled = getattr(model, "optimizer", None)
-    if _keras_private.held_optimizers(model):
-        return training_optimizers(model)
     if compiled is None:
         raise ValueError(f"{who} needs a compiled model with an optimizer; "
                          f"{type(model).__name__}.optimizer is None")

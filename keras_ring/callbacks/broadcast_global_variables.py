@@ -174,7 +174,7 @@ def _built_without_call(model: keras.Model) -> bool:
     """Whether ``model.build(input_shape)`` marked the model built without running it: a
     subclassed model without a build() of its own (Keras's default build does not run
     call(); Sequential and functional models have their own), none of whose layers ran."""
-    return (bool(getattr(type(model).build, "_is_default", False)) and model.built
+    return (_keras_private.default_build(model) and model.built
             and not any(layer.built for layer in _keras_private.nested_layers(model)[1:]))
 
 
@@ -197,7 +197,7 @@ def _unbuilt_message(model: keras.Model, unbuilt: list) -> str:
     what = "it is" if unbuilt[0] is model else f"{layer} is"
     # Keras's default build() would only mark a subclassed model built (the case above).
     how = ("call it on one batch (model(x[:1])), give it a keras.Input"
-           if getattr(type(model).build, "_is_default", False) else
+           if _keras_private.default_build(model) else
            "model.build(input_shape), call it on a batch, give it a keras.Input")
     return (start + f"{what} not built yet, so some variables do not exist (Keras builds a "
             f"layer without an Input when it first runs). Build it first: {how}, or compile "

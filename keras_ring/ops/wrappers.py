@@ -7,6 +7,7 @@ rank, which only the runtime above this layer knows.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
@@ -226,13 +227,13 @@ def _collective(op: Callable, kind: str, inputs: tuple, tensor_name: str, proces
                 **attrs):
     """``op`` called on ``inputs`` and the name input, with the common attrs and ``attrs``."""
     name, common = _common(kind, tensor_name, process_set_id)
-    if common["eager"] and _small_host_ints(inputs):
-        with tf.device("/CPU:0"):
-            return _call(op, *inputs, name, **common, **attrs)
-    return _call(op, *inputs, name, **common, **attrs)
+    pinned = common["eager"] and _small_host_ints(inputs)
+    with tf.device("/CPU:0") if pinned else contextlib.nullcontext():
+        return _call(op, *inputs, name, **common, **attrs)
 
 
 _SMALL = 64  # elements: TensorFlow's bound for pinning an eager op to the CPU
+_INTS = (tf.int32, tf.int64)
 
 
 def _small_host_ints(inputs: tuple) -> bool:
@@ -241,9 +242,12 @@ def _small_host_ints(inputs: tuple) -> bool:
     no device asked for (its MaybePinSmallOpsToCpu). A string input (the name) rules every
     op out there, so the collectives apply the rule themselves: a step count or the weight
     check's row stays on the host path, as when the name was an attr, not NCCL's."""
+    first = inputs[0][0] if isinstance(inputs[0], (list, tuple)) and inputs[0] else inputs[0]
+    if getattr(first, "dtype", None) not in _INTS:
+        return False  # floats, the usual case, leave at once
     tensors = [t for x in inputs for t in (x if isinstance(x, (list, tuple)) else (x,))]
-    if not all(getattr(t, "dtype", None) in (tf.int32, tf.int64) for t in tensors):
-        return False  # floats, the usual case, leave here
+    if not all(getattr(t, "dtype", None) in _INTS for t in tensors):
+        return False
     if context.context().device_name:
         return False  # a device scope: TensorFlow pins nothing there either
     return all(t.shape.num_elements() is not None and t.shape.num_elements() <= _SMALL
