@@ -197,6 +197,7 @@ bench: venv build/allreduce_floor build/nccl_host_cost build/agreement
 	$(GUARD) $(MPIRUN) -np 4 $(VPY) benchmarks/scatter.py --max-bytes 16777216
 	$(GUARD) $(VPY) benchmarks/keras_scaling.py --ranks 2
 	$(GUARD) $(VPY) benchmarks/elastic_reset.py --repeat 3
+	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/timeline_memory.py --collectives 200000 --trace build/timeline_bench.json
 
 # Across two network-namespace hosts (needs root): keras_ring and MPI_Allreduce on one link.
 bench-multihost: venv

@@ -100,6 +100,16 @@ def _register_keras_objects() -> None:
         import keras_ring.sync_batch_normalization  # noqa: F401
 
 
+def _start_timeline() -> None:
+    from keras_ring.runtime import RUNTIME
+
+    config = RUNTIME.config
+    if config.timeline_path is not None:
+        from keras_ring import timeline
+
+        timeline.SPILL.start(RUNTIME.library(), config.timeline_memory_events)
+
+
 def _write_timeline(config: Config, topology: Topology, lib: Library) -> None:
     if config.timeline_path is not None:
         from keras_ring import timeline
@@ -119,6 +129,7 @@ def _add_process_sets(process_sets: list) -> None:
 
 
 _lifecycle.AFTER_INIT.append(_install_keras_compile_hook)
+_lifecycle.AFTER_INIT.append(_start_timeline)
 _lifecycle.AFTER_WRAP.append(_install_keras_compile_hook)
 _lifecycle.ADD_PROCESS_SETS.append(_add_process_sets)
 _lifecycle.BEFORE_SHUTDOWN.append(_write_timeline)

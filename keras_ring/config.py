@@ -179,6 +179,7 @@ class Config:
     use_shm: bool
     shm_channel_bytes: int
     timeline_path: str | None
+    timeline_memory_events: int  # held before the runtime writes them to a temp file
     intra_op_threads: int | None  # None: automatic; 0: leave TensorFlow's default
     bucket_bytes: int | None  # gradient buckets (wrap/tape bucket_bytes="auto"); None: measure
     fast_agree: bool = True  # collectives open with the O(log n) fast agreement
@@ -205,6 +206,8 @@ class Config:
             # Absolute: the trace goes where the path pointed at init() (where it was
             # checked), even if the program changes its working directory later.
             timeline_path=_absolute_or_none("KERAS_RING_TIMELINE"),
+            timeline_memory_events=int_from_env("KERAS_RING_TIMELINE_MEMORY_EVENTS", 10_000,
+                                                minimum=1),
             intra_op_threads=(
                 int_from_env("KERAS_RING_INTRA_OP_THREADS", 0, minimum=0)
                 if os.environ.get("KERAS_RING_INTRA_OP_THREADS", "").strip() else None

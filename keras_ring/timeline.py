@@ -2,8 +2,10 @@
 
 One row per rank; per collective its phases — queued (submitted by the kernel, waiting for the
 worker), waiting for peers (the signature exchange: until every rank has submitted it),
-transfer/reduce (the data moving) — and an instant "done" event, with byte counts. At
-``shutdown()`` every rank sends its events to rank 0, which writes the file; if that is
+transfer/reduce (the data moving) — and an instant "done" event, with byte counts. The runtime
+holds up to ``KERAS_RING_TIMELINE_MEMORY_EVENTS`` events and appends older ones to an unnamed
+file in the temp directory, so a long run's trace does not grow the process. At ``shutdown()``
+every rank sends its events to rank 0 in bounded pieces, and rank 0 writes the file; if that is
 impossible (a peer died) each rank writes ``path.rank<N>.json`` instead. ``init()`` checks that
 the file can be written; where it no longer can at shutdown (the directory removed, the disk
 full), the trace goes to the temp directory, with a warning naming the file.
@@ -23,12 +25,12 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import tensorflow as tf
 
-from keras_ring.objects import allgather_object
 from keras_ring.ops.loader import Library, library
 from keras_ring.peer_table import Topology
 from keras_ring.runtime import RUNTIME
@@ -38,7 +40,8 @@ def _mark_gradient(op, grad):  # a mark is the identity
     return grad
 
 
-_PHASES = (("queued", 3, 4), ("waiting for peers", 4, 5), ("transfer/reduce", 5, 6))
+# Each phase from one recorded time to the next (submitted, started, exchanged, done).
+_PHASES = (("queued", 0, 1), ("waiting for peers", 1, 2), ("transfer/reduce", 2, 3))
 
 
 def read_events(lib: Library) -> list[list[str]]:
@@ -76,7 +79,8 @@ def recorded() -> list[dict[str, Any]]:
     label), ``mark`` (True for a mark), ``seq`` (0 for a mark), ``bytes``, and microsecond times
     ``submitted``, ``started``, ``exchanged``, ``done`` (all equal for a mark), ``ok``. The times
     are this host's monotonic clock, for comparing events of one rank; the trace file
-    (``KERAS_RING_TIMELINE``) puts them on the wall clock, to compare across hosts.
+    (``KERAS_RING_TIMELINE``) puts them on the wall clock, to compare across hosts. With that
+    file on, events past ``KERAS_RING_TIMELINE_MEMORY_EVENTS`` unread ones went to it instead.
     """
     out = []
     for seq, label, nbytes, submitted, started, exchanged, done, ok, _ in read_events(
@@ -87,29 +91,29 @@ def recorded() -> list[dict[str, Any]]:
     return out
 
 
-def trace_events(rank: int, events: list[list[str]], shift: int = 0) -> list[dict[str, Any]]:
-    """Chrome trace events of one rank: a named row (tid) per rank in one process; ``shift``
-    microseconds added to every time (see ``wall_clock_shift``)."""
-    out: list[dict[str, Any]] = [
+def _row(rank: int) -> list[dict[str, Any]]:
+    return [
         {"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}},
         {"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": rank, "args": {"sort_index": rank}},
     ]
-    for seq, label, nbytes, *times, ok, inlined in events:
-        times = [str(int(x) + shift) for x in times]
-        t = [int(x) for x in times]  # submitted, started, exchanged, done (microseconds)
-        if seq == "0":  # a mark
-            out.append({"ph": "i", "s": "t", "name": label, "cat": "mark", "pid": 0, "tid": rank,
-                        "ts": t[0], "args": {"mark": label}})
-            continue
-        fields = [seq, label, nbytes, *times]
-        args = {"collective": label, "seq": int(seq), "bytes": int(nbytes),
-                "ok": ok == "1", "completed_in_exchange": inlined == "1"}
-        for name, start, end in _PHASES:
-            begin, finish = int(fields[start]), int(fields[end])
-            out.append({"ph": "X", "name": name, "cat": label.split(" ")[0], "pid": 0, "tid": rank,
-                        "ts": begin, "dur": max(finish - begin, 0), "args": args})
-        out.append({"ph": "i", "s": "t", "name": "done" if ok == "1" else "failed", "pid": 0,
-                    "tid": rank, "ts": t[3], "args": args})
+
+
+def _event(rank: int, fields: list[str], shift: int = 0) -> list[dict[str, Any]]:
+    """The trace events of one recorded event (its phases and "done", or a mark)."""
+    seq, label, nbytes, *times, ok, inlined = fields
+    t = [int(x) + shift for x in times]  # submitted, started, exchanged, done (microseconds)
+    if seq == "0":  # a mark
+        return [{"ph": "i", "s": "t", "name": label, "cat": "mark", "pid": 0, "tid": rank,
+                 "ts": t[0], "args": {"mark": label}}]
+    args = {"collective": label, "seq": int(seq), "bytes": int(nbytes),
+            "ok": ok == "1", "completed_in_exchange": inlined == "1"}
+    out = []
+    for name, start, end in _PHASES:
+        begin, finish = t[start], t[end]
+        out.append({"ph": "X", "name": name, "cat": label.split(" ")[0], "pid": 0, "tid": rank,
+                    "ts": begin, "dur": max(finish - begin, 0), "args": args})
+    out.append({"ph": "i", "s": "t", "name": "done" if ok == "1" else "failed", "pid": 0,
+                "tid": rank, "ts": t[3], "args": args})
     return out
 
 
@@ -126,25 +130,181 @@ def wall_clock_shift() -> int:
     return min(pairs)[1] // 1000
 
 
+class SpillFile:
+    """Where the runtime puts this rank's recorded events beyond the ones it holds.
+
+    Under ``KERAS_RING_TIMELINE`` from ``init()`` to ``shutdown()``: an unnamed file in the temp
+    directory (it goes with the process, however that ends), which the runtime appends
+    Drain's lines to once ``KERAS_RING_TIMELINE_MEMORY_EVENTS`` events are held.
+    """
+
+    def __init__(self) -> None:
+        self._file: IO[bytes] | None = None
+
+    def start(self, lib: Library, max_events: int) -> None:
+        """Starts spilling, once per runtime: init() on a running one changes nothing."""
+        if self._file is not None:
+            return
+        try:
+            self._file = tempfile.TemporaryFile(prefix="keras_ring_timeline.")
+        except OSError as e:
+            warnings.warn(f"keras_ring: KERAS_RING_TIMELINE: no file for the events in the temp "
+                          f"directory ({e.strerror or e}); this rank holds them all in memory "
+                          "until shutdown()", RuntimeWarning, stacklevel=2)
+            return
+        lib.c.keras_ring_timeline_spill(self._file.fileno(), max_events)
+
+    @property
+    def bytes(self) -> int:
+        """How much the runtime has written to the file so far."""
+        return os.fstat(self._file.fileno()).st_size if self._file is not None else 0
+
+    def stop(self, lib: Library) -> IO[bytes] | None:
+        """Stops the spilling (after a write in progress) and returns the file, read from its
+        start, or None; the caller closes it."""
+        spilled, self._file = self._file, None
+        if spilled is None:
+            return None
+        error = lib.c.keras_ring_timeline_spill(-1, 1)
+        if error > 0:
+            warnings.warn(f"keras_ring: KERAS_RING_TIMELINE: writing events to the temp directory "
+                          f"failed ({os.strerror(error)}); this rank held the later ones in "
+                          "memory", RuntimeWarning, stacklevel=2)
+        spilled.seek(0)
+        return spilled
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+SPILL = SpillFile()
+
+
+class _RankEvents:
+    """This rank's recorded events at shutdown, the spilled ones first, as field lists with
+    their times on the wall clock; iterable more than once (a failed gathering writes them
+    again, alone)."""
+
+    def __init__(self, spilled: IO[bytes] | None, held: list[list[str]]) -> None:
+        self._spilled, self._held = spilled, held
+        self._shift = wall_clock_shift()
+
+    def __iter__(self) -> Iterator[list[str]]:
+        if self._spilled is not None:
+            self._spilled.seek(0)
+            for line in self._spilled:
+                fields = line.decode(errors="replace").rstrip("\n").split("\t")
+                if len(fields) == 9:  # a line cut short by a failed write is skipped
+                    yield self._shifted(fields)
+        for fields in self._held:
+            yield self._shifted(fields)
+
+    def _shifted(self, fields: list[str]) -> list[str]:
+        return fields[:3] + [str(int(x) + self._shift) for x in fields[3:7]] + fields[7:]
+
+
 def write(path: str, topology: Topology, lib: Library) -> None:
     """Gathers every rank's events on rank 0 and writes the trace (called by shutdown), its
     times on the wall clock."""
-    events = trace_events(topology.rank, read_events(lib), wall_clock_shift())
-    if topology.size > 1:
-        try:
-            gathered = allgather_object(events)
-        except Exception:  # a peer is gone: keep what this rank has
-            _save(Path(f"{os.path.splitext(path)[0]}.rank{topology.rank}.json"), events)
+    spilled = SPILL.stop(lib)
+    try:
+        events = _RankEvents(spilled, read_events(lib))
+        if topology.size == 1:
+            _save(Path(path), lambda: _trace(((0, e) for e in events), [0]))
             return
-        events = [e for rank_events in gathered for e in rank_events]
-    if topology.rank == 0:
-        _save(Path(path), events)
+        try:
+            gathered = _gather_on_root(events, topology)
+        except Exception:  # a peer is gone: keep what this rank has
+            rank = topology.rank
+            _save(Path(f"{os.path.splitext(path)[0]}.rank{rank}.json"),
+                  lambda: _trace(((rank, e) for e in events), [rank]))
+            return
+        if gathered is not None:
+            with gathered:
+                _save(Path(path), lambda: _trace(_received(gathered), range(topology.size)))
+    finally:
+        if spilled is not None:
+            spilled.close()
 
 
-def _save(path: Path, events: list[dict[str, Any]]) -> None:
-    """Writes the trace to ``path``, else to a new file in the temp directory: init() found
-    ``path`` writable, so failing now (directory removed, disk full) must not lose the run's
-    trace, which exists nowhere else once read from the runtime."""
+# Bytes each rank sends to rank 0 per round at shutdown: every round's pieces are in rank 0's
+# memory at once.
+_ROUND_BYTES = 8 << 20
+
+
+def _gather_on_root(events: _RankEvents, topology: Topology) -> IO[bytes] | None:
+    """Sends this rank's events to rank 0 in rounds of bounded size; rank 0 returns a file of
+    every rank's lines, each led by its rank (read from its start), the others None."""
+    import numpy as np
+
+    from keras_ring import collectives, scatter
+
+    piece = max(_ROUND_BYTES // topology.size, 64 << 10)
+    lines = iter(events)
+    received = tempfile.TemporaryFile(prefix="keras_ring_timeline.") if topology.rank == 0 else None
+    try:
+        more = True
+        while True:
+            chunk, more = _next_piece(lines, piece) if more else (b"", False)
+            splits = [len(chunk)] + [0] * (topology.size - 1)
+            data, counts = scatter.alltoall(np.frombuffer(chunk, np.uint8), splits=splits,
+                                            name="keras_ring.timeline")
+            if received is not None:
+                _append_received(received, data.numpy().tobytes(), counts.numpy())
+            if not int(collectives.allreduce(np.int32(more), op=collectives.Max,
+                                             name="keras_ring.timeline.more")):
+                break
+    except BaseException:
+        if received is not None:
+            received.close()
+        raise
+    if received is not None:
+        received.seek(0)
+    return received
+
+
+def _next_piece(lines: Iterator[list[str]], limit: int) -> tuple[bytes, bool]:
+    """Up to about ``limit`` bytes of lines (at least one), and whether lines are left."""
+    out, size = [], 0
+    for fields in lines:
+        line = ("\t".join(fields) + "\n").encode()
+        out.append(line)
+        size += len(line)
+        if size >= limit:
+            return b"".join(out), True
+    return b"".join(out), False
+
+
+def _append_received(received: IO[bytes], data: bytes, counts: Any) -> None:
+    start = 0
+    for rank, count in enumerate(counts):
+        for line in data[start:start + int(count)].splitlines():
+            received.write(b"%d\t%s\n" % (rank, line))
+        start += int(count)
+
+
+def _received(received: IO[bytes]) -> Iterator[tuple[int, list[str]]]:
+    received.seek(0)
+    for line in received:
+        rank, *fields = line.decode(errors="replace").rstrip("\n").split("\t")
+        yield int(rank), fields
+
+
+def _trace(events: Iterable[tuple[int, list[str]]], ranks: Iterable[int]
+           ) -> Iterator[dict[str, Any]]:
+    """The trace's events: each rank's row, then every (rank, fields) event's."""
+    for rank in ranks:
+        yield from _row(rank)
+    for rank, fields in events:
+        yield from _event(rank, fields)
+
+
+def _save(path: Path, events: Callable[[], Iterable[dict[str, Any]]]) -> None:
+    """Writes the trace of ``events()`` to ``path``, else to a new file in the temp directory:
+    init() found ``path`` writable, so failing now (directory removed, disk full) must not lose
+    the run's trace, which exists nowhere else once read from the runtime."""
     try:
         _dump(path, events)
         return
@@ -167,10 +327,17 @@ def _save(path: Path, events: list[dict[str, Any]]) -> None:
                   f"{fallback!r} instead", RuntimeWarning, stacklevel=2)
 
 
-def _dump(path: Path, events: list[dict[str, Any]]) -> None:
+def _dump(path: Path, events: Callable[[], Iterable[dict[str, Any]]]) -> None:
+    """Writes the trace event by event: a long run's would not fit in memory as one text."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+            separator = ""
+            for event in events():
+                out.write(separator + json.dumps(event))
+                separator = ",\n"
+            out.write("\n]}\n")
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):  # a partial file (disk full) is no trace

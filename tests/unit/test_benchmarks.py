@@ -1,6 +1,7 @@
 """The benchmarks behind `make bench` keep working: each runs in a small configuration and
 prints complete tables. (No speed is asserted here: speed goals live in docs/performance.md.)"""
 
+import json
 import math
 import os
 import re
@@ -203,3 +204,20 @@ def test_in_graph_table_has_graph_alone_call_mpi_eager_and_the_ratios(mpirun, cl
         assert chain[1] == "32", row  # K allreduces per graph call
         assert len(times) == 6 and all(float(t) > 0 for t in times), row
         assert len(ratios) == 4 and all(re.fullmatch(r"[\d.]+-[\d.]+", r) for r in ratios), row
+
+
+def test_timeline_memory_reports_every_rank_and_writes_the_trace(tmp_path, mpirun, clean_env):
+    trace = tmp_path / "trace.json"
+    env = dict(clean_env, KERAS_RING_TIMELINE_MEMORY_EVENTS="50")
+    proc = subprocess.run([mpirun, "-np", "2", sys.executable,
+                           str(ROOT / "benchmarks" / "timeline_memory.py"),
+                           "--collectives", "300", "--trace", str(trace)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert [line[:6] for line in lines] == ["rank 0", "rank 1"], proc.stdout
+    assert all("300 collectives" in line for line in lines), proc.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = [e for e in events
+             if e["name"] == "done" and e["args"]["collective"] == "allreduce 'step'"]
+    assert len(steps) == 2 * 300, len(steps)

@@ -37,11 +37,24 @@ class Timeline {
   void Mark(const std::string& label);  // now, if recording
   // Returns the recorded events as tab-separated lines and forgets them.
   std::string Drain();
+  // From `max_events` events held, Record appends them to `fd` as Drain's lines and forgets
+  // them, so a run's whole trace (KERAS_RING_TIMELINE) is not held in memory; fd -1 stops
+  // that, after a write in progress. Returns the errno of a write that failed since the last
+  // call (0 if none): spilling stopped there, and the events stayed held.
+  int SpillTo(int fd, size_t max_events);
 
  private:
+  void Spill();
+
   std::atomic<bool> recording_;
   std::mutex mu_;
   std::vector<TimelineEvent> events_;
+  // Held while events are written to spill_fd_ (lock order: spill_mu_, then mu_), so the
+  // lines of two writers never interleave; Record's caller waits only when it spills itself.
+  std::mutex spill_mu_;
+  int spill_fd_ = -1;        // guarded by mu_ (read) and spill_mu_ + mu_ (written)
+  size_t spill_at_ = 0;      // events held that start a spill (mu_)
+  int spill_error_ = 0;      // errno of a failed write (spill_mu_)
 };
 
 }  // namespace keras_ring

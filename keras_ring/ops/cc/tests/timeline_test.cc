@@ -1,5 +1,10 @@
 // The timeline's recording switch and marks (KerasRingTimelineMark records through them).
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <string>
 #include <vector>
 
@@ -40,6 +45,49 @@ TEST(Timeline_MarksOnlyWhileRecording) {
   CHECK(f[3] == f[4] && f[4] == f[5] && f[5] == f[6] && std::stoll(f[3]) > 0) << text;
   CHECK(f[7] == "1" && f[8] == "0") << text;
   CHECK(timeline.Drain().empty());  // read once
+}
+
+size_t LineCount(const std::string& text) {
+  return static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
+}
+
+std::string ReadFile(FILE* f) {
+  std::string text;
+  rewind(f);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
+  return text;
+}
+
+TEST(Timeline_SpillsHeldEventsToItsFileAndKeepsTheRest) {
+  Timeline timeline(true);
+  FILE* f = tmpfile();
+  CHECK(f != nullptr);
+  CHECK(timeline.SpillTo(fileno(f), 4) == 0);
+  for (int i = 0; i < 10; ++i) timeline.Mark("m" + std::to_string(i));
+  CHECK(timeline.SpillTo(-1, 4) == 0);
+  fflush(f);
+  const std::string spilled = ReadFile(f);
+  const std::string held = timeline.Drain();
+  CHECK(LineCount(spilled) == 8 && LineCount(held) == 2) << spilled << "|" << held;
+  CHECK(Fields(spilled.substr(0, spilled.find('\n')))[1] == "m0") << spilled;
+  CHECK(Fields(held.substr(0, held.find('\n')))[1] == "m8") << held;
+  fclose(f);
+}
+
+TEST(Timeline_AFailedSpillKeepsItsEventsAndSaysWhy) {
+  Timeline timeline(true);
+  const int read_only = open("/dev/null", O_RDONLY);
+  CHECK(read_only >= 0);
+  CHECK(timeline.SpillTo(read_only, 2) == 0);
+  for (int i = 0; i < 5; ++i) timeline.Mark("m" + std::to_string(i));
+  CHECK(timeline.SpillTo(-1, 2) == EBADF);  // the write failed; spilling stopped there
+  CHECK(timeline.SpillTo(-1, 2) == 0);      // told once
+  const std::string held = timeline.Drain();
+  CHECK(LineCount(held) == 5) << held;  // none lost, in order
+  CHECK(Fields(held.substr(0, held.find('\n')))[1] == "m0") << held;
+  close(read_only);
 }
 
 }  // namespace

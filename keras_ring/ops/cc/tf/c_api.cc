@@ -116,20 +116,30 @@ int keras_ring_init(const keras_ring_config* cfg, char* err, size_t err_len) {
 
 size_t keras_ring_timeline_read(char* buf, size_t cap) {
   static std::mutex mu;
-  static std::string pending;  // drained but not yet read
+  static std::string pending;  // drained but not yet read, from `offset` on
+  static size_t offset = 0;
   std::lock_guard<std::mutex> lock(mu);
-  if (pending.empty()) {
+  if (offset == pending.size()) {
     std::shared_ptr<Runtime> runtime = Runtime::Get();
-    if (runtime != nullptr) pending = runtime->DrainTimeline();
+    pending = runtime != nullptr ? runtime->DrainTimeline() : std::string();
+    offset = 0;
   }
-  const size_t n = std::min(cap, pending.size());
-  std::memcpy(buf, pending.data(), n);
-  pending.erase(0, n);
+  // An offset, not erasing what was read: that moved the rest on every call, quadratic in
+  // the trace's size.
+  const size_t n = std::min(cap, pending.size() - offset);
+  std::memcpy(buf, pending.data() + offset, n);
+  offset += n;
   return n;
 }
 
 void keras_ring_timeline_record(int on) {
   if (std::shared_ptr<Runtime> runtime = Runtime::Get()) runtime->timeline().SetRecording(on != 0);
+}
+
+int keras_ring_timeline_spill(int fd, long long max_events) {
+  std::shared_ptr<Runtime> runtime = Runtime::Get();
+  if (runtime == nullptr) return -1;
+  return runtime->timeline().SpillTo(fd, static_cast<size_t>(std::max(max_events, 1LL)));
 }
 
 int keras_ring_shutdown(void) {

@@ -40,6 +40,10 @@ int keras_ring_init(const keras_ring_config* config, char* err, size_t err_len);
 size_t keras_ring_timeline_read(char* buf, size_t cap);
 // Starts (on != 0) or stops recording the global runtime's timeline, marks included.
 void keras_ring_timeline_record(int on);
+// From max_events events held, the global runtime's timeline appends them to fd (the lines
+// keras_ring_timeline_read gives); fd -1 stops that. Returns the errno of a write that failed
+// since the last call (0 if none), or -1 without a runtime.
+int keras_ring_timeline_spill(int fd, long long max_events);
 // Chains a handler for `sig` (SIGINT or SIGTERM; else -1) in front of the existing one: the
 // signal makes pending and later collectives fail at once (instead of after the timeout),
 // until the next init, then the previous handler runs (Python's raises KeyboardInterrupt).
