@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 from keras_ring import interfaces
 from keras_ring._errors_base import InitError
@@ -53,11 +54,16 @@ class PeerTable:
     # Each rank's MPI_COMM_WORLD rank where the job is a communicator's processes
     # (init(comm=...)); None where the ranks are MPI_COMM_WORLD's or there is no MPI.
     world_ranks: list[int] | None = None
+    # Rank 0's rendezvous port, held while the process lives (rendezvous.LateClaims), or None.
+    late_claims: Any = None
 
     def close(self) -> None:
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+        if self.late_claims is not None:
+            self.late_claims.close()
+            self.late_claims = None
 
 
 def single_process() -> PeerTable:

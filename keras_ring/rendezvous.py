@@ -25,13 +25,16 @@ Spark's barrier tasks instead).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
 import secrets
 import socket
 import struct
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from keras_ring._errors_base import InitError
@@ -185,12 +188,20 @@ def from_env(config: Config) -> PeerTable | None:
     if s.size == 1:
         return PeerTable(Topology.from_host_ids(0, [host_id]))
     listener, offer = make_offer(config, host_id, is_loopback(s.host), s.size)
+    rendezvous = (s.host, s.port)
+    deadline = time.monotonic() + s.start_timeout
     try:
-        peers, token = exchange(s.rank, s.size, (s.host, s.port), offer, s.start_timeout)
-        return build_table(s.rank, peers, token, listener)
+        if s.rank != 0:
+            peers, token = _join(s.rank, s.size, rendezvous, offer, deadline, s.start_timeout)
+            return build_table(s.rank, peers, token, listener)
+        peers, token, server = _serve(s.size, rendezvous, offer, deadline, s.start_timeout,
+                                      keep_server=True)
     except BaseException:
         listener.close()
         raise
+    table = build_table(s.rank, peers, token, listener)
+    table.late_claims = LateClaims(server, s.size, describe(rendezvous), host_id)
+    return table
 
 
 def make_offer(config: Config, host_id: str, loopback_only: bool,
@@ -247,7 +258,8 @@ def exchange(rank: int, size: int, rendezvous: tuple[str, int], offer: Offer,
     """
     deadline = time.monotonic() + timeout
     if rank == 0:
-        return _serve(size, rendezvous, offer, deadline, timeout)
+        peers, token, _ = _serve(size, rendezvous, offer, deadline, timeout)
+        return peers, token
     return _join(rank, size, rendezvous, offer, deadline, timeout)
 
 
@@ -280,16 +292,22 @@ def _rendezvous_server(rendezvous: tuple[str, int], backlog: int) -> socket.sock
 
 
 def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
-           timeout: float) -> tuple[list[Peer], int]:
+           timeout: float, keep_server: bool = False
+           ) -> tuple[list[Peer], int, socket.socket | None]:
+    """Rank 0's side of the exchange; with ``keep_server`` the rendezvous socket is returned
+    open once the job formed (else None)."""
     where = describe(rendezvous)
     try:
         server = _rendezvous_server(rendezvous, size)
     except OSError as e:
         raise InitError(f"rank 0 could not listen on {where} ({RENDEZVOUS_VARIABLE}): {e}; "
-                        "is another job's rank 0 using that port?") from None
+                        "is another job's rank 0 using that port? (A job holds its "
+                        "rendezvous port while its rank 0 runs: give each job its own)"
+                        ) from None
     joined: dict[int, tuple[socket.socket, Offer, str]] = {}  # conn, offer, address seen
     try:
-        with server:
+        with contextlib.ExitStack() as closing:
+            closing.callback(server.close)
             while len(joined) < size - 1:
                 accepted = _accept_hello(server, deadline)
                 if accepted is None:
@@ -316,7 +334,9 @@ def _serve(size: int, rendezvous: tuple[str, int], me: Offer, deadline: float,
                      "rank0_explicit": me.explicit, "rank0_chosen": me.chosen}
             for conn, _, _ in joined.values():
                 _send_quietly(conn, reply)
-            return peers, token
+            if keep_server:
+                closing.pop_all()
+            return peers, token, server if keep_server else None
     finally:
         for conn, _, _ in joined.values():
             conn.close()
@@ -400,6 +420,61 @@ def _fail(conns: list[socket.socket], message: str) -> None:
         _send_quietly(conn, {"error": message})
         conn.close()
     raise InitError(message)
+
+
+class LateClaims:
+    """Rank 0's rendezvous port, held open after the job formed for as long as the process runs.
+
+    Two jobs given one ``KERAS_RING_RENDEZVOUS`` mixed silently when it closed: the first rank 0
+    took whichever process claimed a rank first, perhaps the other job's, and the other job's
+    rank 0 then listened on the freed port and gathered the rest, so both jobs summed two
+    programs' data with no error. Held, the port fails that second rank 0 at once, and a later
+    claim of a rank reaches this rank 0: the claimant gets an ``InitError``, and where it claims
+    a rank of a job of this size (so one of this job's ranks may be the other job's process),
+    ``on_claim`` (the runtime's ``fail_job``) fails this job on every rank.
+    """
+
+    def __init__(self, server: socket.socket, size: int, where: str, host_id: str) -> None:
+        self._server, self._size, self._where, self._host_id = server, size, where, host_id
+        self.on_claim: Callable[[str], None] | None = None
+        server.settimeout(None)
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name="keras_ring rendezvous: late claims")
+        self._thread.start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
+        self._server.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                try:
+                    hello = receive_message(conn, time.monotonic() + _HELLO_SECONDS)
+                except (OSError, ValueError):
+                    continue
+                if hello.get("magic") == _MAGIC and well_formed(hello):
+                    self._refuse(conn, hello)
+
+    def _refuse(self, conn: socket.socket, hello: dict) -> None:
+        rank, size, host = hello["rank"], hello["size"], hello["host_id"]
+        _send_quietly(conn, {"error": (
+            f"the job at {self._where} ({RENDEZVOUS_VARIABLE}), rank 0 on host "
+            f"{self._host_id}, formed already without this process ({RANK_VARIABLE}={rank}, "
+            f"{SIZE_VARIABLE}={size}): do two jobs share that rendezvous? Give each job its "
+            "own port")})
+        if size == self._size and self.on_claim is not None:
+            self.on_claim(
+                f"keras_ring: rank {rank} of this job was claimed again after the job formed, "
+                f"by a process on host {host} at {self._where} ({RENDEZVOUS_VARIABLE}): two "
+                f"jobs share that rendezvous, so one rank of this job may be the other job's "
+                "process, and collectives so far may have mixed the two jobs' data. Give "
+                "each job its own port")
 
 
 # --- ranks 1.. -------------------------------------------------------------------------------

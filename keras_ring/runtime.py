@@ -131,6 +131,8 @@ class Runtime:
             if table is None:
                 if self._table is None:
                     self._table = bootstrap(config)
+                    if self._table.late_claims is not None:
+                        self._table.late_claims.on_claim = self.fail_job
                 table = self._table
             try:
                 threads.configure(table.topology.local_size, config.intra_op_threads)
@@ -312,6 +314,14 @@ class Runtime:
             # or forget state, and raising here would cost the program what it does after
             # shutdown() (saving its model, say), or print as an ignored error at exit.
             warnings.warn(f"keras_ring.shutdown(): {reason}", RuntimeWarning, stacklevel=3)
+
+    def fail_job(self, reason: str) -> None:
+        """Fails the running job on every rank with ``reason``, from any thread: what runs
+        ends now and every later collective raises it, here and on the peers."""
+        if self._topology is None or self.forked:
+            return
+        for set_id in list(self._sets):
+            library().c.keras_ring_fail_job(set_id, reason.encode(errors="replace"))
 
     def _at_exit(self) -> None:
         leaving_with = self._leaving_with

@@ -63,6 +63,8 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_timeline_record.restype = None
     c.keras_ring_timeline_spill.argtypes = [ctypes.c_int, ctypes.c_longlong]
     c.keras_ring_timeline_spill.restype = ctypes.c_int
+    c.keras_ring_fail_job.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    c.keras_ring_fail_job.restype = ctypes.c_int
     c.keras_ring_error_info.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     c.keras_ring_error_info.restype = ctypes.c_size_t
     c.keras_ring_shutdown_with_error.argtypes = [ctypes.c_char_p]

@@ -6,6 +6,9 @@ can generate every rank's input); prints ``RESULT {json}``. Needs ``RENDEZVOUS_T
 
 ``python rendezvous_rank.py init``: only ``init()``; prints ``ERROR {json}`` with the
 exception and the seconds it took, or ``RESULT {json}``.
+
+``python rendezvous_rank.py until_failure``: prints ``FORMED`` once ``init()`` returned, then
+runs allreduces until one fails (``ERROR {json}``), for at most 150 s (then ``RESULT``).
 """
 
 import json
@@ -79,6 +82,16 @@ def main() -> None:
     if mode == "collectives":
         result["checked"] = check_collectives(kr.rank(), kr.size())
         wait_for_everyone(kr.rank(), kr.size())
+    if mode == "until_failure":
+        print("FORMED", flush=True)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            try:
+                kr.allreduce(tf.ones([1000]), name="step")
+            except Exception as e:  # noqa: BLE001 - the test inspects it
+                print("ERROR " + json.dumps({"rank": kr.rank(), "type": type(e).__name__,
+                                             "message": str(e)}), flush=True)
+                sys.exit(4)
     kr.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -213,6 +213,65 @@ def test_loopback_names():
     assert not is_loopback(socket.gethostname()) and not is_loopback("10.1.2.3")
 
 
+def test_two_jobs_given_one_rendezvous_fail_instead_of_mixing(env):
+    """Job B's rank 1 reached job A's rank 0 first and formed a job with it; job A's rank 1 and
+    job B's rank 0 come later. Each job's ranks would have summed the other program's data,
+    and every process would have ended well. Now all four fail, each saying why."""
+    rendezvous = f"127.0.0.1:{free_port()}"
+
+    def rank(r: int, mode: str) -> subprocess.Popen:
+        child = dict(env, KERAS_RING_RANK=str(r), KERAS_RING_SIZE="2",
+                     KERAS_RING_RENDEZVOUS=rendezvous)
+        return subprocess.Popen([sys.executable, str(RANK_PROGRAM), mode], env=child,
+                                cwd=RANK_PROGRAM.parents[2], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    a0, b1 = rank(0, "until_failure"), rank(1, "until_failure")
+    formed = a0.stdout.readline()  # an ERROR line (or none) if the two never formed a job
+    assert formed == "FORMED\n", formed + a0.stderr.read()[-3000:]
+    b0 = rank(0, "init")
+    [(kind, second_zero)] = outcomes([b0])
+    assert kind == "ERROR" and second_zero["type"] == "InitError", second_zero
+    assert "could not listen" in second_zero["message"], second_zero
+    assert "another job's rank 0" in second_zero["message"], second_zero
+    a1 = rank(1, "init")
+    results = outcomes([a0, b1, a1])
+    assert [kind for kind, _ in results] == ["ERROR"] * 3, results
+    (_, late), claimed = results[2], [payload for _, payload in results[:2]]
+    assert late["type"] == "InitError", late
+    assert "formed already without this process (KERAS_RING_RANK=1" in late["message"], late
+    for payload in claimed:  # the mixed job, on both of its ranks
+        assert "rank 1 of this job was claimed again after the job formed" in \
+            payload["message"], payload
+        assert "Give each job its own port" in payload["message"], payload
+
+
+def test_late_claims_are_refused_and_only_a_claim_of_this_size_fails_the_job():
+    rendezvous = ("127.0.0.1", free_port())
+    deadline = time.monotonic() + 10
+    joined = threading.Thread(target=lambda: rv._join(1, 2, rendezvous, rv.Offer("h", 2),
+                                                      deadline, 10.0))
+    joined.start()
+    _, _, server = rv._serve(2, rendezvous, rv.Offer("h", 1), deadline, 10.0, keep_server=True)
+    joined.join(GUARD)
+    claims: list[str] = []
+    guard = rv.LateClaims(server, 2, "127.0.0.1:x", "h")
+    guard.on_claim = claims.append
+    try:
+        for size in (3, 2):  # another job's shape, then this job's
+            with pytest.raises(kr.InitError, match="formed already without this process"):
+                rv._join(1, size, rendezvous, rv.Offer("late", 3), time.monotonic() + 10, 10.0)
+        assert len(claims) == 1 and "by a process on host late" in claims[0], claims
+        with pytest.raises(kr.InitError, match="could not listen"):  # the port stays held
+            rv.exchange(0, 2, rendezvous, rv.Offer("h", 4), timeout=1.0)
+    finally:
+        guard.close()
+    guard._thread.join(GUARD)
+    assert not guard._thread.is_alive()
+    with socket.create_server(rendezvous):  # closed: free again
+        pass
+
+
 # --- the exchange, in threads -------------------------------------------------------------------
 
 def exchange_all(claims: list[tuple[int, int]], timeout: float = 10.0, offers=None) -> list:

@@ -144,6 +144,21 @@ void Runtime::Abandon(const std::string& reason) {
   OnFatal(cause);  // its own exit must not hang either (MPI_Finalize, teardown)
 }
 
+void Runtime::FailJob(const std::string& reason) {
+  const Status cause(Code::kAborted, reason, options_.rank);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || !peer_failure_.ok()) return;  // failed or going already
+    peer_failure_ = cause;
+  }
+  transport_->AbortWith(cause);
+  {
+    std::lock_guard<std::mutex> device_lock(device_mu_);
+    if (device_) device_->PeerFailed(cause);
+  }
+  OnFatal(cause);
+}
+
 void Runtime::StopWith(const Status& requested) {
   // A clean shutdown is no failure to the peers, unless this rank leaves collectives it
   // agreed to run (the GPU lookahead's) for which they may already wait on the GPU.

@@ -91,6 +91,11 @@ class Runtime {
   // Stop() for a program that is leaving with an error: peers learn it as this rank's
   // failure (they end instead of waiting for it), and this process's failure exit is armed.
   void Abandon(const std::string& reason);
+  // Fails the job from outside any collective (the rendezvous found it may include another
+  // job's process): what runs ends now and every later collective fails with `reason`, here
+  // and, as a peer's failure, on the other ranks; the failure exit is armed. It stays
+  // installed, so the program sees the reason in its next collective. Any thread.
+  void FailJob(const std::string& reason);
 
   // Submits and waits (for the C API: barrier and tests).
   Status Run(Request request);

@@ -166,6 +166,13 @@ int keras_ring_shutdown_with_error(const char* reason) {
   return 0;
 }
 
+int keras_ring_fail_job(int process_set_id, const char* reason) {
+  std::shared_ptr<Runtime> runtime = Runtime::Get(process_set_id);
+  if (runtime == nullptr) return -1;
+  runtime->FailJob(reason != nullptr ? reason : "unknown");
+  return 0;
+}
+
 size_t keras_ring_error_info(const char* message, char* buf, size_t cap) {
   const std::string info = keras_ring_tf::DescribeError(message != nullptr ? message : "");
   const size_t n = cap > 0 ? std::min(cap - 1, info.size()) : 0;

@@ -56,6 +56,9 @@ int keras_ring_shutdown_process_set(int process_set_id);
 // Shutdown of a program that leaves with an error (`reason`): peers treat it as this rank's
 // failure and end too, and this process ends after the failure grace if its exit hangs.
 int keras_ring_shutdown_with_error(const char* reason);
+// Fails the running job of process set `process_set_id` with `reason` (Runtime::FailJob),
+// keeping it installed; any thread. Returns 0, or -1 where it does not run.
+int keras_ring_fail_job(int process_set_id, const char* reason);
 int keras_ring_is_initialized(void);
 // 1 where a runtime of this process failed on a peer that did not take part in time (a
 // timeout, caught by the program or not), since the last init; else 0.
