@@ -103,6 +103,16 @@ _TRAIN_END_HINT = (
 # The hint for a mismatch where a check's collective met another (see each).
 _MISMATCH_HINTS = {WEIGHT_CHECK: _WEIGHT_CHECK_HINT, RATE_CHECK: _RATE_CHECK_HINT,
                    TRAIN_END: _TRAIN_END_HINT}
+# The first collective of keras_ring.elastic.run's state sync (keras_ring._bucket_tuning).
+ELASTIC_SYNC = "keras_ring.bucket_tuning.kept"
+_ELASTIC_SYNC_HINT = (
+    ". Some ranks began keras_ring.elastic.run's state sync (a worker joined or left) while "
+    "others ran another collective: in each new world a worker that joins must reach the "
+    "function @keras_ring.elastic.run wraps before any other collective. A training step "
+    "run before it (Horovod's tensorflow2_synthetic_benchmark_elastic.py runs one to build "
+    "its weights) meets the survivors' sync there: build the weights without collectives "
+    "instead (model(x) or model.build(shape), and optimizer.build(model.trainable_variables)), "
+    "or run that step inside the wrapped function")
 # A collective built in a tf.cond or tf.while_loop body carries its place in its name
 # (keras_ring.ops.wrappers._place): ranks that met it in different places diverged there.
 _PLACE_HINT = (
@@ -185,6 +195,8 @@ def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
                  if "operation mismatch" in message and f"'{name}" in message), "")
     if not hint and "name mismatch" in message and f"'{TRAIN_END}'" in message:
         hint = _TRAIN_END_HINT  # an epoch's end met the next epoch's rate check
+    if not hint and "mismatch" in message and f"'{ELASTIC_SYNC}" in message:
+        hint = _ELASTIC_SYNC_HINT
     if not hint and "name mismatch" in message and "(in tf." in message:
         hint = _PLACE_HINT
     err = cls(node_def, op, message + hint)

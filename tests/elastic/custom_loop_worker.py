@@ -5,7 +5,9 @@ traced anew in a reset callback (not with ``KR_RETRACE=0``, as Horovod's example
 ``RESULT`` (and ``DEATH``) records like train_worker.py; ``KR_DIE_ON_HOST`` (or
 ``KR_DIE_WORKER``, a worker id) and ``KR_DIE_AT_STEP`` kill a worker in its first world;
 ``KR_RAISE_AT_STEP`` makes every worker raise there (a bug of the program), and
-``KR_MISMATCH_AT_STEP`` makes rank 0 run another collective than the others there.
+``KR_MISMATCH_AT_STEP`` makes rank 0 run another collective than the others there;
+``KR_STEP_BEFORE_RUN=1`` takes one training step before ``elastic.run``, as Horovod's
+tensorflow2_synthetic_benchmark_elastic.py does.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ def main() -> None:
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
 
+    if os.environ.get("KR_STEP_BEFORE_RUN") == "1":
+        holder["step"](x[:64], y[:64])
     train(state)
     loss = float(np.mean((x @ w.numpy() + b.numpy() - y) ** 2))
     record("RESULT", rank=keras_ring.rank(), size=keras_ring.size(), host=HOST,

@@ -153,6 +153,22 @@ def test_an_error_of_the_program_ends_the_job(tmp_path, error):
     assert "RESULT" not in records
 
 
+def test_a_newcomer_s_step_before_elastic_run_ends_the_job_saying_where_to_move_it(tmp_path):
+    # Horovod's tensorflow2_synthetic_benchmark_elastic.py trains one batch before
+    # elastic.run. A replacement does too, in a world whose survivors are syncing state:
+    # under Horovod both sides wait for ever; here a mismatch that says what to change.
+    code, out, records = run_job(
+        tmp_path, ["localhost:2"], ["-np", "2", "--min-np", "1", "--max-np", "2"],
+        worker="custom_loop_worker.py", KR_DIE_WORKER="localhost.1", KR_DIE_AT_STEP="13",
+        KR_STEP_BEFORE_RUN="1")
+    assert code == 1, out[-6000:]
+    assert len(records["DEATH"]) == 1 and "RESULT" not in records, out[-6000:]
+    assert "an error of the program, which every world would meet again" in out, out[-6000:]
+    assert "began keras_ring.elastic.run's state sync (a worker joined or left)" in out, \
+        out[-6000:]
+    assert "optimizer.build(model.trainable_variables)" in out, out[-6000:]
+
+
 def test_an_uninterrupted_job_reaches_the_same_accuracy_band(tmp_path):
     # The same training without faults, at a fixed world of 3: the elastic job above must
     # land in the same band (the killed run loses part of an epoch and runs some at 2).
