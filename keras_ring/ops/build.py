@@ -15,15 +15,20 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from keras_ring.ops import build_cache
 
-CC_DIR = Path(__file__).resolve().parent / "cc"
+PACKAGE_DIR = Path(__file__).resolve().parent
+CC_DIR = PACKAGE_DIR / "cc"
 LIB_NAME = build_cache.LIB_NAME
 REBUILD_COMMAND = f"{sys.executable} -m keras_ring.ops"
 
@@ -73,19 +78,56 @@ def stamp(tf_version: str | None = None) -> dict:
     return {"tf_version": tf_version, "sources": _source_hash(), "python": sys.version.split()[0]}
 
 
-def default_output_dir() -> Path:
-    """$KERAS_RING_OPS_DIR when set, else the package directory when writable (source
-    checkouts, venvs), else a user cache.
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK)
+
+
+def _user_dir() -> Path:
+    try:
+        return build_cache.user_cache()
+    except RuntimeError:  # no $HOME and no passwd entry (a container's arbitrary uid)
+        raise BuildError(
+            "keras_ring's package directory is read-only and there is no home directory to "
+            "build its op library in. Set KERAS_RING_OPS_DIR to a writable directory."
+        ) from None
+
+
+def _build_dir() -> Path:
+    """Where a build goes: $KERAS_RING_OPS_DIR when set, else the package directory when
+    writable (source checkouts, venvs), else the user cache.
 
     The variable lets two environments with different TensorFlows share one source checkout
     (an editable install in each) without rebuilding over each other's library.
     """
     if os.environ.get("KERAS_RING_OPS_DIR"):
         return Path(os.environ["KERAS_RING_OPS_DIR"]).expanduser().resolve()
-    pkg = Path(__file__).resolve().parent
-    if os.access(pkg, os.W_OK):
-        return pkg
-    return build_cache.user_cache()
+    if _writable(PACKAGE_DIR):
+        return PACKAGE_DIR
+    return _user_dir()
+
+
+def default_output_dir(want: dict | None = None) -> Path:
+    """Where the library is loaded from: where builds go (see :func:`_build_dir`), except that
+    a read-only package directory holding a library current for ``want`` (default: this
+    environment's stamp) is used as it is, unless the user cache holds a current one too.
+
+    A root-owned install built ahead of time (``python -m keras_ring.ops`` as root) thus costs
+    its users no compile and no compiler; the user's own build comes first because it is the
+    one a ``--force`` rebuild (or the loader, after a failed load) made.
+    """
+    if os.environ.get("KERAS_RING_OPS_DIR") or _writable(PACKAGE_DIR):
+        return _build_dir()
+    if want is None:
+        want = stamp()
+    try:
+        user = _user_dir()
+    except BuildError:
+        if is_current(library_path(PACKAGE_DIR), want):
+            return PACKAGE_DIR
+        raise
+    if not is_current(library_path(user), want) and is_current(library_path(PACKAGE_DIR), want):
+        return PACKAGE_DIR
+    return user
 
 
 def library_path(out_dir: Path | None = None) -> Path:
@@ -104,21 +146,85 @@ def is_current(lib: Path, want: dict) -> bool:
 
 
 def _compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    """The compiler command: $CXX, which may hold a launcher or flags ("ccache g++",
+    "g++ -m64") and is split as a shell would, else the first of g++, c++, clang++ on PATH."""
+    configured = os.environ.get("CXX", "")
+    try:
+        words = shlex.split(configured)
+    except ValueError as e:
+        raise BuildError(f"$CXX ({configured!r}) is not a valid command ({e}); set CXX to a "
+                         f"C++17 compiler, or unset it, and run: {REBUILD_COMMAND}") from None
+    if words:
+        if shutil.which(words[0]) is None:
+            raise BuildError(
+                "keras_ring needs a C++17 compiler to build its TensorFlow op library, and $CXX "
+                f"({configured!r}) names none: {words[0]!r} is not an executable on PATH. Set CXX "
+                "to an installed compiler (or unset it to use g++, c++ or clang++ from PATH) "
+                f"and run: {REBUILD_COMMAND}"
+            )
+        return configured
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         raise BuildError(
             "keras_ring needs a C++17 compiler to build its TensorFlow op library, and none was "
             "found (looked for $CXX, g++, c++, clang++). Install one (e.g. 'apt-get install g++') "
             f"and run: {REBUILD_COMMAND}"
         )
-    return cxx
+    return shlex.quote(cxx)  # a command like $CXX: a path with spaces stays one word
 
 
-def _compile(cxx: str, flags: list[str], src: Path, obj: Path) -> str:
-    cmd = [cxx, *flags, "-c", str(src), "-o", str(obj)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+class _Children:
+    """The compilers and the linker of one build, each in a process group of its own, so that
+    a build that stops (Ctrl-C, SIGTERM, a failed source) stops them all, down to cc1plus."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen[str]] = set()
+        self._stopped = False
+
+    def run(self, cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        proc: subprocess.Popen[str] | None = None
+        try:
+            # Started under the lock: stop() either sees a child or keeps it from starting.
+            with self._lock:
+                if self._stopped:
+                    raise BuildError("the build was stopped")
+                try:
+                    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True, process_group=0)
+                except OSError as e:
+                    raise BuildError(f"could not run {shlex.join(cmd[:1])}: {e}") from None
+                self._running.add(proc)
+            out, err = proc.communicate()
+        except BaseException:
+            if proc is not None:
+                self._kill(proc)
+                proc.wait()
+            raise
+        finally:
+            if proc is not None:
+                with self._lock:
+                    self._running.discard(proc)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for proc in self._running:
+                self._kill(proc)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[str]) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)  # the driver, cc1plus and as alike
+
+
+def _compile(cxx: str, flags: list[str], src: Path, obj: Path,
+             children: _Children | None = None) -> str:
+    cmd = [*shlex.split(cxx), *flags, "-c", str(src), "-o", str(obj)]
+    proc = (children or _Children()).run(cmd)
     if proc.returncode != 0:
-        raise BuildError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{proc.stderr}")
+        raise BuildError(f"compiling {src.name} failed:\n{shlex.join(cmd)}\n{proc.stderr}")
     return proc.stderr  # warnings, if any
 
 
@@ -127,16 +233,25 @@ def _compile_and_link(cxx: str, flags: list[str], link_flags: list[str], tmp: Pa
     """Compiles every source in parallel and links them in ``tmp``; warnings are printed."""
     srcs = sources()
     objs = [tmp / (s.parent.name + "_" + s.stem + ".o") for s in srcs]
+    children = _Children()
     with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 2) as pool:
-        warnings = list(pool.map(lambda so: _compile(cxx, flags, *so), zip(srcs, objs)))
+        try:
+            warnings = list(pool.map(lambda so: _compile(cxx, flags, *so, children),
+                                     zip(srcs, objs)))
+        except BaseException:
+            # Ctrl-C, SIGTERM or a failed source: the other compilers stop now, not when done.
+            children.stop()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     for w in warnings:
         if w.strip():
             print(w, file=sys.stderr)
     lib = tmp / LIB_NAME
-    cmd = [cxx, "-shared", "-o", str(lib), *map(str, objs), *link_flags, "-pthread", "-ldl"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [*shlex.split(cxx), "-shared", "-o", str(lib), *map(str, objs), *link_flags,
+           "-pthread", "-ldl"]
+    proc = children.run(cmd)
     if proc.returncode != 0:
-        raise BuildError(f"linking failed:\n{' '.join(cmd)}\n{proc.stderr}")
+        raise BuildError(f"linking failed:\n{shlex.join(cmd)}\n{proc.stderr}")
     return lib
 
 
@@ -158,11 +273,71 @@ def build_inputs() -> tuple[dict, str, list[str], list[str]]:
     return want, _compiler(), flags, link_flags
 
 
+def _unwritable(what: str, path: Path, e: OSError) -> BuildError:
+    return BuildError(
+        f"could not {what} {path} ({e.strerror or e}). Set KERAS_RING_OPS_DIR to a writable "
+        "directory: the op library is built and loaded there."
+    )
+
+
+def _make_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. HOME=/nonexistent with a read-only package directory
+        raise _unwritable("create the op library directory", out_dir, e) from None
+
+
+def _publish(dest: Path, write: Callable[[Path], object]) -> None:
+    """Writes ``dest`` through a staged file and an atomic rename: processes that already
+    loaded the old file keep their mapping, and another user's file in a shared directory
+    is replaced, not opened for writing."""
+    staged = dest.parent / f".{dest.name}.{os.getpid()}"
+    try:
+        write(staged)
+        os.replace(staged, dest)
+    except OSError as e:
+        raise _unwritable("write", dest, e) from None
+    finally:
+        with contextlib.suppress(OSError):
+            staged.unlink(missing_ok=True)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived during a build (see :func:`_terminate_cleanly`)."""
+
+
+@contextlib.contextmanager
+def _terminate_cleanly() -> Iterator[None]:
+    """SIGTERM (a scheduler, mpirun, kill) unwinds a build the way Ctrl-C does, so that its
+    compilers and temporary directory go too, then ends the process as SIGTERM would have.
+
+    Only where Python can take the signal (the main thread) and nobody else handles it.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL):
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def build(out_dir: Path | None = None, verbose: bool = True, jobs: int | None = None) -> Path:
     """Compiles and links the op library (or takes this exact build from the build cache);
     returns its path. Warnings are printed."""
-    out_dir = out_dir or default_output_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_dir or _build_dir()
+    _make_dir(out_dir)
     want, cxx, flags, link_flags = build_inputs()
     lib = library_path(out_dir)
     if verbose:
@@ -170,38 +345,53 @@ def build(out_dir: Path | None = None, verbose: bool = True, jobs: int | None = 
               file=sys.stderr)
     entry = build_cache.key(want, cxx, flags, link_flags)
     cached = build_cache.lookup(entry)
-    with tempfile.TemporaryDirectory(prefix="keras_ring_build_") as tmp:
+    with _terminate_cleanly(), tempfile.TemporaryDirectory(prefix="keras_ring_build_") as tmp:
         built = cached or _compile_and_link(cxx, flags, link_flags, Path(tmp), jobs)
         if not cached:
             build_cache.store(entry, built)
-        # Atomic replace: processes that already loaded the old file keep their mapping.
-        staged = out_dir / f".{LIB_NAME}.{os.getpid()}"
-        shutil.copyfile(built, staged)
-        os.replace(staged, lib)
-    _stamp_path(lib).write_text(json.dumps(want))
+        _publish(lib, lambda staged: shutil.copyfile(built, staged))
+    _publish(_stamp_path(lib), lambda staged: staged.write_text(json.dumps(want)))
     if verbose:
         origin = f" (from the build cache, {cached.parent})" if cached else ""
         print(f"keras_ring: built {lib}{origin}", file=sys.stderr)
     return lib
 
 
+def _open_lock(out_dir: Path) -> int:
+    path = out_dir / ".build.lock"
+    try:
+        # Mode 0666 less the umask: in a directory shared by a group, the group can write it.
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except PermissionError:
+        pass  # another user's lock file (or a read-only directory)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # flock needs no write access
+    except OSError as e:
+        raise _unwritable("create the build lock", path, e) from None
+
+
 @contextlib.contextmanager
-def _build_lock(out_dir: Path):
+def _build_lock(out_dir: Path) -> Iterator[None]:
     """Serialises builds: N ranks importing at once must not compile N times."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".build.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    _make_dir(out_dir)
+    fd = _open_lock(out_dir)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def ensure_built(out_dir: Path | None = None, force: bool = False) -> Path:
     """Returns the path of a library that matches this TensorFlow, building it if needed."""
-    out_dir = out_dir or default_output_dir()
-    lib = library_path(out_dir)
     want = stamp()
+    if out_dir is None:
+        # A forced rebuild cannot go into a read-only package directory.
+        out_dir = _build_dir() if force else default_output_dir(want)
+    lib = library_path(out_dir)
     if not force and is_current(lib, want):
         return lib
     with _build_lock(out_dir):
@@ -221,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the default; kept for scripts that pass it")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args(argv)
-    lib = library_path(args.out_dir or default_output_dir())
-    current = not args.force and is_current(lib, stamp())
     try:
+        want = stamp()
+        current = not args.force and is_current(
+            library_path(args.out_dir or default_output_dir(want)), want)
         path = ensure_built(args.out_dir, force=args.force)
     except BuildError as e:
         print(f"keras_ring: {e}", file=sys.stderr)

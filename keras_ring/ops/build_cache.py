@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,18 +39,26 @@ def cache_dir() -> Path | None:
         return None
     if configured:
         return Path(configured).expanduser()
-    return user_cache() / "builds"
+    try:
+        return user_cache() / "builds"
+    except RuntimeError:  # no home directory: no cache, as when it is turned off
+        return None
 
 
 def _compiler_identity(cxx: str) -> str:
-    """The compiler's resolved path and its version banner: a new compiler is a new key."""
-    path = shutil.which(cxx) or cxx
+    """The compiler's resolved path, the launcher or flags $CXX holds with it ("ccache g++",
+    "g++ -m64") and its version banner: a new compiler is a new key."""
     try:
-        banner = subprocess.run([path, "--version"], capture_output=True, text=True,
+        words = shlex.split(cxx) or [cxx]
+    except ValueError:
+        words = [cxx]
+    path = shutil.which(words[0]) or words[0]
+    try:
+        banner = subprocess.run([path, *words[1:], "--version"], capture_output=True, text=True,
                                 timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         banner = ""
-    return f"{os.path.realpath(path)}\n{banner}"
+    return "\n".join([os.path.realpath(path), *words[1:], banner])
 
 
 def _linked_files(link_flags: list[str]) -> list[str]:

@@ -76,6 +76,22 @@ def test_everything_that_goes_into_the_library_is_in_the_key(tmp_path):
     assert len({base, *variants}) == 1 + len(variants), variants
 
 
+def test_a_cxx_with_a_launcher_is_keyed_by_the_compiler_behind_it(tmp_path):
+    # CXX="ccache g++": the version banner is the compiler's, read through the launcher, and
+    # the words after the launcher (compiler, flags) are part of the key.
+    stamp = {"tf_version": "2.18.0", "sources": "abc", "python": "3.11.2"}
+    compiler = tmp_path / "g++"
+    compiler.write_text("#!/bin/sh\necho 'g++ (Other) 99.1'\n")
+    compiler.chmod(0o755)
+    launcher = tmp_path / "launcher"
+    launcher.write_text('#!/bin/sh\nexec "$@"\n')
+    launcher.chmod(0o755)
+    assert "g++ (Other) 99.1" in build_cache._compiler_identity(f"{launcher} {compiler}")
+    keys = {build_cache.key(stamp, cxx, ["-O3"], []) for cxx in
+            (str(compiler), f"{launcher} {compiler}", f"{launcher} {compiler} -m64")}
+    assert len(keys) == 3
+
+
 def test_a_framework_library_reinstalled_in_place_is_another_key(tmp_path):
     stamp = {"tf_version": "2.18.0", "sources": "abc", "python": "3.11.2"}
     framework = tmp_path / "libtensorflow_framework.so.2"
