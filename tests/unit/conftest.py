@@ -1,4 +1,5 @@
 import os
+import select
 import sys
 from collections import Counter
 from pathlib import Path
@@ -50,3 +51,15 @@ def clean_env():
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONPATH"] = str(ROOT)
     return env
+
+
+def ends_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` (not our child) ends within ``seconds``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], seconds)[0])  # readable once it has ended
+    finally:
+        os.close(fd)

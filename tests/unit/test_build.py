@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from keras_ring.ops import build, loader
+from tests.unit.conftest import ends_within
 
 REPO = Path(build.__file__).resolve().parents[2]
 
@@ -246,18 +247,6 @@ def test_a_cxx_that_is_not_installed_gets_the_missing_compiler_error(monkeypatch
     assert "-m keras_ring.ops" in message
 
 
-def _wait_for_exit(pid: int, timeout: float) -> bool:
-    """Whether process ``pid`` (not our child) exits within ``timeout`` seconds."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])  # readable once it has exited
-    finally:
-        os.close(fd)
-
-
 def test_sigterm_stops_the_compilers_and_removes_the_build_directory(tmp_path):
     # A scheduler or mpirun ending a rank mid-build: the compilers (and what they started, as
     # g++ starts cc1plus) must not run on for a minute, nor their temporary directory stay.
@@ -294,7 +283,7 @@ def test_sigterm_stops_the_compilers_and_removes_the_build_directory(tmp_path):
         assert list(tmp_path.joinpath("tmp").glob("keras_ring_build_*"))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
-        assert all(_wait_for_exit(pid, 10) for pid in pids), "compilers outlived the build"
+        assert all(ends_within(pid, 10) for pid in pids), "compilers outlived the build"
         assert not list(tmp_path.joinpath("tmp").iterdir()), "the build directory was left"
     finally:
         os.close(fifo)

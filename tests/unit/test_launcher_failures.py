@@ -7,7 +7,6 @@ without TensorFlow, so these tests stay fast.
 
 import mmap
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 
 from keras_ring import _mpich_shm
 
+from tests.unit.conftest import ends_within
 from tests.unit.launcher_support import GUARD, LAUNCHER, launch, run, rank_program
 
 
@@ -359,18 +359,6 @@ def test_only_the_jobs_segments_nobody_holds_made_since_it_began_are_removed(tmp
         p.name for p in (mapped, opened, others, renewed, other))
 
 
-def _ends_within(pid: int, seconds: float) -> bool:
-    """Whether process ``pid`` (not our child) ends within ``seconds``."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], seconds)[0])  # readable once it has ended
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
 def test_a_launcher_killed_or_hung_up_on_ends_every_rank(mpirun, clean_env, tmp_path, sig):
     # mpirun runs in a session of its own, so the launcher's end did not reach it: after a
@@ -384,7 +372,7 @@ def test_a_launcher_killed_or_hung_up_on_ends_every_rank(mpirun, clean_env, tmp_
     pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=GUARD)
-    left = [pid for pid in pids if not _ends_within(pid, GUARD)]
+    left = [pid for pid in pids if not ends_within(pid, GUARD)]
     for pid in left:  # not to leave them to the tests after this one
         os.kill(pid, signal.SIGKILL)
     assert left == [], err
@@ -430,7 +418,7 @@ def test_output_that_cannot_be_written_stops_the_job_saying_so(mpirun, clean_env
     assert "keras-ring-run: cannot write the job's output to its stdout: " in err, err
     pids = [int(line.split()[-1]) for line in err.splitlines() if " up " in line]
     assert len(pids) == 2, err
-    assert all(_ends_within(pid, GUARD) for pid in pids), err
+    assert all(ends_within(pid, GUARD) for pid in pids), err
 
 
 def test_a_background_launcher_still_stops_the_job_on_sigint(mpirun, clean_env, tmp_path):
