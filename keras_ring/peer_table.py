@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from keras_ring import interfaces
 from keras_ring._errors_base import InitError
 from keras_ring.config import Config
+
+if TYPE_CHECKING:
+    from keras_ring.rendezvous import LateClaims
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class PeerTable:
     # (init(comm=...)); None where the ranks are MPI_COMM_WORLD's or there is no MPI.
     world_ranks: list[int] | None = None
     # Rank 0's rendezvous port, held while the process lives (rendezvous.LateClaims), or None.
-    late_claims: Any = None
+    late_claims: LateClaims | None = None
 
     def close(self) -> None:
         if self.listener is not None:

@@ -196,10 +196,14 @@ def from_env(config: Config) -> PeerTable | None:
             return build_table(s.rank, peers, token, listener)
         peers, token, server = _serve(s.size, rendezvous, offer, deadline, s.start_timeout,
                                       keep_server=True)
+        try:
+            table = build_table(s.rank, peers, token, listener)
+        except BaseException:
+            server.close()
+            raise
     except BaseException:
         listener.close()
         raise
-    table = build_table(s.rank, peers, token, listener)
     table.late_claims = LateClaims(server, s.size, describe(rendezvous), host_id)
     return table
 
@@ -437,7 +441,15 @@ class LateClaims:
     def __init__(self, server: socket.socket, size: int, where: str, host_id: str) -> None:
         self._server, self._size, self._where, self._host_id = server, size, where, host_id
         self.on_claim: Callable[[str], None] | None = None
+        # The first claim that fails the job, kept: one that came before the runtime could
+        # fail (init() still connecting, or between shutdown() and the next init()) is acted
+        # on by the next init() (see Runtime.init), on_claim being only the quick path.
+        self.claimed: str | None = None
         server.settimeout(None)
+        # A process forked from rank 0 (a data loader's worker) would hold the port after
+        # rank 0 ends, and connections would queue there unanswered: the child closes its
+        # copy (only the descriptor: shutdown() would stop the parent's accept too).
+        os.register_at_fork(after_in_child=server.close)
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name="keras_ring rendezvous: late claims")
         self._thread.start()
@@ -468,13 +480,17 @@ class LateClaims:
             f"{self._host_id}, formed already without this process ({RANK_VARIABLE}={rank}, "
             f"{SIZE_VARIABLE}={size}): do two jobs share that rendezvous? Give each job its "
             "own port")})
-        if size == self._size and self.on_claim is not None:
-            self.on_claim(
-                f"keras_ring: rank {rank} of this job was claimed again after the job formed, "
-                f"by a process on host {host} at {self._where} ({RENDEZVOUS_VARIABLE}): two "
-                f"jobs share that rendezvous, so one rank of this job may be the other job's "
-                "process, and collectives so far may have mixed the two jobs' data. Give "
-                "each job its own port")
+        if size != self._size:
+            return
+        reason = (f"keras_ring: rank {rank} of this job was claimed again after the job formed, "
+                  f"by a process on host {host} at {self._where} ({RENDEZVOUS_VARIABLE}): two "
+                  f"jobs share that rendezvous, so one rank of this job may be the other job's "
+                  "process, and collectives so far may have mixed the two jobs' data. Give "
+                  "each job its own port")
+        if self.claimed is None:
+            self.claimed = reason  # before on_claim: init() reads it after the runtime is up
+        if self.on_claim is not None:
+            self.on_claim(reason)
 
 
 # --- ranks 1.. -------------------------------------------------------------------------------

@@ -129,11 +129,7 @@ class Runtime:
             if table is None:
                 table = world = self._next_elastic_world(config)
             if table is None:
-                if self._table is None:
-                    self._table = bootstrap(config)
-                    if self._table.late_claims is not None:
-                        self._table.late_claims.on_claim = self.fail_job
-                table = self._table
+                table = self._bootstrapped(config)
             try:
                 threads.configure(table.topology.local_size, config.intra_op_threads)
                 gpu.configure(lib, table.topology)  # before TensorFlow starts its GPUs
@@ -157,6 +153,16 @@ class Runtime:
                 atexit.register(self._at_exit)
                 _chain_excepthook(self)
                 self._atexit_registered = True
+        if table.late_claims is not None and table.late_claims.claimed is not None:
+            self.fail_job(table.late_claims.claimed)  # claimed before the runtime could fail
+
+    def _bootstrapped(self, config: Config) -> PeerTable:
+        """This process's table from its launcher, bootstrapped once and kept."""
+        if self._table is None:
+            self._table = bootstrap(config)
+            if self._table.late_claims is not None:
+                self._table.late_claims.on_claim = self.fail_job
+        return self._table
 
     def _comm_table(self, config: Config, comm: Any) -> PeerTable | None:
         """The table of ``init(comm=...)``'s job, bootstrapped afresh; None where ``comm`` is

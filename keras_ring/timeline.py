@@ -215,8 +215,11 @@ def write(path: str, topology: Topology, lib: Library) -> None:
             _save(Path(path), lambda: _trace(((0, e) for e in events), [0]))
             return
         try:
-            gathered = _gather_on_root(events, topology)
-        except Exception:  # a peer is gone: keep what this rank has
+            gathered = _gather_on_root(events, topology, Path(path).parent)
+        except Exception as e:  # a peer is gone, say: keep what this rank has
+            warnings.warn(f"keras_ring: KERAS_RING_TIMELINE: the ranks' events could not be "
+                          f"gathered ({type(e).__name__}: {e}); each rank writes its own",
+                          RuntimeWarning, stacklevel=2)
             rank = topology.rank
             _save(Path(f"{os.path.splitext(path)[0]}.rank{rank}.json"),
                   lambda: _trace(((rank, e) for e in events), [rank]))
@@ -234,16 +237,23 @@ def write(path: str, topology: Topology, lib: Library) -> None:
 _ROUND_BYTES = 8 << 20
 
 
-def _gather_on_root(events: _RankEvents, topology: Topology) -> IO[bytes] | None:
+def _gather_on_root(events: _RankEvents, topology: Topology, beside: Path
+                    ) -> IO[bytes] | None:
     """Sends this rank's events to rank 0 in rounds of bounded size; rank 0 returns a file of
-    every rank's lines, each led by its rank (read from its start), the others None."""
+    every rank's lines, each led by its rank (read from its start), the others None. Rank 0's
+    file is in the temp directory, else in ``beside`` (the trace's, which init() checked)."""
     import numpy as np
 
     from keras_ring import collectives, scatter
 
     piece = max(_ROUND_BYTES // topology.size, 64 << 10)
     lines = iter(events)
-    received = tempfile.TemporaryFile(prefix="keras_ring_timeline.") if topology.rank == 0 else None
+    received = None
+    if topology.rank == 0:
+        try:
+            received = tempfile.TemporaryFile(prefix="keras_ring_timeline.")
+        except OSError:
+            received = tempfile.TemporaryFile(prefix=".keras_ring_timeline.", dir=beside)
     try:
         more = True
         while True:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -174,8 +175,11 @@ def _compiler() -> str:
 
 
 class _Children:
-    """The compilers and the linker of one build, each in a process group of its own, so that
-    a build that stops (Ctrl-C, SIGTERM, a failed source) stops them all, down to cc1plus."""
+    """The compilers and the linker of one build, so that a build that stops (Ctrl-C,
+    SIGTERM, a failed source) stops them all, down to what they started (cc1plus, as).
+
+    They stay in this process's group: a launcher that ends a rank by killing its group
+    (keras-ring-run's guard, mpirun) must reach them too."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -191,7 +195,7 @@ class _Children:
                     raise BuildError("the build was stopped")
                 try:
                     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            text=True, process_group=0)
+                                            text=True)
                 except OSError as e:
                     raise BuildError(f"could not run {shlex.join(cmd[:1])}: {e}") from None
                 self._running.add(proc)
@@ -215,8 +219,22 @@ class _Children:
 
     @staticmethod
     def _kill(proc: subprocess.Popen[str]) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)  # the driver, cc1plus and as alike
+        for pid in [*_descendants(proc.pid), proc.pid]:  # cc1plus first: the driver waits on it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs (Linux's /proc children lists)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
 
 
 def _compile(cxx: str, flags: list[str], src: Path, obj: Path,
@@ -235,9 +253,15 @@ def _compile_and_link(cxx: str, flags: list[str], link_flags: list[str], tmp: Pa
     objs = [tmp / (s.parent.name + "_" + s.stem + ".o") for s in srcs]
     children = _Children()
     with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 2) as pool:
+        futures = [pool.submit(_compile, cxx, flags, src, obj, children)
+                   for src, obj in zip(srcs, objs)]
         try:
-            warnings = list(pool.map(lambda so: _compile(cxx, flags, *so, children),
-                                     zip(srcs, objs)))
+            # At the first failed source, not when the sources before it are done.
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            failed = next((f.exception() for f in futures if f.done() and f.exception()), None)
+            if failed is not None:
+                raise failed
+            warnings = [f.result() for f in futures]
         except BaseException:
             # Ctrl-C, SIGTERM or a failed source: the other compilers stop now, not when done.
             children.stop()
@@ -362,8 +386,10 @@ def _open_lock(out_dir: Path) -> int:
     try:
         # Mode 0666 less the umask: in a directory shared by a group, the group can write it.
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    except PermissionError:
-        pass  # another user's lock file (or a read-only directory)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise _unwritable("create the build lock", path, e) from None
+        # another user's lock file, a read-only directory or file system
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # flock needs no write access
     except OSError as e:

@@ -280,6 +280,9 @@ def test_sigterm_stops_the_compilers_and_removes_the_build_directory(tmp_path):
             assert select.select([fifo], [], [], 120)[0], "the compilers did not start"
             text += os.read(fifo, 4096)
         pids = [int(p) for p in text.split()]
+        # In the rank's process group: a launcher that kills it (keras-ring-run's guard,
+        # mpirun) reaches the compilers too, where no cleanup of the build can run.
+        assert {os.getpgid(pid) for pid in pids} == {os.getpgid(proc.pid)}
         assert list(tmp_path.joinpath("tmp").glob("keras_ring_build_*"))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()

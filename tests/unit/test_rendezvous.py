@@ -5,6 +5,7 @@ the exchange's consistency checks run in threads of this process, which is faste
 """
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -256,12 +257,24 @@ def test_late_claims_are_refused_and_only_a_claim_of_this_size_fails_the_job():
     joined.join(GUARD)
     claims: list[str] = []
     guard = rv.LateClaims(server, 2, "127.0.0.1:x", "h")
-    guard.on_claim = claims.append
+
+    def claim(size: int, host: str) -> None:
+        with pytest.raises(kr.InitError, match="formed already without this process"):
+            rv._join(1, size, rendezvous, rv.Offer(host, 3), time.monotonic() + 10, 10.0)
+
     try:
-        for size in (3, 2):  # another job's shape, then this job's
-            with pytest.raises(kr.InitError, match="formed already without this process"):
-                rv._join(1, size, rendezvous, rv.Offer("late", 3), time.monotonic() + 10, 10.0)
+        claim(3, "other")  # another job's shape: refused, this job left alone
+        assert guard.claimed is None
+        claim(2, "early")  # before the runtime could fail (init() still connecting): kept
+        assert "by a process on host early" in guard.claimed, guard.claimed
+        guard.on_claim = claims.append
+        claim(2, "late")
         assert len(claims) == 1 and "by a process on host late" in claims[0], claims
+        assert "host early" in guard.claimed  # the first one stays
+        child = os.fork()  # a data loader's worker, say: it must not hold rank 0's port
+        if child == 0:
+            os._exit(0 if guard._server.fileno() == -1 else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
         with pytest.raises(kr.InitError, match="could not listen"):  # the port stays held
             rv.exchange(0, 2, rendezvous, rv.Offer("h", 4), timeout=1.0)
     finally:

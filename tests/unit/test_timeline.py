@@ -57,7 +57,9 @@ def test_timeline_is_valid_and_complete(tmp_path, mpirun, clean_env):
 
 
 SPILLING = """
-import os, tensorflow as tf, keras_ring as kr
+import os, tempfile, tensorflow as tf, keras_ring as kr
+if os.environ.get("NO_TEMP"):
+    tempfile.tempdir = "/nonexistent-keras-ring-tmp"  # a full or read-only temp directory
 if os.environ.get("PMI_RANK") == os.environ.get("NO_TIMELINE"):
     del os.environ["KERAS_RING_TIMELINE"]  # shuts down at once: the others cannot gather
 kr.init()
@@ -106,3 +108,15 @@ def test_where_the_ranks_cannot_gather_rank_0_writes_its_own_spilled_events(tmp_
     events = json.loads((tmp_path / "trace.rank0.json").read_text())["traceEvents"]
     _check_complete(events, 0)
     assert {e["tid"] for e in events} == {0}
+
+
+def test_without_a_temp_directory_the_events_stay_in_memory_and_still_reach_the_trace(
+        tmp_path, mpirun, clean_env):
+    proc = _run_spilling(tmp_path, mpirun, clean_env, NO_TEMP="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no file for the events in the temp directory" in proc.stderr, proc.stderr[-3000:]
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        _check_complete(events, rank)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "job.py", "spilled.0", "spilled.1", "trace.json"]  # rank 0's gathering file is gone
