@@ -193,7 +193,16 @@ class Runtime:
             if not elastic_client.requested():
                 return None
             self._elastic = elastic_client.ElasticClient(config)
-        return self._elastic.next_world()
+        try:
+            return self._elastic.next_world()
+        except elastic_client.JobFinishedError as e:
+            if self._generation > 0:
+                raise
+            # Started as training ended (discovery found a slot late): not a failure, and a
+            # traceback under a job that succeeded would say it was.
+            print(f"keras_ring.elastic: {e}: this worker, which never trained, exits",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
 
     @property
     def elastic(self) -> elastic_client.ElasticClient | None:

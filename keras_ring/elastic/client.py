@@ -33,6 +33,10 @@ class RendezvousError(InitError):
     ``--min-np`` too long), finished, or no longer counts this worker."""
 
 
+class JobFinishedError(RendezvousError):
+    """The job finished training before this worker joined a world: nothing is left for it."""
+
+
 class WorkerRemovedError(RendezvousError):
     """The elastic rendezvous no longer counts this worker in the job."""
 
@@ -89,7 +93,8 @@ class ElasticClient:
             reply = self._request({"op": "join", "offer": asdict(offer)},
                                   self.elastic_timeout + 60.0, "joining the next world")
             if "error" in reply:
-                raise RendezvousError(f"worker {self.worker_id}: {reply['error']}")
+                error = JobFinishedError if reply.get("finished") else RendezvousError
+                raise error(f"worker {self.worker_id}: {reply['error']}")
             peers = [Peer(p["host_id"], p["address"], int(p["port"]), p["stack"])
                      for p in reply["peers"]]
             self.generation = int(reply["generation"])

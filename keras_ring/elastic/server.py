@@ -238,7 +238,8 @@ class WorldServer:
             return
         if self.finished:  # nothing to train any more: newcomers must not start afresh
             for worker in joining:
-                _tell(worker.conn, {"error": "the job finished training; no world forms"})
+                _tell(worker.conn, {"error": "the job finished training; no world forms",
+                                    "finished": True})
                 worker.offer = None
             return
         limits = self.limits

@@ -4,6 +4,8 @@ worlds form, who gets which rank, who waits, who is refused. Real TCP on loopbac
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 
@@ -153,6 +155,26 @@ def test_after_training_finished_no_world_forms_for_a_newcomer(make_server):
     a.close()
     b.close()  # the members leave; the newcomer alone must not start training afresh
     assert "the job finished training" in c.world()["error"]
+
+
+def test_a_worker_that_starts_after_training_finished_exits_quietly(make_server, clean_env):
+    # Discovery found a slot as training ended: the worker's init() has no world to give it.
+    # It printed a RendezvousError traceback under a job that succeeded.
+    server = make_server(min_np=1, max_np=3, initial_np=2)
+    a, b = first_world(server, "a", "b")
+    assert a.ask({"op": "finished"}) == {"ok": True}
+    env = dict(clean_env, KERAS_RING_ELASTIC_RENDEZVOUS=f"127.0.0.1:{server.port}",
+               KERAS_RING_ELASTIC_SECRET=SECRET, KERAS_RING_ELASTIC_WORKER="late")
+    proc = subprocess.run([sys.executable, "-c", "import keras_ring; keras_ring.init(); "
+                           "print('trained')"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    a.close()
+    b.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained" not in proc.stdout
+    assert ("keras_ring.elastic: worker late: the job finished training; no world forms: this "
+            "worker, which never trained, exits") in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_no_world_forms_of_newcomers_once_every_worker_holding_the_state_is_gone(make_server):
