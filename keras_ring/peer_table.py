@@ -8,15 +8,22 @@ runtime connects the ranks from it. Nothing here imports TensorFlow or MPI.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from keras_ring import interfaces
 from keras_ring._errors_base import InitError
 from keras_ring.config import Config
 
-if TYPE_CHECKING:
-    from keras_ring.rendezvous import LateClaims
+
+class RendezvousGuard(Protocol):
+    """What the peer table holds of a rendezvous kept open (rendezvous.LateClaims)."""
+
+    claimed: str | None  # why the job must fail, once a rank was claimed again
+    on_claim: Callable[[str], None] | None
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class PeerTable:
     # (init(comm=...)); None where the ranks are MPI_COMM_WORLD's or there is no MPI.
     world_ranks: list[int] | None = None
     # Rank 0's rendezvous port, held while the process lives (rendezvous.LateClaims), or None.
-    late_claims: LateClaims | None = None
+    late_claims: RendezvousGuard | None = None
 
     def close(self) -> None:
         if self.listener is not None:

@@ -244,7 +244,8 @@ def _gather_on_root(events: _RankEvents, topology: Topology, beside: Path
     file is in the temp directory, else in ``beside`` (the trace's, which init() checked)."""
     import numpy as np
 
-    from keras_ring import collectives, scatter
+    from keras_ring import collectives
+    from keras_ring.ops import wrappers  # scatter.alltoall sits in a layer above this one
 
     piece = max(_ROUND_BYTES // topology.size, 64 << 10)
     lines = iter(events)
@@ -259,8 +260,9 @@ def _gather_on_root(events: _RankEvents, topology: Topology, beside: Path
         while True:
             chunk, more = _next_piece(lines, piece) if more else (b"", False)
             splits = [len(chunk)] + [0] * (topology.size - 1)
-            data, counts = scatter.alltoall(np.frombuffer(chunk, np.uint8), splits=splits,
-                                            name="keras_ring.timeline")
+            data, counts = collectives._run(
+                wrappers.alltoall, tf.constant(np.frombuffer(chunk, np.uint8)),
+                tf.constant(splits, tf.int32), "keras_ring.timeline", 0)
             if received is not None:
                 _append_received(received, data.numpy().tobytes(), counts.numpy())
             if not int(collectives.allreduce(np.int32(more), op=collectives.Max,
