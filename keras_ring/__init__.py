@@ -110,14 +110,15 @@ def _start_timeline() -> None:
         timeline.SPILL.start(RUNTIME.library(), config.timeline_memory_events)
 
 
-def _write_timeline(config: Config, topology: Topology, lib: Library) -> None:
+def _write_timeline(config: Config, topology: Topology, lib: Library, failing: bool) -> None:
     if config.timeline_path is not None:
         from keras_ring import timeline
 
-        timeline.write(config.timeline_path, topology, lib)
+        timeline.write(config.timeline_path, topology, lib, gather=not failing)
 
 
-def _forget_bucket_tuning(config: Config, topology: Topology, lib: Library) -> None:
+def _forget_bucket_tuning(config: Config, topology: Topology, lib: Library,
+                          failing: bool) -> None:
     if "keras_ring._bucket_tuning" in sys.modules:  # imported by the Keras integration only
         sys.modules["keras_ring._bucket_tuning"].MEASURED.forget()
 

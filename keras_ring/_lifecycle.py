@@ -25,6 +25,8 @@ AFTER_WRAP: list[Callable[[], None]] = []
 # Run by keras_ring.init(process_sets=[...]) after AFTER_INIT, with that list.
 ADD_PROCESS_SETS: list[Callable[[list], None]] = []
 # Run by Runtime.shutdown() while the peers are still connected, with the runtime's config,
-# topology and library. A step that raises does not stop the others nor the shutdown: its
-# error becomes a warning once the runtime is down.
-BEFORE_SHUTDOWN: list[Callable[[Config, Topology, Library], None]] = []
+# topology and library, and whether the program is leaving with an error (then a step must
+# start no collective: the peers may wait in one of the program's, and would take it for a
+# mismatch instead of this rank's failure). A step that raises does not stop the others nor
+# the shutdown: its error becomes a warning once the runtime is down.
+BEFORE_SHUTDOWN: list[Callable[[Config, Topology, Library, bool], None]] = []

@@ -311,7 +311,7 @@ class Runtime:
                 if self._config is not None:
                     for step in _lifecycle.BEFORE_SHUTDOWN:  # the timeline's, say: see there
                         try:
-                            step(self._config, self._topology, library())
+                            step(self._config, self._topology, library(), error is not None)
                         except Exception as e:  # the other steps still run
                             failed.append(f"{type(e).__name__}: {e}")
             finally:

@@ -205,26 +205,30 @@ class _RankEvents:
         return fields[:3] + [str(int(x) + self._shift) for x in fields[3:7]] + fields[7:]
 
 
-def write(path: str, topology: Topology, lib: Library) -> None:
+def write(path: str, topology: Topology, lib: Library, gather: bool = True) -> None:
     """Gathers every rank's events on rank 0 and writes the trace (called by shutdown), its
-    times on the wall clock."""
+    times on the wall clock. Without ``gather`` (the program leaves with an error, and its
+    peers may wait in one of its collectives) each rank writes its own, as where a peer is
+    gone."""
     spilled = SPILL.stop(lib)
     try:
         events = _RankEvents(spilled, read_events(lib))
+        rank = topology.rank
         if topology.size == 1:
             _save(Path(path), lambda: _trace(((0, e) for e in events), [0]))
             return
-        try:
-            gathered = _gather_on_root(events, topology, Path(path).parent)
-        except Exception as e:  # a peer is gone, say: keep what this rank has
-            warnings.warn(f"keras_ring: KERAS_RING_TIMELINE: the ranks' events could not be "
-                          f"gathered ({type(e).__name__}: {e}); each rank writes its own",
-                          RuntimeWarning, stacklevel=2)
-            rank = topology.rank
+        gathered: IO[bytes] | None | bool = False  # False: each rank writes its own
+        if gather:
+            try:
+                gathered = _gather_on_root(events, topology, Path(path).parent)
+            except Exception as e:  # a peer is gone, say: keep what this rank has
+                warnings.warn(f"keras_ring: KERAS_RING_TIMELINE: the ranks' events could not "
+                              f"be gathered ({type(e).__name__}: {e}); each rank writes its "
+                              "own", RuntimeWarning, stacklevel=2)
+        if gathered is False:
             _save(Path(f"{os.path.splitext(path)[0]}.rank{rank}.json"),
                   lambda: _trace(((rank, e) for e in events), [rank]))
-            return
-        if gathered is not None:
+        elif gathered is not None:
             with gathered:
                 _save(Path(path), lambda: _trace(_received(gathered), range(topology.size)))
     finally:

@@ -66,6 +66,10 @@ kr.init()
 for i in range(60):
     kr.allreduce(tf.ones([10]), name=f"a{i}")
     kr.timeline.mark(tf.ones([1]), f"m{i}")
+if os.environ.get("RAISE") == str(kr.rank()):
+    raise RuntimeError("boom on this rank")  # the others wait in the next allreduce
+if os.environ.get("RAISE"):
+    kr.allreduce(tf.ones([10]), name="after")
 with open(os.environ["SPILLED_PREFIX"] + str(kr.rank()), "w") as f:  # stdout interleaves
     f.write(str(kr.timeline.SPILL.bytes))
 kr.shutdown()
@@ -120,3 +124,18 @@ def test_without_a_temp_directory_the_events_stay_in_memory_and_still_reach_the_
         _check_complete(events, rank)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "job.py", "spilled.0", "spilled.1", "trace.json"]  # rank 0's gathering file is gone
+
+
+def test_a_rank_leaving_with_an_error_gathers_nothing_and_its_peers_hear_the_error(
+        tmp_path, mpirun, clean_env):
+    # Its shutdown's gathering met the peers' allreduce: they reported an operation
+    # mismatch with the timeline's collective instead of this rank's error.
+    proc = _run_spilling(tmp_path, mpirun, clean_env, RAISE="1")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "rank 1 left with an error: RuntimeError: boom on this rank" in out, out[-4000:]
+    assert "mismatch" not in out, out[-4000:]
+    assert not (tmp_path / "trace.json").exists()
+    for rank in (0, 1):  # each rank's own events, none lost
+        events = json.loads((tmp_path / f"trace.rank{rank}.json").read_text())["traceEvents"]
+        _check_complete(events, rank)

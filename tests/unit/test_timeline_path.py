@@ -71,7 +71,7 @@ def test_a_relative_path_is_where_it_pointed_at_init(tmp_path, monkeypatch):
 
 
 def test_a_failing_shutdown_step_still_shuts_down_and_warns(monkeypatch):
-    def failing(config, topology, lib):
+    def failing(config, topology, lib, leaving_with_error):
         raise OSError("disk full")
 
     ran = []
