@@ -98,10 +98,10 @@ def _row(rank: int) -> list[dict[str, Any]]:
     ]
 
 
-def _event(rank: int, fields: list[str], shift: int = 0) -> list[dict[str, Any]]:
+def _event(rank: int, fields: list[str]) -> list[dict[str, Any]]:
     """The trace events of one recorded event (its phases and "done", or a mark)."""
     seq, label, nbytes, *times, ok, inlined = fields
-    t = [int(x) + shift for x in times]  # submitted, started, exchanged, done (microseconds)
+    t = [int(x) for x in times]  # submitted, started, exchanged, done (microseconds)
     if seq == "0":  # a mark
         return [{"ph": "i", "s": "t", "name": label, "cat": "mark", "pid": 0, "tid": rank,
                  "ts": t[0], "args": {"mark": label}}]
@@ -173,11 +173,6 @@ class SpillFile:
         spilled.seek(0)
         return spilled
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
 
 SPILL = SpillFile()
 
@@ -217,7 +212,6 @@ def write(path: str, topology: Topology, lib: Library, gather: bool = True) -> N
         if topology.size == 1:
             _save(Path(path), lambda: _trace(((0, e) for e in events), [0]))
             return
-        gathered: IO[bytes] | None | bool = False  # False: each rank writes its own
         if gather:
             try:
                 gathered = _gather_on_root(events, topology, Path(path).parent)
@@ -225,12 +219,14 @@ def write(path: str, topology: Topology, lib: Library, gather: bool = True) -> N
                 warnings.warn(f"keras_ring: KERAS_RING_TIMELINE: the ranks' events could not "
                               f"be gathered ({type(e).__name__}: {e}); each rank writes its "
                               "own", RuntimeWarning, stacklevel=2)
-        if gathered is False:
-            _save(Path(f"{os.path.splitext(path)[0]}.rank{rank}.json"),
-                  lambda: _trace(((rank, e) for e in events), [rank]))
-        elif gathered is not None:
-            with gathered:
-                _save(Path(path), lambda: _trace(_received(gathered), range(topology.size)))
+            else:
+                if gathered is not None:  # rank 0
+                    with gathered:
+                        _save(Path(path),
+                              lambda: _trace(_received(gathered), range(topology.size)))
+                return
+        _save(Path(f"{os.path.splitext(path)[0]}.rank{rank}.json"),
+              lambda: _trace(((rank, e) for e in events), [rank]))
     finally:
         if spilled is not None:
             spilled.close()
