@@ -82,6 +82,7 @@ void DigestSignature(const Signature& s, int size, uint64_t config, uint64_t dig
   if (kind == Kind::kJoin || kind == Kind::kAlltoall) *flags |= kFastNeedsTable;
   if (kind == Kind::kReducescatter && s.ndims == 0) *flags |= kFastNeedsTable;  // a scalar
   if (kind == Kind::kBroadcast && (s.root < 0 || s.root >= size)) *flags |= kFastNeedsTable;
+  if (s.concurrent) *flags |= kFastNeedsTable;  // CheckArguments fails it on every rank
   // NaN compares unequal to itself in the full check, while its bits digest equal.
   if (std::isnan(s.prescale) || std::isnan(s.postscale)) *flags |= kFastNeedsTable;
 }

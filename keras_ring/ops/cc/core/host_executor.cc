@@ -207,8 +207,7 @@ bool HostExecutor::PackInline(const Request& r, Slot* slot) const {
   if (r.kind == Kind::kAlltoall) {
     // Not the data but the splits ride along: [count][splits...], checked after the exchange
     // (on either placement: the splits are in host memory, and NCCL's alltoall needs them).
-    const size_t room = kInlineCapacity / sizeof(int64_t) - 1;
-    const int64_t n = r.splits.size() <= room ? static_cast<int64_t>(r.splits.size()) : -1;
+    const int64_t n = r.splits.size() <= kMaxInlineSplits ? static_cast<int64_t>(r.splits.size()) : -1;
     std::memcpy(slot->payload, &n, sizeof n);
     if (n > 0) std::memcpy(slot->payload + sizeof n, r.splits.data(), r.splits.size() * sizeof n);
     return false;
@@ -404,7 +403,13 @@ Status HostExecutor::AlltoallSplits(const std::vector<Signature>& sigs,
     auto fail = [&](const std::string& why) {
       return Status(Code::kInvalidArgument, label + ": rank " + std::to_string(p) + " " + why, p);
     };
-    if (n < 0) return fail("passed more splits than fit in a signature slot");
+    if (n < 0) {
+      return fail("passed more than " + std::to_string(kMaxInlineSplits) + " splits, more than "
+                  "a signature slot carries: splits need one entry per rank (" +
+                  std::to_string(size_) + " here), and explicit splits work up to " +
+                  std::to_string(kMaxInlineSplits) + " ranks (equal parts, splits=None, at "
+                  "any size)");
+    }
     if (n == 0) {
       if (rows % size_ != 0) {
         return fail("has " + std::to_string(rows) + " rows, which do not split evenly over " +

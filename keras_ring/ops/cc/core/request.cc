@@ -91,6 +91,7 @@ Signature SignatureOf(const Request& r, uint64_t seq) {
   s.comm = r.device_comm.ordinal;
   s.comm_new = r.device_comm.creates ? 1 : 0;
   s.gpu = r.device_comm.device;
+  s.concurrent = r.concurrent ? 1 : 0;
   s.SetName(r.name);
   if (r.kind == Kind::kJoin) {
     s.count = static_cast<int64_t>(r.joined_at);

@@ -64,6 +64,9 @@ struct Request {
   std::shared_ptr<DeviceTicket> device_ticket;  // with kDevice: the device executor's
   DeviceComm device_comm;                       // with kDevice: set by the device executor
   bool may_yield = false;  // waits may yield the core (an eager call; a chain: Runtime)
+  // Submitted while another request of this name was pending on this rank (set by Runtime):
+  // concurrent callers, whose order no rank shares. Its signature fails it on every rank.
+  bool concurrent = false;
   // Called exactly once: from the runtime's worker, from the submitting thread when the
   // runtime ran the request there (SubmitOrRun), or from Submit when it cannot take it.
   std::function<void(const Status&)> done;

@@ -209,7 +209,29 @@ Executor* Runtime::device_executor(
   return device_.get();
 }
 
+void Runtime::TrackName(Request& request) {
+  if (request.name.empty()) return;  // unnamed: the README's advice is a name per caller
+  {
+    std::lock_guard<std::mutex> lock(pending_names_->mu);
+    request.concurrent = pending_names_->count[request.name]++ > 0;
+  }
+  request.done = [names = pending_names_, name = request.name,
+                  done = std::move(request.done)](const Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(names->mu);
+      auto it = names->count.find(name);
+      if (--it->second == 0) names->count.erase(it);
+    }
+    done(s);
+  };
+}
+
 void Runtime::Submit(Request request) {
+  TrackName(request);
+  Enqueue(std::move(request));
+}
+
+void Runtime::Enqueue(Request request) {
   request.submitted = Clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -226,6 +248,7 @@ void Runtime::Submit(Request request) {
 }
 
 void Runtime::SubmitOrRun(Request request) {
+  TrackName(request);
   bool claimed = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -234,7 +257,7 @@ void Runtime::SubmitOrRun(Request request) {
       claimed = true;
     }
   }
-  if (!claimed) return Submit(std::move(request));  // the queue keeps the order
+  if (!claimed) return Enqueue(std::move(request));  // the queue keeps the order
   request.submitted = Clock::now();
   bool deferred = false;
   const Status s = RunOne(request, &deferred);

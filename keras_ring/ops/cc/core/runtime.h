@@ -18,6 +18,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "algorithms.h"
@@ -175,6 +176,16 @@ class Runtime {
   std::unique_ptr<HostExecutor> host_;
   std::mutex device_mu_;
   std::unique_ptr<Executor> device_;
+
+  // Marks a named request submitted while another of its name is pending here (concurrent
+  // callers: Request::concurrent) and counts it until its done() runs.
+  void TrackName(Request& request);
+  void Enqueue(Request request);
+  struct PendingNames {  // shared with each tracked done(), which a device may run late
+    std::mutex mu;
+    std::unordered_map<std::string, int> count;
+  };
+  std::shared_ptr<PendingNames> pending_names_ = std::make_shared<PendingNames>();
 
   std::mutex mu_;
   std::condition_variable cv_;  // the worker's: a request queued, executing_ cleared, a stop

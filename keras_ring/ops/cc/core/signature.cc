@@ -287,6 +287,19 @@ Status CheckJoined(const std::vector<Signature>& all, const std::vector<int>& ac
 // a scalar to split): an error that names rank r, the same on every rank.
 Status CheckArguments(const Signature& s, int r, int size) {
   const Kind kind = static_cast<Kind>(s.kind);
+  if (s.concurrent) {
+    // Its name pairs it with whichever same-named call another rank submitted at this
+    // position: with concurrent callers that need not be the same call (tf.data's parallel
+    // map gave each element another rank's neighbour's sum, silently, before this check).
+    return Status(Code::kFailedPrecondition,
+                  s.Label() + ": rank " + std::to_string(r) + " submitted it while another "
+                      "collective of that name was still pending there. Calls running at once "
+                      "(from several threads, a tf.data map with num_parallel_calls, one "
+                      "tf.function run by several threads) have no order the ranks share, so "
+                      "they would pair wrongly: run them one at a time, or give each "
+                      "concurrent call its own name",
+                  r);
+  }
   if (kind == Kind::kBroadcast && s.root <= kRootNotInSet) {
     return Status(Code::kInvalidArgument,
                   s.Label() + ": root_rank " + std::to_string(kRootNotInSet - s.root) +

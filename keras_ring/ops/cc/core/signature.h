@@ -49,6 +49,9 @@ struct Signature {
   int32_t comm = -1;
   int32_t comm_new = 0;
   int32_t gpu = -1;
+  // 1: this rank submitted it while another collective of its name was pending (Request).
+  int32_t concurrent = 0;
+  int32_t unused = 0;  // keeps the layout free of padding (slots travel as bytes)
   int64_t dims[kMaxSignatureDims] = {};
   uint64_t layout_hash = 0;  // dims beyond the 8th; grouped: dtypes and counts of all tensors
   double prescale = 1.0;
@@ -70,6 +73,9 @@ struct Slot {
 constexpr size_t kInlineCapacity = sizeof(Slot::payload);
 static_assert(sizeof(Slot) == kSlotBytes, "Slot must have a fixed size on every rank");
 static_assert(kInlineCapacity >= 4096, "4 KiB collectives should complete inline");
+// Alltoall's splits ride in the slot after their count: explicit splits for at most this many
+// ranks.
+constexpr size_t kMaxInlineSplits = kInlineCapacity / sizeof(int64_t) - 1;
 
 struct AlgoConfig;
 

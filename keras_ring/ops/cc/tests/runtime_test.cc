@@ -314,6 +314,58 @@ TEST(Runtime_RequestQueuedDuringAnInlineCollectiveRuns) {
   CHECK_EQ(y0, 30);
 }
 
+// Two requests of one name pending on a rank at once came from concurrent callers (a tf.data
+// map with num_parallel_calls): each rank may have submitted them in another order, and a
+// name alone would pair them. The later one fails on every rank, naming the rank; the first
+// runs, and afterwards the name is free again. Rank 1 starts only once rank 0 has submitted
+// both, so rank 0's first is certainly still pending when its second arrives.
+TEST(Runtime_ANameSubmittedWhileItPendsFailsOnEveryRank) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int reported = 0;
+  bool submitted = false;
+  Status first(Code::kInternal, "not run"), second(Code::kInternal, "not run");
+  int64_t a0 = 1, b0 = 100;
+  RuntimeWorld world(2, 5.0);
+  world.Run([&](int r, Runtime& rt) {
+    if (r == 0) {
+      Request a = Allreduce("feat", Tensor(DataType::kInt64, {1}, &a0, &a0));
+      Request b = Allreduce("feat", Tensor(DataType::kInt64, {1}, &b0, &b0));
+      a.done = [&](const Status& s) { std::lock_guard<std::mutex> l(mu); first = s; ++reported; cv.notify_all(); };
+      b.done = [&](const Status& s) { std::lock_guard<std::mutex> l(mu); second = s; ++reported; cv.notify_all(); };
+      rt.Submit(std::move(a));
+      rt.Submit(std::move(b));
+      std::unique_lock<std::mutex> lock(mu);
+      submitted = true;
+      cv.notify_all();
+      cv.wait_for(lock, std::chrono::seconds(30), [&] { return reported == 2; });
+    } else {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return submitted; });
+      }
+      int64_t a1 = 2, b1 = 200;
+      CHECK_OK(rt.Run(Allreduce("feat", Tensor(DataType::kInt64, {1}, &a1, &a1))));
+      CHECK_EQ(a1, 3);
+      const Status bad = rt.Run(Allreduce("feat", Tensor(DataType::kInt64, {1}, &b1, &b1)));
+      CHECK(bad.code() == Code::kFailedPrecondition) << bad.message();
+      CHECK_CONTAINS(bad.message(), "rank 0 submitted it while another collective of that "
+                                    "name was still pending there");
+      CHECK_EQ(b1, 200);
+    }
+    // The name is free again once its requests are done: no rank marks this one.
+    int64_t c = r + 1;
+    CHECK_OK(rt.Run(Allreduce("feat", Tensor(DataType::kInt64, {1}, &c, &c)))) << " rank " << r;
+    CHECK_EQ(c, 3);
+  });
+  CHECK_EQ(reported, 2);
+  CHECK_OK(first);
+  CHECK_EQ(a0, 3);
+  CHECK(second.code() == Code::kFailedPrecondition) << second.message();
+  CHECK_CONTAINS(second.message(), "allreduce 'feat': rank 0 submitted it while");
+  CHECK_EQ(b0, 100);
+}
+
 // Broadcast, allgather with different row counts, grouped allreduce with two dtypes, barrier.
 TEST(Runtime_OtherCollectives) {
   const int n = 3;
