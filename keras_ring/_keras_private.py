@@ -15,6 +15,7 @@ never local statistics.)
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -267,6 +268,7 @@ def _known_ranks(spec: Any) -> bool:
         isinstance(shape, tf.TensorShape) and shape.rank is not None for shape in shapes)
 
 
+@functools.cache
 def variable_classes() -> tuple[type, ...]:
     """What a Keras variable is an instance of. Before Keras 3.6 or so, ``keras.Variable`` is
     an export subclass that the backend's variables (what layers make) are not instances of;

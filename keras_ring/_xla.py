@@ -8,7 +8,8 @@ an "unsupported op" error at the first step. Two guards prevent that:
   warning per process (see ``keras_ring.optimizer``), and so does ``fit`` as it first traces
   the step of a model that holds wrapped optimizers compile did not see (keras-io's GAN);
 - a gradient reduction traced inside an XLA-compiled function (a custom loop under
-  ``tf.function(jit_compile=True)``) raises :class:`JitCompileError` saying what to change.
+  ``tf.function(jit_compile=True)``) raises :class:`JitCompileError` saying what to change,
+  as any collective op made there does (``keras_ring.ops.xla``).
 """
 
 from __future__ import annotations
@@ -16,43 +17,13 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-import tensorflow as tf
+from keras_ring.ops.xla import JitCompileError, check_not_xla_compiled, in_xla_context
 
-from keras_ring.errors import KerasRingError
+__all__ = ["JitCompileError", "check_not_xla_compiled", "in_xla_context", "turn_off_model_jit"]
 
 _warned = False
 _REQUESTED = "_keras_ring_requested_jit"  # what the model's latest compile asked for
 _GUARDED = "_keras_ring_jit_guard"
-
-
-class JitCompileError(KerasRingError, ValueError):
-    """keras_ring collectives were traced into an XLA-compiled (``jit_compile=True``) function."""
-
-    # Autograph re-raises errors from converted code as their own type only when the type
-    # has Exception's constructor; otherwise the user would get a generic StagingError.
-    __init__ = Exception.__init__
-
-
-def in_xla_context() -> bool:
-    """True while tracing a function that XLA will compile."""
-    try:
-        # TensorFlow marks graphs traced under jit_compile=True; there is no public accessor.
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - a TensorFlow without the helper
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-
-
-def check_not_xla_compiled(what: str) -> None:
-    """Raises :class:`JitCompileError` when called while tracing for XLA."""
-    if in_xla_context():
-        raise JitCompileError(
-            f"keras_ring: {what} inside an XLA-compiled function (jit_compile=True), but "
-            "keras_ring's collectives have no XLA kernel. Trace this step without XLA: "
-            "tf.function(..., jit_compile=False), or model.compile(..., jit_compile=False) "
-            "(or model.jit_compile = False before fit, where compile takes other arguments). "
-            "(Model.compile already does this by itself for keras_ring.wrap() optimizers.)"
-        )
 
 
 def turn_off_model_jit(model: Any, requested: Any) -> bool:

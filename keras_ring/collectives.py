@@ -174,6 +174,17 @@ def resolve_op(op: Any, average: bool | None, what: str) -> Any:
     return Average if op is None else op
 
 
+def check_compression(compression: Any, who: str) -> Any:
+    """Returns ``compression`` if it has Horovod's compressor shape; a ``TypeError`` otherwise
+    (a string such as ``"fp16"`` would fail only when first used)."""
+    if not isinstance(compression, str) and all(
+            callable(getattr(compression, method, None)) for method in ("compress", "decompress")):
+        return compression
+    raise TypeError(f"{who}: compression must be one of keras_ring.Compression.none, .fp16 or "
+                    ".bf16, or a compressor with compress(tensor) -> (tensor, ctx) and "
+                    f"decompress(tensor, ctx) -> tensor, got {compression!r}")
+
+
 def compress(compression: Any, tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
     """``(wire tensor, ctx)`` from a compressor of Horovod's shape (``compress`` returns
     ``(tensor, ctx)``), or of the older one that returns the tensor (ctx: its dtype)."""
@@ -231,6 +242,8 @@ def allreduce(
     if not isinstance(tensor, tf.Tensor) and isinstance(tensor, tf.IndexedSlices):
         return _allreduce_indexed_slices(tensor, op, tensor_name, pre, post, process_set)
     tensor = _tensor(tensor, REDUCE_DTYPES, "allreduce")
+    if compression is not None:
+        check_compression(compression, "keras_ring.allreduce")
     wire, ctx = compress(compression, tensor)
     out = _run(wrappers.allreduce, wire, int(op), pre, post, tensor_name, set_id)
     return decompress(compression, out, ctx)
@@ -294,14 +307,19 @@ def _scale_integers(values: tf.Tensor, factor: float) -> tf.Tensor:
                     tf.where(scaled <= low, tf.constant(dtype.min, dtype), inside))
 
 
-def _tensor_list(tensors: Any, what: str) -> list:
-    """``tensors`` as a list, refusing what would be iterated wrongly (a tensor, a dict)."""
-    if isinstance(tensors, (tf.Tensor, np.ndarray, tf.IndexedSlices)):
-        raise TypeError(f"{what} takes a list of tensors; use {what.replace('grouped_', '')} "
-                        "for one tensor")
+def _tensor_list(tensors: Any, what: str, items: str = "tensors") -> list:
+    """``tensors`` as a list, refusing what would be iterated wrongly: a tensor or a variable
+    (its rows), a dict (its keys). A one-shot iterable (a generator, ``itertools.chain``) is
+    read once here, so callers may walk the list more than once."""
+    if isinstance(tensors, (tf.Tensor, np.ndarray, tf.IndexedSlices, tf.Variable,
+                            *_keras_private.variable_classes())):
+        single = what.replace("grouped_", "")
+        raise TypeError(f"{what} takes a list of {items}, got one {type(tensors).__name__}"
+                        + (f"; use {single} for one tensor" if single != what else
+                           f"; pass [{items[:-1]}]"))
     if isinstance(tensors, Mapping) or not isinstance(tensors, Iterable):
         # Iterating a dict would reduce its keys.
-        raise TypeError(f"{what} takes a list or tuple of tensors, got "
+        raise TypeError(f"{what} takes a list or tuple of {items}, got "
                         f"{type(tensors).__name__}" + ("; pass list(d.values())" if isinstance(tensors, Mapping) else ""))
     return list(tensors)
 
@@ -342,8 +360,10 @@ def grouped_allreduce(
         "grouped_allreduce", resolve_op(op, average, "grouped_allreduce"), name,
         prescale_factor, postscale_factor, process_set)
     items = _tensor_list(tensors, "grouped_allreduce")
+    if compression is not None:
+        check_compression(compression, "keras_ring.grouped_allreduce")
     sparse = [i for i, t in enumerate(items) if isinstance(t, tf.IndexedSlices)]
-    dense_at = [i for i in range(len(items)) if i not in set(sparse)]
+    dense_at = [i for i, t in enumerate(items) if not isinstance(t, tf.IndexedSlices)]
     dense = _tensors([items[i] for i in dense_at], REDUCE_DTYPES, "grouped_allreduce")
     out: list[Any] = list(items)
     if dense:
@@ -501,6 +521,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     """
     del inplace
     resolve(process_set, "broadcast_variables")
+    variables = _tensor_list(variables, "broadcast_variables", "variables")
     _assign_from_root(variables, root_rank, "broadcast_variables", process_set)
 
 
@@ -519,6 +540,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     """
     resolve(process_set, "broadcast_")
     root = _check_root(root_rank)
+    variables = _tensor_list(variables, "broadcast_", "variables")
     _assign_from_root(variables, root, _check_name(name) or "broadcast_", process_set)
     return [tf.convert_to_tensor(var) for var in variables]
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_ring.collectives import check_compression  # noqa: F401  (the compressors' check)
+
 # Only these are narrowed: integer and already-narrow gradients travel as they are.
 _WIDE_FLOATS = (tf.float32, tf.float64)
 
@@ -93,16 +95,6 @@ class Compression:
     none = Compressor("none", None)
     fp16 = Compressor("fp16", tf.float16)
     bf16 = Compressor("bf16", tf.bfloat16)
-
-
-def check_compression(compression: Any, who: str) -> Any:
-    """Returns ``compression`` if it has Horovod's compressor shape; a ``TypeError`` otherwise."""
-    if not isinstance(compression, str) and all(
-            callable(getattr(compression, method, None)) for method in ("compress", "decompress")):
-        return compression
-    raise TypeError(f"{who}: compression must be one of keras_ring.Compression.none, .fp16 or "
-                    ".bf16, or a compressor with compress(tensor) -> (tensor, ctx) and "
-                    f"decompress(tensor, ctx) -> tensor, got {compression!r}")
 
 
 def casts_only(compression: Any) -> bool:

@@ -24,6 +24,7 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import (ControlFlowFuncGr
                                                                  WhileCondFuncGraph)
 
 from keras_ring.ops.loader import library
+from keras_ring.ops.xla import check_not_xla_compiled
 from keras_ring.ops.reduce_op import ReduceOp
 
 _NODE_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
@@ -227,6 +228,8 @@ def _collective(op: Callable, kind: str, inputs: tuple, tensor_name: str, proces
                 **attrs):
     """``op`` called on ``inputs`` and the name input, with the common attrs and ``attrs``."""
     name, common = _common(kind, tensor_name, process_set_id)
+    if not common["eager"]:
+        check_not_xla_compiled(f"the collective {kind}")
     pinned = common["eager"] and _small_host_ints(inputs)
     with tf.device("/CPU:0") if pinned else contextlib.nullcontext():
         return _call(op, *inputs, name, **common, **attrs)

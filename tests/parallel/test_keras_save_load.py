@@ -1,5 +1,6 @@
 """A model trained with a wrapped optimizer loads with plain Keras, in a process without keras_ring."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -210,10 +211,12 @@ def test_load_model_warns_where_the_saved_optimizer_accumulates_and_nothing_says
         assert loaded.optimizer.gradient_accumulation_steps == 3
 
 
-def test_each_optimizers_sums_follow_its_own_step_counter(world):
+@pytest.mark.parametrize("given", ["list", "iterator"])
+def test_each_optimizers_sums_follow_its_own_step_counter(world, given):
     # Two accumulating optimizers (a GAN's), one resumed on the root mid-accumulation and
     # one in step: only the first one's sums are the root's; the second keeps each rank's
-    # own passes, not yet reduced.
+    # own passes, not yet reduced. Also from a one-shot iterable (itertools.chain), which
+    # the step-counter walk found empty after the broadcast had read it.
     rank, size = world
     model = ks.mlp(ks.rank_seed(0))
     optimizers = [keras_ring.wrap(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
@@ -229,7 +232,9 @@ def test_each_optimizers_sums_follow_its_own_step_counter(world):
             sums.assign(np.full(sums.shape, rank + 1.0, np.float32))
     if rank == 0:
         keras_ring._keras_private.raw_iterations(optimizers[0]).assign(3)  # the checkpoint's
-    keras_ring.broadcast_variables(optimizers[0].variables + optimizers[1].variables, 0)
+    both = (optimizers[0].variables + optimizers[1].variables if given == "list" else
+            itertools.chain(optimizers[0].variables, optimizers[1].variables))
+    keras_ring.broadcast_variables(both, 0)
     for i, optimizer in enumerate(optimizers):
         expected = 1.0 if i == 0 else rank + 1.0
         for sums in accumulators(optimizer):

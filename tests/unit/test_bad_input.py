@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 import pytest
+import keras
 import tensorflow as tf
 
 import keras_ring as kr
@@ -86,6 +87,42 @@ BAD = {
                                   "got the op Sum as compression.*pass name= and op= by keyword"),
     "reducescatter-compression-string": (lambda: kr.reducescatter(tf.ones([2]), "", "fp16"),
                                          TypeError, "compression must be one of"),
+    # Horovod's string-free compressors; a string failed as an AttributeError on use.
+    "allreduce-compression-string": (lambda: kr.allreduce(tf.ones([2]), compression="fp16"),
+                                     TypeError, "allreduce: compression must be one of.*got 'fp16'"),
+    "grouped-compression-string": (
+        lambda: kr.grouped_allreduce([tf.ones([2])], compression="bf16"), TypeError,
+        "grouped_allreduce: compression must be one of.*got 'bf16'"),
+    # One variable would be iterated by its rows (broadcast, then assign() on a row tensor).
+    "broadcast_variables-one-variable": (
+        lambda: kr.broadcast_variables(tf.Variable([1.0, 2.0]), 0), TypeError,
+        r"broadcast_variables takes a list of variables, got one ResourceVariable; pass \[variable\]"),
+    "broadcast_variables-keras-variable": (
+        lambda: kr.broadcast_variables(keras.Variable([1.0, 2.0]), 0), TypeError,
+        "broadcast_variables takes a list of variables, got one"),
+    "broadcast_variables-dict": (lambda: kr.broadcast_variables({"a": tf.Variable([1.0])}, 0),
+                                 TypeError, r"list or tuple of variables, got dict; pass list\(d.values\(\)\)"),
+    "broadcast_-one-variable": (lambda: kr.broadcast_(tf.Variable([1.0]), 0), TypeError,
+                                "broadcast_ takes a list of variables, got one"),
+    "grouped-one-variable": (lambda: kr.grouped_allreduce(tf.Variable([1.0])), TypeError,
+                             "grouped_allreduce takes a list of tensors, got one ResourceVariable; "
+                             "use allreduce for one tensor"),
+    # Explicit splits ride in the signature slot: a clear limit, not a bare "do not fit".
+    "alltoall-splits-beyond-a-slot": (
+        lambda: kr.alltoall(tf.ones([2]), splits=[2] + [0] * 600), kr.CollectiveArgumentError,
+        r"rank 0 passed more than 539 splits.*one entry per rank \(1 here\).*explicit splits "
+        "work up to 539 ranks"),
+    # XLA has no kernel for the ops: said as they are traced, not as XLA's missing kernel.
+    **{f"{what}-under-jit_compile": (
+        lambda call=call: tf.function(call, jit_compile=True)(tf.ones([2])), ValueError,
+        f"keras_ring: the collective {kind} inside an XLA-compiled function .jit_compile=True.")
+       for what, call, kind in [
+           ("allreduce", lambda x: kr.allreduce(x), "Allreduce"),
+           ("grouped_allreduce", lambda x: kr.grouped_allreduce([x])[0], "GroupedAllreduce"),
+           ("allgather", lambda x: kr.allgather(x), "Allgather"),
+           ("broadcast", lambda x: kr.broadcast(x, 0), "Broadcast"),
+           ("alltoall", lambda x: kr.alltoall(x), "Alltoall"),
+           ("reducescatter", lambda x: kr.reducescatter(x), "Reducescatter")]},
     "op-wrap-1": (lambda: kr.wrap("sgd", op=1), ValueError,
                   "wrap: op must be keras_ring.Sum or keras_ring.Average, got 1 .a number"),
     # horovod.tensorflow.keras.allreduce(value, name): a name where keras_ring takes the op.
@@ -168,6 +205,8 @@ ACCEPTED = {
     "numpy-root": (lambda: kr.broadcast(tf.constant([4]), root_rank=np.int64(0)), [4]),
     "variable": (lambda: kr.broadcast(tf.Variable([5.0]), root_rank=np.int32(0)), [5.0]),
     "grouped-generator": (lambda: kr.grouped_allreduce(t for t in [tf.constant([1.0])])[0], [1.0]),
+    # A one-shot iterable is read once: broadcast_ returned [] after walking it to assign.
+    "broadcast_-generator": (lambda: kr.broadcast_((v for v in [tf.Variable([6.0])]), 0)[0], [6.0]),
     "grouped-empty": (lambda: kr.grouped_allreduce([]), []),
     "long-name": (lambda: kr.allreduce(tf.constant([1.0]), name="n" * 500), [1.0]),
     "odd-name": (lambda: kr.allreduce(tf.constant([1.0]), name="a b/ü'\"\n#1"), [1.0]),

@@ -48,6 +48,7 @@ LAYERS = {
     "keras_ring.ops.__main__": 4,
     "keras_ring.ops.loader": 4,
     "keras_ring.ops.wrappers": 4,
+    "keras_ring.ops.xla": 4,
     "keras_ring.errors": 4,
     "keras_ring._lifecycle": 4,
     "keras_ring._keras_private": 4,  # the version check init() runs; Keras read lazily
