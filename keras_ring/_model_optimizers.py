@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 import weakref
 from typing import Any
 
@@ -22,12 +23,16 @@ from keras_ring import _keras_private, _rate_check, _weight_check, _xla
 from keras_ring._accumulation import Passes
 from keras_ring.optimizer import _STATE, _wrap_in_place, is_wrapped
 from keras_ring.process_sets import ProcessSet
+from keras_ring.runtime import RUNTIME
 
 _compile_hook_installed = False
 # In a compiled model's __dict__ (not tracked by Keras): a weak reference to the optimizer
 # compile() chose when given none (None otherwise). Compared by identity: a custom compile()
 # that calls super().compile() and then sets self.optimizer (keras-io's VAE) trains with that.
 _COMPILE_DEFAULT = "_keras_ring_compile_default"
+# In a model's __dict__: True once compiled with a wrapped optimizer; "warned" once a later
+# compile without one was said to train apart.
+_TRAINED_TOGETHER = "_keras_ring_trained_together"
 
 
 def install_compile_hook() -> None:
@@ -125,6 +130,28 @@ def after_compile(model: Any, requested_jit: Any) -> None:
     _xla.turn_off_before_tracing(model, requested_jit,
                                  lambda: distributed_optimizers(model) is not None)
     _weight_check.install(model, functools.partial(_weight_check_settings, model))
+    _warn_if_compiled_apart(model)
+
+
+def _warn_if_compiled_apart(model: Any) -> None:
+    """Warns once per model where it trained with a wrapped optimizer and is compiled again
+    with none (keras-io's fine-tuning step, ``wrap()`` forgotten the second time): each rank
+    of a job would then train alone, with exit 0. Not an error: a model may be compiled
+    again to train on one rank on purpose (keras_ring's callbacks refuse it in ``fit``)."""
+    if not _keras_private.keras_train_step(model) or unwrapped_optimizers(model) is None:
+        if distributed_optimizers(model) is not None:
+            model.__dict__.setdefault(_TRAINED_TOGETHER, True)
+        return
+    if model.__dict__.get(_TRAINED_TOGETHER) is not True:
+        return
+    if not RUNTIME.initialized or RUNTIME.topology().size < 2:
+        return
+    model.__dict__[_TRAINED_TOGETHER] = "warned"
+    warnings.warn(
+        f"keras_ring: model '{model.name}' was compiled with a keras_ring.wrap() optimizer "
+        f"before and now with {unwrapped_optimizers(model)}, which keras_ring does not wrap: "
+        f"each of the {RUNTIME.topology().size} ranks will train alone. Compile with "
+        "keras_ring.wrap(optimizer) to go on training together", UserWarning, stacklevel=4)
 
 
 def distributed_optimizers(model: Any) -> tuple[list[Any], ProcessSet] | None:
@@ -231,6 +258,21 @@ def unwrapped_training(model: Any) -> str | None:
     if not _keras_private.keras_train_step(model):
         return None
     return unwrapped_optimizers(model)
+
+
+def refuse_training_apart(model: Any, who: str, process_set: ProcessSet) -> None:
+    """Raises where ``fit`` would train each rank of ``process_set`` alone
+    (:func:`unwrapped_training`) under a keras_ring callback ``who``, which only makes sense
+    for ranks that train together: a model compiled again without ``wrap()`` (keras-io's
+    fine-tuning step) under ``MetricAverageCallback`` trained apart silently, its averaged
+    metrics looking as usual."""
+    plain = unwrapped_training(model) if len(process_set.members()) > 1 else None
+    if plain is not None:
+        raise ValueError(
+            f"{who}: model '{model.name}' trains with optimizers that keras_ring does not "
+            f"wrap ({plain}): each rank would apply its own gradients and the ranks would "
+            "train apart. Compile with keras_ring.wrap(optimizer) (Horovod's "
+            "DistributedOptimizer), also when compiling the model again, say to fine-tune it")
 
 
 def unwrapped_optimizers(model: Any) -> str | None:

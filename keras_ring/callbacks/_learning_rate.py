@@ -9,8 +9,10 @@ from typing import Any
 import keras
 
 from keras_ring import _keras_private
-from keras_ring._model_optimizers import distributed_optimizers, training_optimizers
+from keras_ring._model_optimizers import (distributed_optimizers, refuse_training_apart,
+                                          training_optimizers)
 from keras_ring.objects import broadcast_object
+from keras_ring.process_sets import global_process_set
 from keras_ring.runtime import RUNTIME
 
 Named = list[tuple[str, Any]]  # (name, optimizer): "optimizer", or the model's attribute
@@ -91,6 +93,7 @@ def start(model: Any, initial_lr: float | dict | None, who: str
     """What a learning-rate callback needs as training starts: the optimizers it sets
     (each checked settable), each one's initial rate, and what its ``initial_lr`` shows
     from then on (:func:`given_back`)."""
+    refuse_training_apart(model, who, global_process_set)
     optimizers = optimizers_of(model, who)
     for name, optimizer in optimizers:
         check_settable(optimizer, who if len(optimizers) == 1 else f"{who} (for {name})")

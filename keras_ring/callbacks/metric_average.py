@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ring._model_optimizers import refuse_training_apart
 from keras_ring.collectives import Average, allreduce
 from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
@@ -84,6 +85,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
         super().__init__()
         check_device(device, "MetricAverageCallback")
         self.process_set = check_process_set(process_set, "MetricAverageCallback")
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        refuse_training_apart(self.model, "MetricAverageCallback", self.process_set)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs:

@@ -577,6 +577,39 @@ def test_the_broadcast_refuses_a_model_whose_optimizer_nobody_wrapped(world):
     assert "keras_ring.wrap(optimizer)" in str(info.value) and steps == []
 
 
+@pytest.mark.parametrize("callback", ["average", "warmup", "schedule"])
+def test_a_model_compiled_again_without_wrap_warns_and_keras_ring_callbacks_refuse_it(
+        world, callback):
+    # keras-io's fine-tuning: fit wrapped with a frozen base, unfreeze, compile again, and
+    # wrap() forgotten the second time. Under MetricAverageCallback the ranks trained apart
+    # with metrics that looked as usual, exit 0.
+    rank, size = world
+    model = ks.mlp(ks.rank_seed(0))
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05)), loss=ks.loss())
+    x, y = ks.classification_data(BATCH * STEPS, seed=rank)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    with pytest.warns(UserWarning, match=f"model '{model.name}' was compiled with a "
+                      r"keras_ring.wrap\(\) optimizer before and now with optimizer: Adam, "
+                      f"which keras_ring does not wrap: each of the {size} ranks will train alone"):
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=ks.loss())
+    who, made = {
+        "average": ("MetricAverageCallback", MetricAverageCallback),
+        "warmup": ("LearningRateWarmupCallback",
+                   lambda: LearningRateWarmupCallback(initial_lr=1e-3, warmup_epochs=1)),
+        "schedule": ("LearningRateScheduleCallback",
+                     lambda: LearningRateScheduleCallback(1e-3, multiplier=0.5)),
+    }[callback]
+    steps = []
+    probe = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: steps.append(b))
+    with pytest.raises(ValueError, match=f"{who}: model '{model.name}' trains with optimizers "
+                                         r"that keras_ring does not wrap \(optimizer: Adam\)"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[made(), probe])
+    assert steps == []
+    model.compile(optimizer=keras_ring.wrap(keras.optimizers.Adam(1e-3)), loss=ks.loss())
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[made()])
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
 class TapeAveraged(keras.Model):
     """Horovod's TF2 way inside Keras: a DistributedGradientTape and a plain optimizer."""
 
