@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -80,7 +81,8 @@ double RunRank(keras_ring::Runtime& runtime, const std::shared_ptr<kr_test::Fake
     std::vector<float>& x = buffers[static_cast<size_t>(i % window)];
     keras_ring::Request r;
     r.kind = keras_ring::Kind::kAllreduce;
-    r.name = "bucket";
+    // One name per collective, as a step's buckets have: one name pending twice is refused.
+    r.name = "bucket." + std::to_string(i);
     r.op = keras_ring::ReduceOp::kMax;  // values stay put however often they are reduced
     keras_ring::TensorRef t;
     t.dtype = keras_ring::DataType::kFloat32;

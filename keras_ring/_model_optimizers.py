@@ -32,7 +32,7 @@ _compile_hook_installed = False
 _COMPILE_DEFAULT = "_keras_ring_compile_default"
 # In a model's __dict__: True once compiled with a wrapped optimizer; "warned" once a later
 # compile without one was said to train apart.
-_TRAINED_TOGETHER = "_keras_ring_trained_together"
+_COMPILED_WRAPPED = "_keras_ring_compiled_wrapped"
 
 
 def install_compile_hook() -> None:
@@ -134,22 +134,29 @@ def after_compile(model: Any, requested_jit: Any) -> None:
 
 
 def _warn_if_compiled_apart(model: Any) -> None:
-    """Warns once per model where it trained with a wrapped optimizer and is compiled again
-    with none (keras-io's fine-tuning step, ``wrap()`` forgotten the second time): each rank
-    of a job would then train alone, with exit 0. Not an error: a model may be compiled
-    again to train on one rank on purpose (keras_ring's callbacks refuse it in ``fit``)."""
-    if not _keras_private.keras_train_step(model) or unwrapped_optimizers(model) is None:
-        if distributed_optimizers(model) is not None:
-            model.__dict__.setdefault(_TRAINED_TOGETHER, True)
+    """Warns once per model compiled with a wrapped optimizer before and with none now
+    (keras-io's fine-tuning step, ``wrap()`` forgotten the second time): each rank of a job
+    would then train alone, with exit 0. Not an error: a model may be compiled again to
+    train on one rank on purpose (keras_ring's callbacks refuse it in ``fit``). It only
+    reads which optimizers are wrapped, building and raising nothing: a MultiOptimizer is
+    left to ``fit``'s checks (given a function, it knows its parts only once built)."""
+    held = training_optimizers(model)
+    multi = [_keras_private.sub_optimizers(o) for _, o in held]
+    parts = [p for found in multi if found for p in found]
+    if any(is_wrapped(o) or is_wrapped(getattr(o, "inner_optimizer", None))
+           for o in [o for _, o in held] + parts):
+        model.__dict__.setdefault(_COMPILED_WRAPPED, True)
         return
-    if model.__dict__.get(_TRAINED_TOGETHER) is not True:
+    if (not held or any(found is not None for found in multi)
+            or model.__dict__.get(_COMPILED_WRAPPED) is not True
+            or not RUNTIME.initialized or RUNTIME.topology().size < 2
+            or not _keras_private.keras_train_step(model)):
         return
-    if not RUNTIME.initialized or RUNTIME.topology().size < 2:
-        return
-    model.__dict__[_TRAINED_TOGETHER] = "warned"
+    model.__dict__[_COMPILED_WRAPPED] = "warned"
+    described = ", ".join(f"{name}: {type(o).__name__}" for name, o in held)
     warnings.warn(
         f"keras_ring: model '{model.name}' was compiled with a keras_ring.wrap() optimizer "
-        f"before and now with {unwrapped_optimizers(model)}, which keras_ring does not wrap: "
+        f"before and now with {described}, which keras_ring does not wrap: "
         f"each of the {RUNTIME.topology().size} ranks will train alone. Compile with "
         "keras_ring.wrap(optimizer) to go on training together", UserWarning, stacklevel=4)
 

@@ -106,7 +106,7 @@ def collision(files: list[tuple[str, str, str]], ranks: list[int],
                   "(f'{keras_ring.rank()}/...')")
     return ValueError(
         f"keras_ring: ranks {', '.join(map(str, who))} would all write {path} (a {kind} given "
-        "to fit on each of them): ranks writing one file corrupt it (each writes its own copy "
-        f"of the model's configuration into a checkpoint, and the writes interleave). {advice}. "
+        "to fit on each of them): ranks writing one file corrupt it (each writes its own copy, "
+        f"and the writes interleave). {advice}. "
         "KERAS_RING_CHECK_WEIGHTS=0 (on every rank) turns this check off, with the weight "
         "checks.")

@@ -103,6 +103,17 @@ _TRAIN_END_HINT = (
 # The hint for a mismatch where a check's collective met another (see each).
 _MISMATCH_HINTS = {WEIGHT_CHECK: _WEIGHT_CHECK_HINT, RATE_CHECK: _RATE_CHECK_HINT,
                    TRAIN_END: _TRAIN_END_HINT}
+# MetricAverageCallback's allreduce at each epoch's end, named by the metrics it averages.
+METRIC_AVERAGE = "MetricAverage["
+_METRIC_AVERAGE_OPERATION_HINT = (
+    ". An epoch ended on some ranks while the others went on training: a callback ended it "
+    "from this rank's own batch values (TerminateOnNaN, or one that sets "
+    "model.stop_training within an epoch), or the ranks' data ran out at different steps "
+    "(give every rank the same number of steps)")
+_METRIC_AVERAGE_NAME_HINT = (
+    ". The ranks logged different metrics at this epoch's end: validation data (or "
+    "validation_freq, validation_split) given on some ranks only, or models compiled with "
+    "different metrics: give every rank the same")
 # The first collective of keras_ring.elastic.run's state sync (keras_ring._bucket_tuning).
 ELASTIC_SYNC = "keras_ring.bucket_tuning.kept"
 _ELASTIC_SYNC_HINT = (
@@ -197,6 +208,9 @@ def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
         hint = _TRAIN_END_HINT  # an epoch's end met the next epoch's rate check
     if not hint and "mismatch" in message and f"'{ELASTIC_SYNC}" in message:
         hint = _ELASTIC_SYNC_HINT
+    if not hint and f"'{METRIC_AVERAGE}" in message:
+        hint = (_METRIC_AVERAGE_OPERATION_HINT if "operation mismatch" in message else
+                _METRIC_AVERAGE_NAME_HINT if "name mismatch" in message else "")
     if not hint and "name mismatch" in message and "(in tf." in message:
         hint = _PLACE_HINT
     err = cls(node_def, op, message + hint)

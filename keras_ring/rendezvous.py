@@ -475,13 +475,18 @@ class LateClaims:
 
     def _refuse(self, conn: socket.socket, hello: dict) -> None:
         rank, size, host = hello["rank"], hello["size"], hello["host_id"]
-        _send_quietly(conn, {"error": (
-            f"the job at {self._where} ({RENDEZVOUS_VARIABLE}), rank 0 on host "
-            f"{self._host_id}, formed already without this process ({RANK_VARIABLE}={rank}, "
-            f"{SIZE_VARIABLE}={size}): do two jobs share that rendezvous? Give each job its "
-            "own port")})
-        if size != self._size:
-            return
+        try:
+            # The claim first, the answer after: the claimant, told, may look at once.
+            if size == self._size:
+                self._note_claim(rank, host)
+        finally:
+            _send_quietly(conn, {"error": (
+                f"the job at {self._where} ({RENDEZVOUS_VARIABLE}), rank 0 on host "
+                f"{self._host_id}, formed already without this process ({RANK_VARIABLE}={rank}, "
+                f"{SIZE_VARIABLE}={size}): do two jobs share that rendezvous? Give each job its "
+                "own port")})
+
+    def _note_claim(self, rank: int, host: str) -> None:
         reason = (f"keras_ring: rank {rank} of this job was claimed again after the job formed, "
                   f"by a process on host {host} at {self._where} ({RENDEZVOUS_VARIABLE}): two "
                   f"jobs share that rendezvous, so one rank of this job may be the other job's "

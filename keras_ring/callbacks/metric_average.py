@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from keras_ring._model_optimizers import refuse_training_apart
 from keras_ring.collectives import Average, allreduce
+from keras_ring.errors import METRIC_AVERAGE
 from keras_ring.callbacks._arguments import check_device, check_process_set
 from keras_ring.process_sets import ProcessSet, global_process_set
 
@@ -35,10 +36,10 @@ def _numeric(value: Any) -> np.ndarray | None:
 def _collective_name(keys: list[str]) -> str:
     # The name is compared across ranks, so ranks with different metrics fail with an
     # error showing both lists; long lists are summarised to stay within the name limit.
-    name = "MetricAverage[" + ",".join(keys) + "]"
+    name = METRIC_AVERAGE + ",".join(keys) + "]"
     if len(name) <= 120:
         return name
-    return f"MetricAverage[{len(keys)} metrics #{zlib.crc32(','.join(keys).encode()):08x}]"
+    return f"{METRIC_AVERAGE}{len(keys)} metrics #{zlib.crc32(','.join(keys).encode()):08x}]"
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -111,3 +111,37 @@ def test_early_stopping_on_one_ranks_own_metric_is_named_at_the_epochs_end(world
     assert "name mismatch" in message and "'keras_ring.rate_check.train_end'" in message, message
     assert "The fit ended on some ranks only" in message and "EarlyStopping" in message, message
     assert kr.allreduce(tf.constant([1.0]), op=kr.Sum).numpy()[0] == size  # still usable
+
+
+class _StopMidEpoch(keras.callbacks.Callback):
+    """TerminateOnNaN's move (stop_training after a batch) on the last rank only."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = True
+
+
+@pytest.mark.parametrize("cause", ["stopped mid-epoch", "validation on rank 0 only"])
+def test_metric_averaging_met_by_another_collective_names_the_likely_cause(world, cause):
+    # The mismatch named MetricAverage[...] with only the uneven-shards advice.
+    rank, size = world
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kr.wrap(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    callbacks = [BroadcastGlobalVariablesCallback(0), kr.callbacks.MetricAverageCallback()]
+    extra = {}
+    if cause == "stopped mid-epoch" and rank == size - 1:
+        callbacks.append(_StopMidEpoch())
+    if cause == "validation on rank 0 only" and rank == 0:
+        extra["validation_data"] = (x, y)
+    with pytest.raises(kr.CollectiveMismatchError) as info:
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=callbacks, **extra)
+    message = str(info.value)
+    assert "'MetricAverage[" in message, message
+    if cause == "stopped mid-epoch":
+        assert "operation mismatch" in message, message
+        assert "An epoch ended on some ranks while the others went on training" in message
+        assert "TerminateOnNaN" in message, message
+    else:
+        assert "name mismatch" in message, message
+        assert "validation data (or validation_freq, validation_split) given on some ranks only" in message
+    assert kr.allreduce(tf.constant([1.0]), op=kr.Sum).numpy()[0] == size  # still usable

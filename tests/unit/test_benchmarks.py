@@ -172,6 +172,29 @@ def test_agreement_table_counts_fewer_messages_for_the_fast_agreement(tmp_path, 
         assert v[4] <= v[1], (n, v)
 
 
+def test_nccl_host_cost_keeps_64_collectives_in_flight_through_the_fake_gpu(tmp_path,
+                                                                           core_objects):
+    # Every collective of the window must complete: the benchmark exits 1 naming how many
+    # failed (one name for all 64 in flight was refused once a pending name was checked).
+    fake = [str(ROOT / "build" / "obj" / "tests" / name)
+            for name in ("nccl_fake.o", "nccl_fake_world.o")]
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    made = subprocess.run(["make", "--no-print-directory",
+                           *(str(Path(o).relative_to(ROOT)) for o in fake)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stdout + made.stderr
+    exe = tmp_path / "nccl_host_cost"
+    _compile([f"-I{CORE}", "-o", str(exe), str(ROOT / "benchmarks" / "nccl_host_cost.cc"),
+              *core_objects, *fake, "-ldl"])
+    proc = subprocess.run([str(exe), "2", "200", "1024", "64", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [r.split() for r in proc.stdout.splitlines() if re.match(r"\s+(1|64)\s", r)]
+    assert [r[0] for r in rows] == ["1", "64"], proc.stdout
+    for row in rows:
+        assert all(float(v) > 0 for cell in row[1:] for v in cell.split("/")), row
+
+
 def test_allreduce_paths_times_old_and_new_in_forked_processes(tmp_path, core_objects):
     bench = _build_core_bench(tmp_path, "allreduce_paths.cc", core_objects)
     proc = subprocess.run([str(bench), "2", "shm", "16384"], capture_output=True, text=True,

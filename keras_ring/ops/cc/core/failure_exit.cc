@@ -1,6 +1,10 @@
 #include "failure_exit.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -52,6 +56,38 @@ int ExitCode() {
   return status >= 0 ? status : kFailureExitCode;
 }
 
+// Ends the processes this one started (a PyDataset's forked workers, a helper it ran): the
+// _exit below skips Python's exit handlers, which end multiprocessing's daemon children, and
+// plain mpirun kills no process group, so a worker stuck in user code ran on for ever,
+// orphaned. keras-ring-run's rank wrapper ends the rank's whole group the same way.
+void KillChildren() {
+  const long self = static_cast<long>(getpid());
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return;
+  while (const dirent* entry = readdir(proc)) {
+    char* end = nullptr;
+    const long pid = strtol(entry->d_name, &end, 10);
+    if (*end != '\0' || pid <= 0) continue;
+    char path[64];
+    std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    char stat[512];
+    const ssize_t n = read(fd, stat, sizeof stat - 1);
+    close(fd);
+    if (n <= 0) continue;
+    stat[n] = '\0';
+    const char* after_name = strrchr(stat, ')');  // the name may hold spaces and parentheses
+    char state = 0;
+    long ppid = 0;
+    if (after_name != nullptr && std::sscanf(after_name + 1, " %c %ld", &state, &ppid) == 2 &&
+        ppid == self) {
+      kill(static_cast<pid_t>(pid), SIGKILL);
+    }
+  }
+  closedir(proc);
+}
+
 // Detached: it must outlive the runtime (destroyed at shutdown, before teardown may hang)
 // and must not hold the process open; exit() ends it with everything else. `why` gets the
 // exit code the process ends with.
@@ -63,6 +99,7 @@ void StartTimer(Clock::time_point deadline, Why why) {
     if (g_generation.load() != generation) return;
     const int code = ExitCode();
     WriteStderr(why(code));
+    KillChildren();
     _exit(code);
   }).detach();
 }

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
@@ -76,6 +77,20 @@ void HoldStdioLocks() {
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
 }
 
+// The state letter of /proc/<pid>/stat ('Z': a zombie), 0 if it cannot be read.
+char ProcessState(pid_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return 0;
+  char text[512] = {};
+  const size_t n = std::fread(text, 1, sizeof text - 1, f);
+  std::fclose(f);
+  const char* after_name = n > 0 ? std::strrchr(text, ')') : nullptr;
+  char state = 0;
+  return after_name != nullptr && std::sscanf(after_name + 1, " %c", &state) == 1 ? state : 0;
+}
+
 void Sleep(double seconds) {
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
 }
@@ -92,6 +107,40 @@ TEST(FailureExit_EndsAProcessStuckAfterItsJobFailed_EvenWithStderrLocked) {
   CHECK_EQ(e.code, kFailureExitCode);
   CHECK_CONTAINS(e.stderr_text, "rank 1: ending this process (exit code 70)");
   CHECK_CONTAINS(e.stderr_text, "a peer died");
+}
+
+// A child the process started (a PyDataset worker stuck in user code) ends with it: the
+// failure exit skips Python's handlers that would end it, and plain mpirun kills no group.
+TEST(FailureExit_EndsTheProcessesItStarted) {
+  int fds[2];
+  CHECK_EQ(pipe(fds), 0);
+  const Ended e = RunChild([&] {
+    const pid_t worker = fork();
+    if (worker == 0) {
+      // RunChild reads the stderr pipe until every writer is gone: hold none of it.
+      for (int fd = 0; fd < 1024; ++fd) close(fd);
+      for (;;) pause();
+    }
+    const ssize_t sent = write(fds[1], &worker, sizeof worker);
+    (void)sent;
+    ArmFailureExit(0.2, 1, "a peer died");
+    for (;;) pause();
+  });
+  close(fds[1]);
+  pid_t worker = -1;
+  CHECK_EQ(read(fds[0], &worker, sizeof worker), static_cast<ssize_t>(sizeof worker));
+  close(fds[0]);
+  CHECK(e.exited) << "the process hung";
+  CHECK_EQ(e.code, kFailureExitCode);
+  // Orphaned, it is init's to reap: gone or a zombie once killed, within a bounded wait.
+  bool ended = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!ended && std::chrono::steady_clock::now() < deadline) {
+    ended = kill(worker, 0) != 0 || ProcessState(worker) == 'Z';
+    if (!ended) Sleep(0.01);
+  }
+  CHECK(ended) << "the worker the process started outlived it";
+  if (!ended && worker > 0) kill(worker, SIGKILL);
 }
 
 TEST(FailureExit_AnExitAfterAStallKeepsTheProgramsStatus_EvenWithStdoutLocked) {

@@ -211,7 +211,8 @@ int keras_ring_device_allreduce_window(void* const* buffers, int k, int64_t coun
     void* buffer = buffers[i % k];
     Request r;
     r.kind = Kind::kAllreduce;
-    r.name = "window";
+    // One name per collective (the same on every rank): one name pending twice is refused.
+    r.name = "window." + std::to_string(i);
     r.op = static_cast<keras_ring::ReduceOp>(reduce_op);
     r.tensors.push_back(Tensor(dtype, {count}, buffer, buffer));
     keras_ring::nccl::AttachNccl(*runtime, device, stream, &r);
