@@ -54,7 +54,7 @@ SETTINGS = dict(
 )
 SCALES = [1.0, 0.5, 2.0]
 # What moves inside the signature exchange instead of through the ring (signature.h).
-INLINE_BYTES = 4608 - 272  # kSlotBytes - sizeof(Signature)
+INLINE_BYTES = 4608 - 288  # kSlotBytes - sizeof(Signature)
 # Large tensors span this many bytes: past the inline limit for every dtype, through the
 # fast agreement's ride limits (8 and 32 KiB: riding, recursive doubling, the ring), and
 # across ring segments where the run sets small ones (make test runs this suite with 8 KiB
