@@ -32,7 +32,7 @@ CPP_TEST_SRC := $(wildcard keras_ring/ops/cc/tests/*.cc)
 OPS_SRC := $(CORE_SRC) $(CORE_HDR) $(wildcard keras_ring/ops/cc/tf/*)
 OPS_LIB := keras_ring/ops/_keras_ring_ops.so
 
-.PHONY: venv venv-oldest ops test test-cpp test-unit test-parallel test-elastic test-multihost test-oldest demo \
+.PHONY: venv venv-oldest ops test test-cpp test-cpp-asan test-unit test-parallel test-elastic test-multihost test-oldest demo \
 	bench \
 	bench-multihost clean
 
@@ -72,6 +72,27 @@ build/core_tests: $(CPP_TEST_OBJ)
 test-cpp:
 	$(MAKE) --no-print-directory -j$(NPROC) build/core_tests
 	./build/core_tests
+
+# The same tests under AddressSanitizer and UndefinedBehaviorSanitizer (leaks checked too):
+# not part of `make test`, whose CI budget the ~8 minute build on 2 cores would eat; run it
+# after changing the core. (Session 35: 163 passed with no report; ThreadSanitizer ran 160
+# clean, its own _exit hangs in the 3 FailureExit tests that hold the stdio locks.)
+ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+ASAN_OBJ := $(patsubst keras_ring/ops/cc/%.cc,build/asan/%.o,$(CORE_SRC) $(CPP_TEST_SRC))
+
+build/asan/%.o: keras_ring/ops/cc/%.cc
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -O1 -g -Wall -Wextra -Werror -pthread $(ASAN_FLAGS) -MMD -MP -c -o $@ $<
+
+-include $(ASAN_OBJ:.o=.d)
+
+build/asan/core_tests: $(ASAN_OBJ)
+	$(CXX) -pthread $(ASAN_FLAGS) -o $@ $(ASAN_OBJ) -ldl
+
+test-cpp-asan:
+	$(MAKE) --no-print-directory -j$(NPROC) build/asan/core_tests
+	ASAN_OPTIONS=detect_leaks=1:detect_stack_use_after_return=1 \
+	UBSAN_OPTIONS=print_stacktrace=1 KR_TEST_WATCHDOG_SECONDS=240 ./build/asan/core_tests
 
 test-unit: venv
 	$(TEST_ENV) $(GUARD_UNIT) $(VPY) -m pytest tests/unit -q $(UNIT_WORKERS)
