@@ -239,11 +239,13 @@ def allreduce(
     op, tensor_name, pre, post, set_id = _reduce_args(
         "allreduce", resolve_op(op, average, "allreduce"), name, prescale_factor,
         postscale_factor, process_set)
+    # Checked before the sparse branch, which ignores compression, so that a wrong one fails
+    # whatever the gradient's kind on this step.
+    if compression is not None:
+        check_compression(compression, "keras_ring.allreduce")
     if not isinstance(tensor, tf.Tensor) and isinstance(tensor, tf.IndexedSlices):
         return _allreduce_indexed_slices(tensor, op, tensor_name, pre, post, process_set)
     tensor = _tensor(tensor, REDUCE_DTYPES, "allreduce")
-    if compression is not None:
-        check_compression(compression, "keras_ring.allreduce")
     wire, ctx = compress(compression, tensor)
     out = _run(wrappers.allreduce, wire, int(op), pre, post, tensor_name, set_id)
     return decompress(compression, out, ctx)

@@ -90,6 +90,11 @@ BAD = {
     # Horovod's string-free compressors; a string failed as an AttributeError on use.
     "allreduce-compression-string": (lambda: kr.allreduce(tf.ones([2]), compression="fp16"),
                                      TypeError, "allreduce: compression must be one of.*got 'fp16'"),
+    # The sparse path ignores compression, but a wrong one is still refused there.
+    "allreduce-sparse-compression-string": (
+        lambda: kr.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), [3, 2]),
+                             compression="fp16"), TypeError,
+        "allreduce: compression must be one of.*got 'fp16'"),
     "grouped-compression-string": (
         lambda: kr.grouped_allreduce([tf.ones([2])], compression="bf16"), TypeError,
         "grouped_allreduce: compression must be one of.*got 'bf16'"),
