@@ -12,8 +12,9 @@ The weights are compared before the first step, after the callbacks' broadcast, 
 weights are equal to the bit: per-weight fingerprints (the sum of the weight's bit patterns
 as unsigned integers, exact in any order, so equal weights give equal fingerprints whatever
 the thread count, host or kernel that sums them). Where they differ, the verdict waits for
-the second step: a program that broadcasts after its first batch (Horovod's older callback
-did) has mended them by then, to the bit again. The fingerprints follow tags that say which
+the second step, or the epoch's end where that comes first (a fit of one step): a program that
+broadcasts after its first batch (Horovod's older callback did) has mended them by then, to
+the bit again. The fingerprints follow tags that say which
 weights they are (``_weight_layout``): ranks that train different weights fail at once. One
 allgather of two int64 per weight, rarely two; nothing is added to the training step's graph.
 
@@ -115,6 +116,26 @@ class _Checker:
     def after_step(self) -> None:
         self.steps_done += 1
 
+    def settle(self) -> None:
+        """An epoch ended: a verdict that waits for the second step is given now. A fit of
+        one step has no second step, and a broadcast after the first batch has mended the
+        weights by now. Every rank calls this alike (the comparison said the same there)."""
+        if (self.differed_at is None or self.passed or self.generation != RUNTIME.generation
+                or self.steps_done <= self.differed_at or not RUNTIME.config.check_weights):
+            return
+        if self.current is _UNKNOWN:  # a training function made anew mid-fit
+            self.current = self.settings()
+        if self.current is None:
+            return
+        mismatch = compare_weights(self.model, *self.current, later=self.later)
+        if mismatch is None:
+            self.passed = True
+        elif mismatch.layout or RUNTIME.elastic is None:
+            raise mismatch
+        # An elastic job's state sync gives every rank the root's weights before it trains
+        # (Horovod's elastic examples fit one step first, to make the optimizer's state):
+        # the next step decides.
+
 
 class _CheckedFunction:
     """Keras's training function, checked before it trains (attributes pass through, so a
@@ -174,6 +195,14 @@ def communicates(model: Any) -> bool | None:
     check is not installed."""
     checker = getattr(model, _INSTALLED, None)
     return checker.communicates if isinstance(checker, _Checker) else None
+
+
+def settle(model: Any) -> None:
+    """Gives a verdict still waiting for a second step of ``model`` (where the check is
+    installed), as an epoch ends; a collective where one waits, on every rank alike."""
+    checker = getattr(model, _INSTALLED, None)
+    if isinstance(checker, _Checker):
+        checker.settle()
 
 
 def new_fit(model: Any) -> None:

@@ -9,6 +9,7 @@ worker kills itself). What happens is set by the test through the environment:
   worker on that host (or with that id) kills
   itself (SIGKILL: no clean-up at all) when it reaches that batch, in its first world only;
 - ``KR_FAIL_ON_HOST=host``: the worker on that host exits with code 3 at start;
+- ``KR_FIT_FIRST=1``: one step of ``fit`` before the elastic state is made;
 - ``KR_GROW_FILE=path`` and ``KR_GROW_LINE=host:slots``: rank 0 appends that line to the
   discovery file the first time it trains in a smaller world than the first one, and before
   that world's second batch waits (bounded) until the newcomer waits at the rendezvous, so
@@ -127,6 +128,11 @@ def main() -> None:
     net = model()
     net.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.05)),
                 loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    if os.environ.get("KR_FIT_FIRST"):
+        # Horovod's elastic Keras example fits one step to make the optimizer's state, on
+        # weights that differ by rank: the state sync mends them, no error (a world that a
+        # worker joins later must not: see the README).
+        net.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
     state = elastic.KerasState(net, epoch=0, batch=0)
     faults = Faults(state)
 

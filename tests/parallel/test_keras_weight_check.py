@@ -88,6 +88,23 @@ def test_ranks_that_start_apart_fail_on_every_rank_before_the_second_step(world)
     ks.assert_same_on_all_ranks(ks.weights(model))
 
 
+def test_a_fit_of_one_step_that_starts_apart_fails_as_its_epoch_ends(world):
+    # No second step to wait for: the verdict comes at the epoch's end, on every rank.
+    rank, size = world
+    x, y = _data(rank)
+    model = _compiled(ks.rank_seed(rank))
+    steps = Steps()
+    with pytest.raises(WeightMismatchError, match=re.escape(_expected_message(size))):
+        model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[steps])
+    assert steps.ended == 1
+    # A broadcast after that one batch mends them before the epoch ends: no error.
+    model = _compiled(ks.rank_seed(rank))
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[BroadcastAfterFirstBatch()])
+    ks.assert_same_on_all_ranks(ks.weights(model))
+
+
 def test_train_on_batch_is_checked_too(world):
     rank, size = world
     model = _compiled(ks.rank_seed(rank))
