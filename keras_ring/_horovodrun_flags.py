@@ -87,6 +87,11 @@ WITHOUT_EFFECT = {
     "--no-hierarchical-allgather": (False, "keras_ring has no hierarchical allgather"),
     "--autotune": (False, "keras_ring measures its bucket size once at the start of "
                           "training (KERAS_RING_BUCKET_BYTES sets it)"),
+    "--no-autotune": (False, "keras_ring has no autotuner (KERAS_RING_BUCKET_BYTES fixes the "
+                             "bucket size it measures)"),
+    "--torus-allreduce": (False, "keras_ring has no torus allreduce"),
+    "--no-torus-allreduce": (False, "keras_ring has no torus allreduce"),
+    "--stall-check": (False, "keras_ring's stall warning and timeout are always on"),
     "--autotune-log-file": (True, "keras_ring has no autotuner"),
     "--autotune-warmup-samples": (True, "keras_ring has no autotuner"),
     "--autotune-steps-per-sample": (True, "keras_ring has no autotuner"),
@@ -97,9 +102,12 @@ WITHOUT_EFFECT = {
     "--num-nccl-streams": (True, "keras_ring runs NCCL on one stream per process set"),
     "--thread-affinity": (True, "keras_ring's runtime thread is not pinned"),
     "--mpi-threads-disable": (False, "keras_ring uses MPI only to find its peers"),
+    "--no-mpi-threads-disable": (False, "keras_ring uses MPI only to find its peers"),
     "--log-level": (True, "keras_ring prints only warnings and errors"),
     "--log-with-timestamp": (False, "keras_ring's messages carry no timestamps"),
     "--log-without-timestamp": (False, "keras_ring's messages carry no timestamps"),
+    "--log-hide-timestamp": (False, "keras_ring's messages carry no timestamps"),
+    "--no-log-hide-timestamp": (False, "keras_ring's messages carry no timestamps"),
 }
 
 # flag -> what to do instead

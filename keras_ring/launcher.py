@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.metadata
 import os
 import re
 import secrets
@@ -64,12 +65,21 @@ class LaunchError(Exception):
 
 # --- the launcher ---------------------------------------------------------------------------
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("keras-ring")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+        return "not installed"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="keras-ring-run",
         description="Run a command as a keras_ring job of N ranks through mpirun.",
         epilog="Example: keras-ring-run -np 4 python train.py",
     )
+    parser.add_argument("-v", "--version", action="version",
+                        version=f"keras-ring-run (keras_ring {_version()})")
     parser.add_argument("-np", "-n", "--num-proc", dest="np", type=int, default=None, metavar="N",
                         help="number of ranks (may exceed the number of cores); in an "
                         "elastic job, the initial number of workers (default --min-np)")
@@ -83,9 +93,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the mpirun to use (default: next to this Python, else on PATH)")
     elastic = parser.add_argument_group(
         "elastic jobs", "workers may leave and join; see keras_ring.elastic (no MPI)")
-    elastic.add_argument("--min-np", type=int, default=None, metavar="N",
+    # --min-num-proc/--max-num-proc: horovodrun's long spellings.
+    elastic.add_argument("--min-np", "--min-num-proc", type=int, default=None, metavar="N",
                          help="the fewest workers the job trains with")
-    elastic.add_argument("--max-np", type=int, default=None, metavar="M",
+    elastic.add_argument("--max-np", "--max-num-proc", type=int, default=None, metavar="M",
                          help="the most workers the job trains with")
     elastic.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
                          help="prints the available hosts, one 'host:slots' line each")

@@ -104,3 +104,52 @@ def test_fusion_off_is_the_smallest_bucket_and_open_mpi_is_told_each_variable():
     assert exported[1:] == ["KERAS_RING_BUCKET_BYTES", "KERAS_RING_SHM"]
     wrapper = ompi.index(launcher._WRAPPER) - 2  # after sys.executable -I
     assert ompi[wrapper - 2:wrapper] == ["--map-by", "slot"]
+
+
+# Every spelling of horovod/runner/launch.py (Horovod 0.28), with a value where it takes one.
+HOROVODRUN_LINE = [
+    ["--disable-cache"], ["--start-timeout", "30"], ["--network-interfaces", "eth0"],
+    ["--network-interface", "eth0"], ["--output-filename", "out"], ["--verbose"],
+    ["--config-file", "c.yaml"], ["-p", "22"], ["--ssh-port", "22"], ["-i", "id"],
+    ["--ssh-identity-file", "id"], ["-cb"], ["--check-build"], ["--fusion-threshold-mb", "64"],
+    ["--cycle-time-ms", "5"], ["--cache-capacity", "1024"], ["--hierarchical-allreduce"],
+    ["--no-hierarchical-allreduce"], ["--hierarchical-allgather"],
+    ["--no-hierarchical-allgather"], ["--torus-allreduce"], ["--no-torus-allreduce"],
+    ["--autotune"], ["--no-autotune"], ["--autotune-log-file", "tune.csv"],
+    ["--autotune-warmup-samples", "3"], ["--autotune-steps-per-sample", "10"],
+    ["--autotune-bayes-opt-max-samples", "20"], ["--autotune-gaussian-process-noise", "0.8"],
+    ["--min-np", "1", "--max-np", "2", "--host-discovery-script", "d.sh"],
+    ["--min-num-proc", "1", "--max-num-proc", "2", "--host-discovery-script", "d.sh"],
+    ["--slots-per-host", "2"], ["--elastic-timeout", "600"], ["--reset-limit", "3"],
+    ["--blacklist-cooldown-range", "10", "20"], ["--timeline-filename", "t.json"],
+    ["--timeline-mark-cycles"], ["--no-timeline-mark-cycles"], ["--no-stall-check"],
+    ["--stall-check"], ["--stall-check-warning-time-seconds", "60"],
+    ["--stall-check-shutdown-time-seconds", "120"], ["--mpi-threads-disable"],
+    ["--no-mpi-threads-disable"], ["--mpi-args=-bind-to none"], ["--tcp"],
+    ["--binding-args", "x"], ["--num-nccl-streams", "1"], ["--thread-affinity", "0"],
+    ["--gloo-timeout-seconds", "30"], ["--log-level", "WARNING"], ["--log-with-timestamp"],
+    ["--log-without-timestamp"], ["-prefix-timestamp"], ["--prefix-output-with-timestamp"],
+    ["--log-hide-timestamp"], ["--no-log-hide-timestamp"], ["-H", "localhost:2"],
+    ["--hosts", "localhost:2"], ["--gloo"], ["--mpi"], ["--jsrun"],
+]
+
+
+@pytest.mark.parametrize("flags", HOROVODRUN_LINE, ids=lambda flags: flags[0])
+def test_every_horovodrun_flag_is_taken_or_refused_saying_why(flags, capsys):
+    # Never argparse's bare "unrecognized arguments": the flag is translated, does nothing
+    # (saying why) or is refused naming what to do instead.
+    try:
+        launcher.parse_args(["-np", "2", *flags, "python", "t.py"])
+    except SystemExit as e:
+        err = capsys.readouterr().err
+        assert e.code == 2 and "is horovodrun's and has no equivalent here" in err, err
+    else:
+        assert "unrecognized" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["-v", "--version"])
+def test_version_is_keras_rings(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        launcher.parse_args([flag])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith("keras-ring-run (keras_ring ")
