@@ -114,7 +114,8 @@ def _write_timeline(config: Config, topology: Topology, lib: Library, failing: b
     if config.timeline_path is not None:
         from keras_ring import timeline
 
-        timeline.write(config.timeline_path, topology, lib, gather=not failing)
+        timeline.write(timeline.trace_path(config.timeline_path), topology, lib,
+                       gather=not failing)
 
 
 def _forget_bucket_tuning(config: Config, topology: Topology, lib: Library,

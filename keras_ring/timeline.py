@@ -6,7 +6,9 @@ transfer/reduce (the data moving) — and an instant "done" event, with byte cou
 holds up to ``KERAS_RING_TIMELINE_MEMORY_EVENTS`` events and appends older ones to an unnamed
 file in the temp directory, so a long run's trace does not grow the process. At ``shutdown()``
 every rank sends its events to rank 0 in bounded pieces, and rank 0 writes the file; if that is
-impossible (a peer died) each rank writes ``path.rank<N>.json`` instead. ``init()`` checks that
+impossible (a peer died) each rank writes ``path.rank<N>.json`` instead. Each world of an
+elastic job, and each later ``init()`` of a process, writes a trace of its own
+(``path.world<N>.json``, :func:`trace_path`): none overwrites an earlier one. ``init()`` checks that
 the file can be written; where it no longer can at shutdown (the directory removed, the disk
 full), the trace goes to the temp directory, with a warning naming the file.
 
@@ -175,6 +177,23 @@ class SpillFile:
 
 
 SPILL = SpillFile()
+_WRITTEN: set[str] = set()  # the trace paths this process has written
+
+
+def trace_path(path: str) -> str:
+    """Where this runtime's trace goes: ``path``, or ``<path less .json>.world<N>.json``
+    where an earlier world's trace would be overwritten: in an elastic job every world's
+    (``N`` its number, the same on every worker; a newcomer may be rank 0), and a later
+    ``init()``'s in this process (``N`` counts this process's ``init()``s, the same on every
+    rank, which start their runtimes together)."""
+    if RUNTIME.elastic is not None:
+        world: int | None = RUNTIME.elastic.generation
+    else:
+        world = RUNTIME.generation if os.path.abspath(path) in _WRITTEN else None
+    if world is None:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.world{world}{ext or '.json'}"
 
 
 class _RankEvents:
@@ -205,6 +224,7 @@ def write(path: str, topology: Topology, lib: Library, gather: bool = True) -> N
     times on the wall clock. Without ``gather`` (the program leaves with an error, and its
     peers may wait in one of its collectives) each rank writes its own, as where a peer is
     gone."""
+    _WRITTEN.add(os.path.abspath(path))
     spilled = SPILL.stop(lib)
     try:
         events = _RankEvents(spilled, read_events(lib))

@@ -88,9 +88,13 @@ def test_a_killed_worker_leaves_then_a_new_host_brings_the_world_back(tmp_path):
         tmp_path, ["localhost:2", "hostC:1"],
         ["-np", "3", "--min-np", "2", "--max-np", "3", "--blacklist-after", "1"],
         KR_DIE_ON_HOST="hostC", KR_DIE_AT="1:5", KR_EPOCHS="6",
-        KR_GROW_FILE="{hosts}", KR_GROW_LINE="hostD:1")
+        KR_GROW_FILE="{hosts}", KR_GROW_LINE="hostD:1",
+        KERAS_RING_TIMELINE=str(tmp_path / "trace.json"))
     assert code == 0, out[-6000:]
     assert "host hostC blacklisted after 1 failed worker(s)" in out
+    # Each world wrote its own trace (the broken one each survivor's): none overwrote another.
+    traces = sorted(p.name for p in tmp_path.glob("trace*.json"))
+    assert len({re.match(r"trace\.world(\d+)\.", n)[1] for n in traces}) == 3, traces
     assert len(records["DEATH"]) == 1, out[-6000:]
     assert _worlds(records) == [3, 2, 3], (records["RESET"], out[-6000:])
     # Two resets later, in a world of the same size, a survivor holds what it held in the

@@ -152,3 +152,26 @@ def test_a_trace_that_cannot_be_written_anywhere_is_named_lost_and_shutdown_comp
         kr.shutdown()
     assert not kr.is_initialized()
     assert list(tmp_path.iterdir()) == []  # no partial file left anywhere
+
+
+
+def test_a_later_init_writes_a_trace_of_its_own(tmp_path, monkeypatch):
+    # An elastic job's next world (and any later init()) would else overwrite the earlier
+    # world's trace at its shutdown, losing it without a word.
+    monkeypatch.setenv("KERAS_RING_TIMELINE", str(tmp_path / "trace.json"))
+    texts = []
+    for name in ("first_world", "second_world", "third_world"):
+        kr.init()
+        kr.allreduce(tf.ones([4]), name=name)
+        kr.shutdown()
+        texts.append({p.name: p.read_text() for p in tmp_path.iterdir()})
+    first, second, third = (set(t) for t in texts)
+    assert first == {"trace.json"}
+    (later,) = second - first
+    (last,) = third - second
+    assert later.startswith("trace.world") and last.startswith("trace.world"), (later, last)
+    # Each world's trace holds its own collectives, and the earlier ones stay as written.
+    assert "first_world" in texts[2]["trace.json"] and "second_world" not in texts[2]["trace.json"]
+    assert "second_world" in texts[2][later] and "first_world" not in texts[2][later]
+    assert "third_world" in texts[2][last]
+    assert texts[2]["trace.json"] == texts[0]["trace.json"]
