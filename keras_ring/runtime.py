@@ -358,6 +358,9 @@ class Runtime:
             sys.stdout.flush()
             sys.stderr.flush()
             library().c.keras_ring_leave_unfinalized_at_exit(grace, 0 if wrapped else 1)
+        elif self._generation > 0 and os.getpid() == self._pid:
+            # The program's code is done: a failed job's teardown gets a grace of its own.
+            library().c.keras_ring_bound_exit_after_failure(grace)
         self.shutdown(leaving_with)
         if self._elastic is not None:
             self._elastic.close()

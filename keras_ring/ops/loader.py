@@ -79,6 +79,8 @@ def _declare_c_api(c: ctypes.CDLL) -> None:
     c.keras_ring_peer_stalled.restype = ctypes.c_int
     c.keras_ring_leave_unfinalized_at_exit.argtypes = [ctypes.c_double, ctypes.c_int]
     c.keras_ring_leave_unfinalized_at_exit.restype = None
+    c.keras_ring_bound_exit_after_failure.argtypes = [ctypes.c_double]
+    c.keras_ring_bound_exit_after_failure.restype = None
     c.keras_ring_barrier.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
                                      ctypes.c_size_t]
     c.keras_ring_barrier.restype = ctypes.c_int

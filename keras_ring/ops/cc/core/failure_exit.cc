@@ -132,6 +132,8 @@ void LeaveUnfinalized(int status, void* /*unused*/) {
   _exit(status);
 }
 
+void RecordExitStatus(int status, void* /*unused*/) { g_exit_status.store(status); }
+
 }  // namespace
 
 void ArmFailureExit(double grace_seconds, int rank, const std::string& cause) {
@@ -190,6 +192,25 @@ void LeaveUnfinalizedAtExit(double grace_seconds, bool ask_launcher) {
                   "after a peer did not take part in time, had not finished %.0f s later "
                   "(KERAS_RING_FAILURE_EXIT_SECONDS)\n",
                   who.c_str(), code, bound);
+    return std::string(text);
+  });
+}
+
+void BoundExitAfterFailure(double grace_seconds) {
+  static std::atomic<bool> registered{false};
+  if (!g_armed.load() || !(grace_seconds > 0)) return;
+  // Registered now, after every handler the program's libraries registered: it runs first
+  // and sees the status before any of theirs can hang.
+  if (!registered.exchange(true)) on_exit(RecordExitStatus, nullptr);
+  g_generation.fetch_add(1);  // the failure exit's timer stands down for this one
+  const int rank = g_rank.load();
+  StartTimer(Clock::now() + Seconds(grace_seconds), [rank, grace_seconds](int code) {
+    char text[320];
+    std::snprintf(text, sizeof(text),
+                  "keras_ring: rank %d: ending this process (exit code %d) because its exit, "
+                  "after the job failed, had not finished %g s later "
+                  "(KERAS_RING_FAILURE_EXIT_SECONDS)\n",
+                  rank, code, grace_seconds);
     return std::string(text);
   });
 }

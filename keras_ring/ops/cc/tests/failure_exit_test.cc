@@ -230,4 +230,45 @@ TEST(FailureExit_AnExitHandlerThatHangsBeforeKerasRingsIsBounded) {
   CHECK_EQ(e.code, kFailureExitCode);
 }
 
+TEST(FailureExit_ATeardownSlowerThanTheGraceSinceTheFailureKeepsTheProgramsStatus) {
+  // The program handled the failure and leaves with its own status; its teardown runs past
+  // the grace since the failure, but not past the one its exit gets.
+  const Ended e = RunChild([] {
+    ArmFailureExit(0.4, 1, "a peer died");
+    Sleep(0.2);
+    BoundExitAfterFailure(0.6);
+    Sleep(0.4);  // teardown, past the failure's grace
+    std::exit(3);
+  });
+  CHECK(e.exited) << "the process hung";
+  CHECK_EQ(e.code, 3) << e.stderr_text;
+  CHECK(e.stderr_text.find("ending this process") == std::string::npos) << e.stderr_text;
+}
+
+TEST(FailureExit_AnExitThatHangsAfterAFailureEndsWithTheProgramsStatusSayingSo) {
+  const Ended e = RunChild([] {
+    std::atexit([] {  // registered before keras_ring's, so it runs after it
+      for (;;) pause();
+    });
+    ArmFailureExit(0.2, 1, "a peer died");
+    BoundExitAfterFailure(0.2);
+    std::exit(3);
+  });
+  CHECK(e.exited) << "the process hung";
+  CHECK_EQ(e.code, 3);
+  CHECK_CONTAINS(e.stderr_text, "keras_ring: rank 1: ending this process (exit code 3) because "
+                                "its exit, after the job failed, had not finished 0.2 s later");
+}
+
+TEST(FailureExit_ABoundWithoutAFailureDoesNothing) {
+  const Ended e = RunChild([] {
+    BoundExitAfterFailure(0.1);
+    Sleep(0.3);
+    std::exit(5);
+  });
+  CHECK(e.exited) << "the process hung";
+  CHECK_EQ(e.code, 5);
+  CHECK_EQ(e.stderr_text, "");
+}
+
 }  // namespace keras_ring

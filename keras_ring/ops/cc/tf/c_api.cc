@@ -191,6 +191,10 @@ void keras_ring_leave_unfinalized_at_exit(double grace_seconds, int ask_launcher
   keras_ring::LeaveUnfinalizedAtExit(grace_seconds, ask_launcher != 0);
 }
 
+void keras_ring_bound_exit_after_failure(double grace_seconds) {
+  keras_ring::BoundExitAfterFailure(grace_seconds);
+}
+
 int keras_ring_barrier(int process_set_id, const char* name, char* err, size_t err_len) {
   std::shared_ptr<Runtime> runtime = Runtime::Get(process_set_id);
   if (runtime == nullptr) {

@@ -67,6 +67,9 @@ int keras_ring_peer_stalled(void);
 // status after the failure grace, without MPICH's PMI finalize, asking MPICH's launcher to
 // end the job where ask_launcher is nonzero (core/failure_exit.h).
 void keras_ring_leave_unfinalized_at_exit(double grace_seconds, int ask_launcher);
+// For the exit of a process whose job failed (else nothing): its teardown gets a grace of its
+// own from now, and the program's status where it outlasts it (core/failure_exit.h).
+void keras_ring_bound_exit_after_failure(double grace_seconds);
 // The structure of a recent error reported with this exact message (by a kernel or this API):
 // "code\nrank\ncollective\nreason", rank -1 when no rank is at fault; empty when unknown.
 // Writes up to cap-1 bytes and a NUL; returns the count.
