@@ -132,8 +132,8 @@ class RateCheck(keras.callbacks.Callback):
         # weight check names (failing this fit would lose what it trained).
         if (self.process_set is not None and RUNTIME.config.check_weights
                 and len(self.process_set.members()) > 1):
-            # A fit of one step (or an epoch of one) would else end with no verdict on
-            # weights that differed before its first step.
+            # A fit of one step would else end silently with weights that differed before
+            # its first step (a warning: the program may still mend them).
             _weight_check.settle(self.model)
             self._weights, self._ended = _weight_check.digest(self.model), epoch
 

@@ -12,10 +12,11 @@ The weights are compared before the first step, after the callbacks' broadcast, 
 weights are equal to the bit: per-weight fingerprints (the sum of the weight's bit patterns
 as unsigned integers, exact in any order, so equal weights give equal fingerprints whatever
 the thread count, host or kernel that sums them). Where they differ, the verdict waits for
-the second step, or the epoch's end where that comes first (a fit of one step): a program that
-broadcasts after its first batch (Horovod's older callback did) has mended them by then, to
-the bit again. The fingerprints follow tags that say which
-weights they are (``_weight_layout``): ranks that train different weights fail at once. One
+the second step: a program that broadcasts after its first batch (Horovod's older callback
+did) has mended them by then, to the bit again. An epoch that ends first (a fit of one step)
+compares them again and warns where they still differ (``_Checker.settle``). The
+fingerprints follow tags that say which weights they are (``_weight_layout``): ranks that
+train different weights fail at once. One
 allgather of two int64 per weight, rarely two; nothing is added to the training step's graph.
 
 Each later ``fit`` compares again as it begins: between fits a program may change the weights
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +78,7 @@ class _Checker:
         self.differed_at: int | None = None  # steps done when a comparison first differed
         self.passed = False
         self.later = False  # the weights compared equal and trained since: compare by value
+        self.warned = False  # settle() warned of weights that still differ
         self.current: Any = _UNKNOWN  # settings() for the present training function
         # Whether the present training function's first step made a collective (it was
         # traced, or ran eagerly, then); None until that step ran.
@@ -95,6 +98,7 @@ class _Checker:
         if self.generation != RUNTIME.generation:
             self.generation, self.steps_done = RUNTIME.generation, 0
             self.differed_at, self.passed, self.later = None, False, False
+            self.warned = False
         if self.passed or not RUNTIME.config.check_weights:
             return
         if self.current is _UNKNOWN:
@@ -117,10 +121,14 @@ class _Checker:
         self.steps_done += 1
 
     def settle(self) -> None:
-        """An epoch ended: a verdict that waits for the second step is given now. A fit of
-        one step has no second step, and a broadcast after the first batch has mended the
-        weights by now. Every rank calls this alike (the comparison said the same there)."""
-        if (self.differed_at is None or self.passed or self.generation != RUNTIME.generation
+        """An epoch ended with a verdict that waits for the second step (a fit of one step has
+        none): a broadcast after the first batch has mended the weights by now, so where they
+        still differ every rank warns. Not an error: a program may mend them before it trains
+        again (Horovod's elastic Keras example fits one step to make the optimizer's state,
+        then copies rank 0's), and the next step raises if it did not. Every rank calls this
+        alike (the comparison said the same there)."""
+        if (self.differed_at is None or self.passed or self.warned
+                or self.generation != RUNTIME.generation
                 or self.steps_done <= self.differed_at or not RUNTIME.config.check_weights):
             return
         if self.current is _UNKNOWN:  # a training function made anew mid-fit
@@ -130,11 +138,14 @@ class _Checker:
         mismatch = compare_weights(self.model, *self.current, later=self.later)
         if mismatch is None:
             self.passed = True
-        elif mismatch.layout or RUNTIME.elastic is None:
-            raise mismatch
-        # An elastic job's state sync gives every rank the root's weights before it trains
-        # (Horovod's elastic examples fit one step first, to make the optimizer's state):
-        # the next step decides.
+            return
+        self.warned = True
+        if RUNTIME.elastic is None:  # an elastic job's state sync copies rank 0's at once
+            warnings.warn(f"{mismatch} (No second step came to fail on: a fit of one step "
+                          "ends with the ranks' models apart unless the program now gives "
+                          "every rank the same weights, as a broadcast or keras_ring.elastic's "
+                          "state sync does; the next step fails if it did not.)",
+                          UserWarning, stacklevel=2)
 
 
 class _CheckedFunction:
@@ -198,8 +209,9 @@ def communicates(model: Any) -> bool | None:
 
 
 def settle(model: Any) -> None:
-    """Gives a verdict still waiting for a second step of ``model`` (where the check is
-    installed), as an epoch ends; a collective where one waits, on every rank alike."""
+    """Compares again, as an epoch ends, weights of ``model`` whose verdict waits for a second
+    step (where the check is installed), warning where they still differ; a collective where
+    one waits, on every rank alike."""
     checker = getattr(model, _INSTALLED, None)
     if isinstance(checker, _Checker):
         checker.settle()

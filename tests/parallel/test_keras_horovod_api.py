@@ -259,8 +259,11 @@ def test_broadcast_callback_leaves_local_variables_alone(world, form):
     kernel = model.layers[-1].kernel
     local = {"keras.Variable": [kernel], "tf.Variable": [kernel.value], "one variable": kernel}
     callback = BroadcastGlobalVariablesCallback(0, local_variables=local[form])
-    model.compile(optimizer=keras_ring.wrap(keras.optimizers.SGD(0.0)),  # weights stay put
-                  loss=ks.loss())
+    optimizer = keras_ring.wrap(keras.optimizers.SGD(0.0))  # weights stay put
+    # Local in the optimizer too: a weight that differs by rank on purpose (else the weight
+    # check names it as the epoch ends).
+    optimizer.register_local_var(kernel)
+    model.compile(optimizer=optimizer, loss=ks.loss())
     x, y = ks.classification_data(BATCH, seed=1)
     model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
     roots = ks.weights(ks.mlp(ks.rank_seed(0)))
