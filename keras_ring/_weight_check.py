@@ -94,6 +94,12 @@ class _Checker:
         that train the model may be others now."""
         self.current, self.communicates = _UNKNOWN, None
 
+    def present_settings(self) -> Any:
+        """settings() for the present training function, asked once per function."""
+        if self.current is _UNKNOWN:
+            self.current = self.settings()
+        return self.current
+
     def before_step(self) -> None:
         if self.generation != RUNTIME.generation:
             self.generation, self.steps_done = RUNTIME.generation, 0
@@ -101,9 +107,7 @@ class _Checker:
             self.warned = False
         if self.passed or not RUNTIME.config.check_weights:
             return
-        if self.current is _UNKNOWN:
-            self.current = self.settings()
-        if self.current is None:  # no keras_ring optimizer trains it: each rank trains alone
+        if self.present_settings() is None:  # no keras_ring optimizer: each rank trains alone
             return
         if _keras_private.unbuilt_layers(self.model):
             return  # weights still to be made: compare when the first step has made them
@@ -131,9 +135,7 @@ class _Checker:
                 or self.generation != RUNTIME.generation
                 or self.steps_done <= self.differed_at or not RUNTIME.config.check_weights):
             return
-        if self.current is _UNKNOWN:  # a training function made anew mid-fit
-            self.current = self.settings()
-        if self.current is None:
+        if self.present_settings() is None:
             return
         mismatch = compare_weights(self.model, *self.current, later=self.later)
         if mismatch is None:
@@ -389,9 +391,8 @@ def _compared(model: Any) -> set[int] | None:
     if (not isinstance(checker, _Checker) or not checker.passed
             or checker.generation != RUNTIME.generation):
         return None
-    if checker.current is _UNKNOWN:  # a training function made anew mid-fit
-        checker.current = checker.settings()
-    return None if checker.current is None else checker.current[0]
+    current = checker.present_settings()  # asked anew for a function made mid-fit
+    return None if current is None else current[0]
 
 
 def digest(model: Any) -> float:

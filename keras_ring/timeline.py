@@ -8,9 +8,9 @@ file in the temp directory, so a long run's trace does not grow the process. At 
 every rank sends its events to rank 0 in bounded pieces, and rank 0 writes the file; if that is
 impossible (a peer died) each rank writes ``path.rank<N>.json`` instead. Each world of an
 elastic job, and each later ``init()`` of a process, writes a trace of its own
-(``path.world<N>.json``, :func:`trace_path`): none overwrites an earlier one. ``init()`` checks that
-the file can be written; where it no longer can at shutdown (the directory removed, the disk
-full), the trace goes to the temp directory, with a warning naming the file.
+(``path.world<N>.json``, :func:`trace_path`): none overwrites an earlier one. ``init()``
+checks that the file can be written; where it no longer can at shutdown (the directory
+removed, the disk full), the trace goes to the temp directory, with a warning naming the file.
 
 ``mark(tensor, label)`` puts a point of the program on the same clock (an instant event named
 ``label`` when ``tensor`` is computed: a gradient, say, to see which collectives overlap
