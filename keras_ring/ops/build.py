@@ -246,6 +246,19 @@ def _compile(cxx: str, flags: list[str], src: Path, obj: Path,
     return proc.stderr  # warnings, if any
 
 
+def _wait_for_first_failure(futures: list[concurrent.futures.Future[str]]) -> None:
+    """Until every source compiled or the first failed (not when the sources before it are
+    done). In short waits: a SIGTERM that the kernel hands to a compiling thread only sets
+    Python's flag, and the main thread runs the handler when it next wakes; in one long wait
+    that was when a compiler finished, a minute later."""
+    pending = set(futures)
+    while pending:
+        done, pending = concurrent.futures.wait(
+            pending, timeout=0.2, return_when=concurrent.futures.FIRST_EXCEPTION)
+        if any(f.exception() for f in done):
+            return
+
+
 def _compile_and_link(cxx: str, flags: list[str], link_flags: list[str], tmp: Path,
                       jobs: int | None) -> Path:
     """Compiles every source in parallel and links them in ``tmp``; warnings are printed."""
@@ -256,8 +269,7 @@ def _compile_and_link(cxx: str, flags: list[str], link_flags: list[str], tmp: Pa
         futures = [pool.submit(_compile, cxx, flags, src, obj, children)
                    for src, obj in zip(srcs, objs)]
         try:
-            # At the first failed source, not when the sources before it are done.
-            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            _wait_for_first_failure(futures)
             failed = next((f.exception() for f in futures if f.done() and f.exception()), None)
             if failed is not None:
                 raise failed

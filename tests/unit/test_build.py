@@ -1,5 +1,6 @@
 """The op library is rebuilt, never loaded stale, when TensorFlow or the sources change."""
 
+import ctypes
 import fcntl
 import json
 import os
@@ -247,9 +248,13 @@ def test_a_cxx_that_is_not_installed_gets_the_missing_compiler_error(monkeypatch
     assert "-m keras_ring.ops" in message
 
 
-def test_sigterm_stops_the_compilers_and_removes_the_build_directory(tmp_path):
+@pytest.mark.parametrize("to", ["process", "compiling thread"])
+def test_sigterm_stops_the_compilers_and_removes_the_build_directory(tmp_path, to):
     # A scheduler or mpirun ending a rank mid-build: the compilers (and what they started, as
     # g++ starts cc1plus) must not run on for a minute, nor their temporary directory stay.
+    # The kernel may hand a process's signal to any of its threads: the main thread, waiting
+    # on the compiling threads, ran Python's handler only when a compiler ended (once, under
+    # load, in a unit suite). tgkill sends it to one compiling thread on purpose.
     started = tmp_path / "started"
     os.mkfifo(started)
     compiler = tmp_path / "cxx"
@@ -284,7 +289,13 @@ def test_sigterm_stops_the_compilers_and_removes_the_build_directory(tmp_path):
         # mpirun) reaches the compilers too, where no cleanup of the build can run.
         assert {os.getpgid(pid) for pid in pids} == {os.getpgid(proc.pid)}
         assert list(tmp_path.joinpath("tmp").glob("keras_ring_build_*"))
-        proc.send_signal(signal.SIGTERM)
+        if to == "process":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            thread = max(int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir())
+            assert thread != proc.pid, "the build runs no thread besides its main one"
+            assert ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, thread,
+                                                            signal.SIGTERM) == 0
         assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
         assert all(ends_within(pid, 10) for pid in pids), "compilers outlived the build"
         assert not list(tmp_path.joinpath("tmp").iterdir()), "the build directory was left"
