@@ -50,6 +50,8 @@ _BROKEN_PIPE_EXIT = 141
 _OUTPUT_ERROR_EXIT = 74
 # How long mpirun may take to wind the ranks down after a stop request before it is killed.
 _STOP_GRACE_SECONDS = 15.0
+# How often the main thread wakes while it waits for mpirun, to run Python's signal handlers.
+_AWAKE_SECONDS = 0.2
 # How long a rank's failure that another rank's caused waits for that rank to report its own.
 _CAUSE_WAIT_SECONDS = 10.0
 _PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
@@ -469,7 +471,15 @@ class _Job:
         self.stop(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
     def wait(self) -> int:
-        code = self.proc.wait()
+        code = None
+        while code is None:
+            # In slices: a signal the kernel hands to an output thread only sets Python's
+            # flag, and the main thread runs on_signal when it next wakes; in one long wait
+            # that was when mpirun ended, and a SIGTERM or Ctrl-C did not stop the job.
+            try:
+                code = self.proc.wait(timeout=_AWAKE_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
         with self._linger_lock:
             self._finished = True
             if self._linger is not None:

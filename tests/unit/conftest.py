@@ -1,3 +1,4 @@
+import ctypes
 import os
 import select
 import sys
@@ -63,3 +64,12 @@ def ends_within(pid: int, seconds: float) -> bool:
         return bool(select.select([fd], [], [], seconds)[0])  # readable once it has ended
     finally:
         os.close(fd)
+
+
+def signal_a_thread_of(pid: int, sig: int) -> int:
+    """Sends ``sig`` to one thread of process ``pid`` other than its main one (tgkill), as the
+    kernel may deliver a signal meant for the whole process; returns that thread's id."""
+    thread = max(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir())
+    assert thread != pid, f"process {pid} runs no thread besides its main one"
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, thread, sig) == 0, ctypes.get_errno()
+    return thread

@@ -1,6 +1,5 @@
 """The op library is rebuilt, never loaded stale, when TensorFlow or the sources change."""
 
-import ctypes
 import fcntl
 import json
 import os
@@ -15,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from keras_ring.ops import build, loader
-from tests.unit.conftest import ends_within
+from tests.unit.conftest import ends_within, signal_a_thread_of
 
 REPO = Path(build.__file__).resolve().parents[2]
 
@@ -292,10 +291,7 @@ def test_sigterm_stops_the_compilers_and_removes_the_build_directory(tmp_path, t
         if to == "process":
             proc.send_signal(signal.SIGTERM)
         else:
-            thread = max(int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir())
-            assert thread != proc.pid, "the build runs no thread besides its main one"
-            assert ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, thread,
-                                                            signal.SIGTERM) == 0
+            signal_a_thread_of(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stderr.read()
         assert all(ends_within(pid, 10) for pid in pids), "compilers outlived the build"
         assert not list(tmp_path.joinpath("tmp").iterdir()), "the build directory was left"

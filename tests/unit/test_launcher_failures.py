@@ -18,7 +18,7 @@ import pytest
 
 from keras_ring import _mpich_shm
 
-from tests.unit.conftest import ends_within
+from tests.unit.conftest import ends_within, signal_a_thread_of
 from tests.unit.launcher_support import GUARD, LAUNCHER, launch, run, rank_program
 
 
@@ -438,6 +438,28 @@ def test_a_background_launcher_still_stops_the_job_on_sigint(mpirun, clean_env, 
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_stop_that_the_kernel_hands_to_an_output_thread_still_stops_the_job(
+        mpirun, clean_env, tmp_path, sig, code):
+    # A signal to a process may land on any of its threads. The launcher's main thread
+    # waited for mpirun in one long wait and ran its handler only when mpirun ended: a stop
+    # that landed on a thread pumping the ranks' output never reached the ranks.
+    script = rank_program(tmp_path, """
+        print("up", flush=True)
+        signal.pause()
+    """)
+    proc = launch(mpirun, ["-np", "2", sys.executable, script], clean_env)
+    try:
+        assert [proc.stdout.readline().split()[-1] for _ in range(2)] == [b"up", b"up"]
+        signal_a_thread_of(proc.pid, sig)
+        _, err = proc.communicate(timeout=GUARD)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err
 
 
 def test_a_launcher_under_nohup_lets_the_job_outlive_a_hangup(mpirun, clean_env, tmp_path):
