@@ -8,6 +8,12 @@ VPY := $(VENV)/bin/python
 MPIRUN := $(VENV)/bin/mpirun
 STAMP := $(VENV)/.keras_ring-installed
 CXX ?= g++
+# Python writes the bytecode of keras_ring and of the tests once and every later process reads
+# it: where PYTHONDONTWRITEBYTECODE is set (these workplace machines; pip compiles what it
+# installs, but keras_ring is installed editable), each of the hundreds of processes the
+# suites start compiled them again, and each rank of an mpirun'd pytest rewrote every test
+# module's asserts (a 2-rank collection of tests/parallel: 12.7 CPU-s, 9.5 with the bytecode).
+unexport PYTHONDONTWRITEBYTECODE
 # Keep TensorFlow's start-up chatter out of test logs.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 # Short bounds in tests: a bug shows up as a failure within a minute, never as a hang.
