@@ -111,8 +111,8 @@ test-unit: venv
 # at 4 ranks over TCP with 8 KiB segments, so its large tensors cross segment boundaries. Last,
 # the collectives, process sets and threads at 5 ranks over shared memory: a world that is no
 # power of two (recursive doubling folds a rank in, ring segments split unevenly, sets of 3
-# and 2), larger than the others, through real processes. Every module also runs at 4 ranks
-# on two hosts of two (test-multihost), so no run of its own at 4 ranks on one host.
+# and 2), larger than the others, through real processes. The modules without Keras also run
+# at 4 ranks on two hosts of two (test-multihost), so no run of their own at 4 on one host.
 test-parallel: venv
 	$(TEST_ENV) $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q
 	$(TEST_ENV) KERAS_RING_SHM=0 $(GUARD) $(MPIRUN) -np 2 $(VPY) -m pytest tests/parallel -q \

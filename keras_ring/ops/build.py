@@ -250,7 +250,7 @@ def _wait_for_first_failure(futures: list[concurrent.futures.Future[str]]) -> No
     """Until every source compiled or the first failed (not when the sources before it are
     done). In short waits: a SIGTERM that the kernel hands to a compiling thread only sets
     Python's flag, and the main thread runs the handler when it next wakes; in one long wait
-    that was when a compiler finished, a minute later."""
+    that was only when a compiler finished."""
     pending = set(futures)
     while pending:
         done, pending = concurrent.futures.wait(
