@@ -1,0 +1,75 @@
+"""A failed fit frees its tf.data iterator as the error leaves it, in one process (size 1).
+
+Before, the iterator lived on in a reference cycle through the error's frames until some
+later full garbage collection, wherever the program was then; its destructor waits for
+TensorFlow's autotune thread, which under CPU contention sleeps out its period (up to 60 s):
+4 ranks on 2 cores stalled 20-40 s at a random later collective.
+"""
+
+import gc
+import traceback
+
+import numpy as np
+import pytest
+from tensorflow.python.data.ops import iterator_ops
+
+import keras
+import keras_ring
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    keras_ring.init()
+    yield
+
+
+@pytest.fixture
+def no_garbage_collection():
+    # The cycle this is about is freed by a full collection; one that ran by chance during
+    # the test would hide it.
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def _live_data_iterators() -> int:
+    return sum(isinstance(o, iterator_ops.OwnedIterator) for o in gc.get_objects())
+
+
+class Fails(keras.callbacks.Callback):
+    def __init__(self, hook: str):
+        super().__init__()
+        self.hook = hook
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.hook == "batch" and batch == 2:
+            marker = "kept for a debugger"  # noqa: F841  the test reads it from the frame
+            raise RuntimeError("the program's own error")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.hook == "epoch":
+            marker = "kept for a debugger"  # noqa: F841
+            raise RuntimeError("the program's own error")
+
+
+@pytest.mark.parametrize("hook, steps, validation", [
+    ("batch", None, False), ("epoch", None, False), ("batch", 4, False), ("epoch", None, True),
+], ids=["mid-epoch", "epoch end", "steps_per_epoch", "after validation"])
+def test_a_failed_fit_frees_its_data_iterators_and_keeps_the_programs_frames(
+        no_garbage_collection, hook, steps, validation):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(keras_ring.wrap(keras.optimizers.SGD(0.1)), "mse")
+    x, y = np.ones((64, 4), "float32"), np.zeros((64, 2), "float32")
+    before = _live_data_iterators()
+    with pytest.raises(RuntimeError, match="the program's own error") as info:
+        model.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=steps, verbose=0,
+                  validation_data=(x, y) if validation else None, callbacks=[Fails(hook)])
+    assert _live_data_iterators() == before  # freed by the failure itself, no collection
+    frames = [frame for frame, _ in traceback.walk_tb(info.value.__traceback__)]
+    raised_in = [f for f in frames if f.f_code.co_name in ("on_train_batch_end", "on_epoch_end")]
+    assert raised_in and raised_in[-1].f_locals["marker"] == "kept for a debugger"
+    assert "the program's own error" in "".join(traceback.format_exception(info.value))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # the model trains on after it
+    assert _live_data_iterators() == before
