@@ -16,7 +16,6 @@ never local statistics.)
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import numpy as np
@@ -242,68 +241,17 @@ def forget_traced_functions(model: Any) -> None:
             setattr(model, name, None)
 
 
-def release_failed_fit(error: BaseException, stop_at: Any) -> int:
-    """Frees the ``tf.data`` iterators a failed ``fit`` left in ``error``: resets Keras's
-    epoch iterators and clears the locals of the Keras and TensorFlow frames of its
-    tracebacks (with their callers up to ``stop_at``, its context and cause). Returns how
-    many frames it cleared.
-
-    Otherwise the iterator lives on in a reference cycle through those frames until a full
-    garbage collection, at any later moment. Its destructor waits for TensorFlow's autotune
-    thread, which under CPU contention often misses its wake-up and sleeps out its period
-    (up to 60 s, doubling with the iterator's age): one rank stalls, mid-collective, and its
-    peers with it. Freed here, any wait is short (this fit's age) and happens here. Frames
-    of the program and of keras_ring keep their locals for a debugger; Keras and TensorFlow
-    hide their own frames from tracebacks anyway.
-    """
-    import keras
-    import tensorflow as tf
-
-    roots = tuple(os.path.dirname(module.__file__) + os.sep for module in (keras, tf))
-    cleared = 0
-    for frame in _frames_of(error, stop_at):
-        if not frame.f_code.co_filename.startswith(roots):
-            continue
-        _reset_epoch_iterators(frame.f_locals.values())
-        try:
-            frame.clear()
-            cleared += 1
-        except RuntimeError:  # still running: not one of the failed fit's
-            pass
-        frame.f_locals  # noqa: B018  read again: empties the snapshot the first read made
-    return cleared
-
-
-def _frames_of(error: BaseException, stop_at: Any) -> Any:
-    """Each frame of ``error``'s tracebacks, its context's and its cause's, and their callers
-    up to (not including) ``stop_at``, once."""
-    seen: set[int] = set()
-    chained = [error]
-    while chained:
-        exception = chained.pop()
-        if id(exception) in seen:
-            continue
-        seen.add(id(exception))
-        chained.extend(e for e in (exception.__context__, exception.__cause__) if e is not None)
-        traceback = exception.__traceback__
-        while traceback is not None:
-            frame = traceback.tb_frame
-            while frame is not None and frame is not stop_at and id(frame) not in seen:
-                seen.add(id(frame))
-                yield frame
-                frame = frame.f_back
-            traceback = traceback.tb_next
-
-
-def _reset_epoch_iterators(values: Any) -> None:
+def reset_epoch_iterators(values: Any) -> None:
+    """Resets each Keras epoch iterator in ``values``, and the validation iterator of each
+    model there that fit left behind: their ``tf.data`` iterators are dropped now."""
     from keras.src.trainers.epoch_iterator import EpochIterator  # in every Keras 3
 
     for value in list(values):
         if isinstance(value, EpochIterator):
             value.reset()  # its suspended epoch generator holds it in a cycle
         elif getattr(value, "_eval_epoch_iterator", None) is not None:
-            # The model keeps fit's validation iterator; fit drops it at its end, which a
-            # failed fit never reached.
+            # fit drops the model's validation iterator at its end, which a failed fit
+            # never reached.
             value._eval_epoch_iterator.reset()
             value._eval_epoch_iterator = None
 

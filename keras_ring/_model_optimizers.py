@@ -19,7 +19,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_ring import _keras_private, _rate_check, _weight_check, _xla
+from keras_ring import _failed_calls, _keras_private, _rate_check, _weight_check, _xla
 from keras_ring._accumulation import Passes
 from keras_ring.optimizer import _STATE, _wrap_in_place, is_wrapped
 from keras_ring.process_sets import ProcessSet
@@ -68,6 +68,7 @@ def install_compile_hook() -> None:
 
     owner.compile = compile
     _rate_check.install_fit_hook(distributed_optimizers)
+    _failed_calls.install()  # after the fit hook: it frees what that hook's frames hold too
     _install_loss_scale_hook()
     _compile_hook_installed = True
 

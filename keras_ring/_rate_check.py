@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -344,13 +343,6 @@ def install_fit_hook(find: Finder) -> None:
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        try:
-            return _checked_fit(self, *args, **kwargs)
-        except BaseException as error:
-            _keras_private.release_failed_fit(error, stop_at=sys._getframe())
-            raise
-
-    def _checked_fit(self, *args, **kwargs):
         found, check = find(self), None
         if found is not None:
             RUNTIME.topology("Model.fit() with a keras_ring optimizer")  # init() came first

@@ -1,4 +1,5 @@
-"""A failed fit frees its tf.data iterator as the error leaves it, in one process (size 1).
+"""A failed fit, evaluate or predict frees its tf.data iterators as the error leaves it, in
+one process (size 1).
 
 Before, the iterator lived on in a reference cycle through the error's frames until some
 later full garbage collection, wherever the program was then; its destructor waits for
@@ -47,6 +48,16 @@ class Fails(keras.callbacks.Callback):
             marker = "kept for a debugger"  # noqa: F841  the test reads it from the frame
             raise RuntimeError("the program's own error")
 
+    def on_test_batch_end(self, batch, logs=None):
+        if self.hook == "evaluate" and batch == 2:
+            marker = "kept for a debugger"  # noqa: F841
+            raise RuntimeError("the program's own error")
+
+    def on_predict_batch_end(self, batch, logs=None):
+        if self.hook == "predict" and batch == 2:
+            marker = "kept for a debugger"  # noqa: F841
+            raise RuntimeError("the program's own error")
+
     def on_epoch_end(self, epoch, logs=None):
         if self.hook == "epoch":
             marker = "kept for a debugger"  # noqa: F841
@@ -68,8 +79,26 @@ def test_a_failed_fit_frees_its_data_iterators_and_keeps_the_programs_frames(
                   validation_data=(x, y) if validation else None, callbacks=[Fails(hook)])
     assert _live_data_iterators() == before  # freed by the failure itself, no collection
     frames = [frame for frame, _ in traceback.walk_tb(info.value.__traceback__)]
-    raised_in = [f for f in frames if f.f_code.co_name in ("on_train_batch_end", "on_epoch_end")]
+    raised_in = [f for f in frames if f.f_code.co_name.startswith("on_")]
     assert raised_in and raised_in[-1].f_locals["marker"] == "kept for a debugger"
     assert "the program's own error" in "".join(traceback.format_exception(info.value))
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # the model trains on after it
     assert _live_data_iterators() == before
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_a_failed_evaluate_or_predict_frees_its_data_iterator(no_garbage_collection, call):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(keras_ring.wrap(keras.optimizers.SGD(0.1)), "mse")
+    x, y = np.ones((64, 4), "float32"), np.zeros((64, 2), "float32")
+    before = _live_data_iterators()
+    with pytest.raises(RuntimeError, match="the program's own error") as info:
+        if call == "evaluate":
+            model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[Fails(call)])
+        else:
+            model.predict(x, batch_size=8, verbose=0, callbacks=[Fails(call)])
+    assert _live_data_iterators() == before
+    frames = [frame for frame, _ in traceback.walk_tb(info.value.__traceback__)]
+    raised_in = [f for f in frames if f.f_code.co_name.startswith("on_")]
+    assert raised_in and raised_in[-1].f_locals["marker"] == "kept for a debugger"

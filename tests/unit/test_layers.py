@@ -78,6 +78,7 @@ LAYERS = {
     "keras_ring._weight_check": 7,
     "keras_ring._step_check": 7,
     "keras_ring._rate_check": 7,
+    "keras_ring._failed_calls": 7,  # a failed fit/evaluate/predict frees its data iterators
     "keras_ring._optimizer_settings": 7,
     "keras_ring._model_config": 7,  # how each rank's model is built, beside its weights
     "keras_ring._shared_files": 7,  # files that callbacks of several ranks would write

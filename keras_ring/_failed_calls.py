@@ -1,0 +1,95 @@
+"""A ``fit``, ``evaluate`` or ``predict`` that fails frees its ``tf.data`` iterators as the
+error leaves it.
+
+Otherwise the error's frames keep the iterator in a reference cycle until a full garbage
+collection, at any later moment. Its destructor waits for TensorFlow's autotune thread,
+which on a busy machine often misses its wake-up and sleeps out its optimization period
+(doubling with the iterator's age, up to 60 s; ``benchmarks/iterator_teardown.py``): one rank
+stalls mid-collective, and every peer with it. Freed as the error leaves the call, any wait
+is short (the call's age) and happens there.
+
+What is cleared: the locals of the Keras, TensorFlow and keras_ring frames of the error's
+tracebacks (with their callers up to the failed call, and its context's and cause's). The
+program's own frames keep theirs for a debugger; Keras and TensorFlow hide their frames from
+tracebacks anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Iterator
+from types import FrameType
+
+from keras_ring import _keras_private
+
+_HOOKED = ("fit", "evaluate", "predict")
+
+
+def install() -> None:
+    """Wraps ``Model.fit``, ``evaluate`` and ``predict`` (where the classes define them)."""
+    import keras
+
+    for name in _HOOKED:
+        owner = next(klass for klass in keras.Model.__mro__ if name in vars(klass))
+        original = getattr(owner, name)
+        if getattr(original, "_keras_ring_releases", False):
+            continue
+        setattr(owner, name, _releasing(original))
+
+
+def _releasing(original):
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except BaseException as error:
+            release(error, stop_at=sys._getframe())
+            raise
+
+    call._keras_ring_releases = True
+    return call
+
+
+def release(error: BaseException, stop_at: FrameType) -> int:
+    """Frees what the library frames of ``error`` hold (see the module's docstring); returns
+    how many frames it cleared."""
+    import keras
+    import tensorflow as tf
+
+    roots = (*(os.path.dirname(module.__file__) + os.sep for module in (keras, tf)),
+             os.path.dirname(os.path.abspath(__file__)) + os.sep)  # keras_ring's own
+    cleared = 0
+    for frame in _frames_of(error, stop_at):
+        if not frame.f_code.co_filename.startswith(roots):
+            continue
+        _keras_private.reset_epoch_iterators(frame.f_locals.values())
+        try:
+            frame.clear()
+            cleared += 1
+        except RuntimeError:  # still running: not one of the failed call's
+            pass
+        frame.f_locals  # noqa: B018  read again: empties the snapshot the first read made
+    return cleared
+
+
+def _frames_of(error: BaseException, stop_at: FrameType) -> Iterator[FrameType]:
+    """Each frame of ``error``'s tracebacks, its context's and its cause's, and their callers
+    up to (not including) ``stop_at``, once."""
+    seen: set[int] = set()
+    chained = [error]
+    while chained:
+        exception = chained.pop()
+        if id(exception) in seen:
+            continue
+        seen.add(id(exception))
+        chained.extend(e for e in (exception.__context__, exception.__cause__) if e is not None)
+        traceback = exception.__traceback__
+        while traceback is not None:
+            frame = traceback.tb_frame
+            while frame is not None and frame is not stop_at and id(frame) not in seen:
+                seen.add(id(frame))
+                yield frame
+                frame = frame.f_back
+            traceback = traceback.tb_next
