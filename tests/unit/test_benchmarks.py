@@ -106,20 +106,34 @@ def test_scatter_tables_have_every_implementation_and_size(mpirun, clean_env):
             assert all(v > 0 and math.isfinite(v) for v in values[0:9:3] + values[9:]), row
 
 
+def _rows(script: str, args: list[str], names: tuple[str, ...], env):
+    """A one-process benchmark's table rows that start with one of ``names``, by name."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[0].strip(): _numbers(line.split("|", 1)[1])
+            for line in proc.stdout.splitlines() if line.split("|")[0].strip() in names}
+    return proc, rows
+
+
 def test_keras_scaling_table_has_every_bucket_layout(clean_env):
     # One model (the CNN: its worker builds the most layers); each model is a row of its own,
     # and every row starts the same nine processes, so the MLP row adds only time here.
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "keras_scaling.py"), "--ranks", "2",
-         "--steps", "12", "--repeat", "1", "--models", "cnn"],
-        env=clean_env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {line.split("|")[0].strip(): _numbers(line.split("|", 1)[1])
-            for line in proc.stdout.splitlines() if line.startswith(("mlp", "cnn"))}
+    proc, rows = _rows("keras_scaling.py", ["--ranks", "2", "--steps", "12", "--repeat", "1",
+                                            "--models", "cnn"], ("mlp", "cnn"), clean_env)
     assert set(rows) == {"cnn"}, proc.stdout
     for model, (single, base, dist, _, one, _, overlap, _, *rounds) in rows.items():
         assert min(single, base, dist, one, overlap) > 0, (model, proc.stdout)
         assert len(rounds) == 3, (model, proc.stdout)  # one round: default/one bucket/overlap
+
+
+def test_iterator_teardown_table_times_both_kinds_of_iterator(clean_env):
+    proc, rows = _rows("iterator_teardown.py", ["--processes", "1", "--iterators", "2",
+                                                "--life", "0.1", "--busy", "1"],
+                       ("on", "off"), clean_env)
+    assert set(rows) == {"on", "off"}, proc.stdout
+    for count, slow, median, worst in rows.values():
+        assert count == 2 and 0 <= slow <= 2 and 0 <= median <= worst, proc.stdout
 
 
 def _cxx() -> str:

@@ -39,59 +39,64 @@ def _live_data_iterators() -> int:
 
 
 class Fails(keras.callbacks.Callback):
-    def __init__(self, hook: str):
-        super().__init__()
-        self.hook = hook
+    """Raises the program's own error at the third batch of a fit ("batch"), an evaluate or
+    a predict, or as a fit's first epoch ends ("epoch")."""
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.hook == "batch" and batch == 2:
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+
+    def _fail_at(self, where, batch=2):
+        if where == self.where and batch == 2:
             marker = "kept for a debugger"  # noqa: F841  the test reads it from the frame
             raise RuntimeError("the program's own error")
 
-    def on_test_batch_end(self, batch, logs=None):
-        if self.hook == "evaluate" and batch == 2:
-            marker = "kept for a debugger"  # noqa: F841
-            raise RuntimeError("the program's own error")
-
-    def on_predict_batch_end(self, batch, logs=None):
-        if self.hook == "predict" and batch == 2:
-            marker = "kept for a debugger"  # noqa: F841
-            raise RuntimeError("the program's own error")
+    def on_train_batch_end(self, batch, logs=None):
+        self._fail_at("batch", batch)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.hook == "epoch":
-            marker = "kept for a debugger"  # noqa: F841
-            raise RuntimeError("the program's own error")
+        self._fail_at("epoch")
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._fail_at("evaluate", batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._fail_at("predict", batch)
 
 
-@pytest.mark.parametrize("hook, steps, validation", [
-    ("batch", None, False), ("epoch", None, False), ("batch", 4, False), ("epoch", None, True),
-], ids=["mid-epoch", "epoch end", "steps_per_epoch", "after validation"])
-def test_a_failed_fit_frees_its_data_iterators_and_keeps_the_programs_frames(
-        no_garbage_collection, hook, steps, validation):
+def _model_and_data():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(keras_ring.wrap(keras.optimizers.SGD(0.1)), "mse")
-    x, y = np.ones((64, 4), "float32"), np.zeros((64, 2), "float32")
+    return model, np.ones((64, 4), "float32"), np.zeros((64, 2), "float32")
+
+
+def _assert_the_programs_frame_kept_its_locals(error: BaseException) -> None:
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    raised_in = [f for f in frames if f.f_code.co_name == "_fail_at"]
+    assert raised_in and raised_in[-1].f_locals["marker"] == "kept for a debugger"
+    assert "the program's own error" in "".join(traceback.format_exception(error))
+
+
+@pytest.mark.parametrize("where, steps, validation", [
+    ("batch", None, False), ("epoch", None, False), ("batch", 4, False), ("epoch", None, True),
+], ids=["mid-epoch", "epoch end", "steps_per_epoch", "after validation"])
+def test_a_failed_fit_frees_its_data_iterators_and_keeps_the_programs_frames(
+        no_garbage_collection, where, steps, validation):
+    model, x, y = _model_and_data()
     before = _live_data_iterators()
     with pytest.raises(RuntimeError, match="the program's own error") as info:
         model.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=steps, verbose=0,
-                  validation_data=(x, y) if validation else None, callbacks=[Fails(hook)])
+                  validation_data=(x, y) if validation else None, callbacks=[Fails(where)])
     assert _live_data_iterators() == before  # freed by the failure itself, no collection
-    frames = [frame for frame, _ in traceback.walk_tb(info.value.__traceback__)]
-    raised_in = [f for f in frames if f.f_code.co_name.startswith("on_")]
-    assert raised_in and raised_in[-1].f_locals["marker"] == "kept for a debugger"
-    assert "the program's own error" in "".join(traceback.format_exception(info.value))
+    _assert_the_programs_frame_kept_its_locals(info.value)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # the model trains on after it
     assert _live_data_iterators() == before
 
 
 @pytest.mark.parametrize("call", ["evaluate", "predict"])
 def test_a_failed_evaluate_or_predict_frees_its_data_iterator(no_garbage_collection, call):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    model.compile(keras_ring.wrap(keras.optimizers.SGD(0.1)), "mse")
-    x, y = np.ones((64, 4), "float32"), np.zeros((64, 2), "float32")
+    model, x, y = _model_and_data()
     before = _live_data_iterators()
     with pytest.raises(RuntimeError, match="the program's own error") as info:
         if call == "evaluate":
@@ -99,6 +104,4 @@ def test_a_failed_evaluate_or_predict_frees_its_data_iterator(no_garbage_collect
         else:
             model.predict(x, batch_size=8, verbose=0, callbacks=[Fails(call)])
     assert _live_data_iterators() == before
-    frames = [frame for frame, _ in traceback.walk_tb(info.value.__traceback__)]
-    raised_in = [f for f in frames if f.f_code.co_name.startswith("on_")]
-    assert raised_in and raised_in[-1].f_locals["marker"] == "kept for a debugger"
+    _assert_the_programs_frame_kept_its_locals(info.value)
