@@ -231,6 +231,7 @@ bench: venv build/allreduce_floor build/nccl_host_cost build/agreement
 	$(GUARD) $(VPY) benchmarks/keras_scaling.py --ranks 2
 	$(GUARD) $(VPY) benchmarks/elastic_reset.py --repeat 3
 	$(GUARD) $(MPIRUN) -np 2 $(VPY) benchmarks/timeline_memory.py --collectives 200000 --trace build/timeline_bench.json
+	$(GUARD) $(VPY) benchmarks/iterator_teardown.py --processes 4 --busy 1 --life 3 --iterators 10
 
 # Across two network-namespace hosts (needs root): keras_ring and MPI_Allreduce on one link.
 bench-multihost: venv
