@@ -45,7 +45,10 @@ def _releasing(original):
         try:
             return original(*args, **kwargs)
         except BaseException as error:
-            release(error, stop_at=sys._getframe())
+            try:
+                release(error, stop_at=sys._getframe())
+            except Exception:  # noqa: BLE001  never in place of the program's own error
+                pass
             raise
 
     call._keras_ring_releases = True

@@ -244,12 +244,14 @@ def forget_traced_functions(model: Any) -> None:
 def reset_epoch_iterators(values: Any) -> None:
     """Resets each Keras epoch iterator in ``values``, and the validation iterator of each
     model there that fit left behind: their ``tf.data`` iterators are dropped now."""
+    import keras
     from keras.src.trainers.epoch_iterator import EpochIterator  # in every Keras 3
 
     for value in list(values):
         if isinstance(value, EpochIterator):
             value.reset()  # its suspended epoch generator holds it in a cycle
-        elif getattr(value, "_eval_epoch_iterator", None) is not None:
+        elif (isinstance(value, keras.Model)
+              and getattr(value, "_eval_epoch_iterator", None) is not None):
             # fit drops the model's validation iterator at its end, which a failed fit
             # never reached.
             value._eval_epoch_iterator.reset()
