@@ -1,14 +1,18 @@
-"""A ``fit``, ``evaluate`` or ``predict`` that fails frees its ``tf.data`` iterators as the
-error leaves it.
+"""What a failed ``fit``, ``evaluate`` or ``predict`` held, its ``tf.data`` iterators among
+it, is freed as the next such call starts, never by a garbage collection mid-collective.
 
-Otherwise the error's frames keep the iterator in a reference cycle until a full garbage
-collection, at any later moment. Its destructor waits for TensorFlow's autotune thread,
-which on a busy machine often misses its wake-up and sleeps out its optimization period
-(doubling with the iterator's age, up to 60 s; ``benchmarks/iterator_teardown.py``): one rank
-stalls mid-collective, and every peer with it. Freed as the error leaves the call, any wait
-is short (the call's age) and happens there.
+The error's frames keep the iterator in a reference cycle until a full garbage collection,
+at any later moment. Its destructor waits for TensorFlow's autotune thread, which on a busy
+machine often misses its wake-up and sleeps out its optimization period (doubling with the
+iterator's age, up to 60 s; ``benchmarks/iterator_teardown.py``): one rank stalled
+mid-collective, and every peer with it, tests after the failure. Freed at once instead, the
+wait would delay the failure itself (a peer learns of it later; a handler may meet the
+failure exit's grace). So the failure only moves what the frames hold into
+``RUNTIME.held_after_failure``, which costs nothing, and the next call frees it on every
+rank before its first collective, after one call's worth of aging. A process that ends after
+the failure frees it at exit, as before.
 
-What is cleared: the locals of the Keras, TensorFlow and keras_ring frames of the error's
+What is moved: the locals of the Keras, TensorFlow and keras_ring frames of the error's
 tracebacks (with their callers up to the failed call, and its context's and cause's). The
 program's own frames keep theirs for a debugger; Keras and TensorFlow hide their frames from
 tracebacks anyway.
@@ -23,6 +27,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 from keras_ring import _keras_private
+from keras_ring.runtime import RUNTIME
 
 _HOOKED = ("fit", "evaluate", "predict")
 
@@ -42,11 +47,12 @@ def install() -> None:
 def _releasing(original):
     @functools.wraps(original)
     def call(*args, **kwargs):
+        release_held()
         try:
             return original(*args, **kwargs)
         except BaseException as error:
             try:
-                release(error, stop_at=sys._getframe())
+                hold(error, stop_at=sys._getframe())
             except Exception:  # noqa: BLE001  never in place of the program's own error
                 pass
             raise
@@ -55,9 +61,17 @@ def _releasing(original):
     return call
 
 
-def release(error: BaseException, stop_at: FrameType) -> int:
-    """Frees what the library frames of ``error`` hold (see the module's docstring); returns
-    how many frames it cleared."""
+def release_held() -> None:
+    """Frees what failed calls left (the ``tf.data`` iterators' teardown waits happen here)."""
+    held = RUNTIME.held_after_failure
+    if held:
+        _keras_private.reset_epoch_iterators(held)
+        held.clear()
+
+
+def hold(error: BaseException, stop_at: FrameType) -> int:
+    """Moves what the library frames of ``error`` hold into ``RUNTIME.held_after_failure``
+    (see the module's docstring); returns how many frames it cleared."""
     import keras
     import tensorflow as tf
 
@@ -67,7 +81,7 @@ def release(error: BaseException, stop_at: FrameType) -> int:
     for frame in _frames_of(error, stop_at):
         if not frame.f_code.co_filename.startswith(roots):
             continue
-        _keras_private.reset_epoch_iterators(frame.f_locals.values())
+        RUNTIME.held_after_failure.extend(_keras_private.fit_leftovers(frame.f_locals.values()))
         try:
             frame.clear()
             cleared += 1

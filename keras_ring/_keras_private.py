@@ -241,21 +241,28 @@ def forget_traced_functions(model: Any) -> None:
             setattr(model, name, None)
 
 
-def reset_epoch_iterators(values: Any) -> None:
-    """Resets each Keras epoch iterator in ``values``, and the validation iterator of each
-    model there that fit left behind: their ``tf.data`` iterators are dropped now."""
+def fit_leftovers(values: Any) -> list:
+    """``values``, with the validation iterator of each model among them that a fit which
+    never reached its end left on it (taken off the model)."""
     import keras
+
+    leftovers = list(values)
+    for value in list(leftovers):
+        if (isinstance(value, keras.Model)
+                and getattr(value, "_eval_epoch_iterator", None) is not None):
+            leftovers.append(value._eval_epoch_iterator)  # fit drops it at its end
+            value._eval_epoch_iterator = None
+    return leftovers
+
+
+def reset_epoch_iterators(values: Any) -> None:
+    """Resets each Keras epoch iterator in ``values``: its ``tf.data`` iterator, held in a
+    cycle by its suspended epoch generator, is dropped now."""
     from keras.src.trainers.epoch_iterator import EpochIterator  # in every Keras 3
 
-    for value in list(values):
+    for value in values:
         if isinstance(value, EpochIterator):
-            value.reset()  # its suspended epoch generator holds it in a cycle
-        elif (isinstance(value, keras.Model)
-              and getattr(value, "_eval_epoch_iterator", None) is not None):
-            # fit drops the model's validation iterator at its end, which a failed fit
-            # never reached.
-            value._eval_epoch_iterator.reset()
-            value._eval_epoch_iterator = None
+            value.reset()
 
 
 def first_batch(epoch_iterator: Any) -> Any:

@@ -51,6 +51,9 @@ class Runtime:
         self._elastic: elastic_client.ElasticClient | None = None
         self._generation = 0  # counts init()s: what is checked once per job starts again
         self._pid = os.getpid()  # of the process whose runtime this is (init() sets it)
+        # What a failed fit/evaluate/predict held (its tf.data iterators among it), kept so
+        # that it is freed as the next such call starts (keras_ring._failed_calls).
+        self.held_after_failure: list[object] = []
 
     @property
     def generation(self) -> int:

@@ -1,5 +1,5 @@
-"""A failed fit, evaluate or predict frees its tf.data iterators as the error leaves it, in
-one process (size 1).
+"""What a failed fit, evaluate or predict held, its tf.data iterators among it, is freed as
+the next such call starts, never by a garbage collection; in one process (size 1).
 
 Before, the iterator lived on in a reference cycle through the error's frames until some
 later full garbage collection, wherever the program was then; its destructor waits for
@@ -16,6 +16,7 @@ from tensorflow.python.data.ops import iterator_ops
 
 import keras
 import keras_ring
+from keras_ring.runtime import RUNTIME
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,24 +79,36 @@ def _assert_the_programs_frame_kept_its_locals(error: BaseException) -> None:
     assert "the program's own error" in "".join(traceback.format_exception(error))
 
 
+def _assert_held_not_garbage(before: int) -> None:
+    # The failed call's iterators are alive, held for the next call to free, and none of
+    # them is garbage a collection would destroy wherever the program happens to be.
+    held = _live_data_iterators()
+    gc.collect()
+    assert _live_data_iterators() == held > before
+    assert RUNTIME.held_after_failure
+
+
 @pytest.mark.parametrize("where, steps, validation", [
     ("batch", None, False), ("epoch", None, False), ("batch", 4, False), ("epoch", None, True),
 ], ids=["mid-epoch", "epoch end", "steps_per_epoch", "after validation"])
-def test_a_failed_fit_frees_its_data_iterators_and_keeps_the_programs_frames(
+def test_a_failed_fits_data_iterators_are_freed_as_the_next_call_starts(
         no_garbage_collection, where, steps, validation):
     model, x, y = _model_and_data()
     before = _live_data_iterators()
     with pytest.raises(RuntimeError, match="the program's own error") as info:
         model.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=steps, verbose=0,
                   validation_data=(x, y) if validation else None, callbacks=[Fails(where)])
-    assert _live_data_iterators() == before  # freed by the failure itself, no collection
     _assert_the_programs_frame_kept_its_locals(info.value)
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # the model trains on after it
+    del info  # the program lets go of the error: only what keras_ring holds stays
+    _assert_held_not_garbage(before)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # frees them, and trains on
+    assert RUNTIME.held_after_failure == []
     assert _live_data_iterators() == before
 
 
 @pytest.mark.parametrize("call", ["evaluate", "predict"])
-def test_a_failed_evaluate_or_predict_frees_its_data_iterator(no_garbage_collection, call):
+def test_a_failed_evaluate_or_predicts_data_iterator_is_freed_by_the_next_call(
+        no_garbage_collection, call):
     model, x, y = _model_and_data()
     before = _live_data_iterators()
     with pytest.raises(RuntimeError, match="the program's own error") as info:
@@ -103,5 +116,9 @@ def test_a_failed_evaluate_or_predict_frees_its_data_iterator(no_garbage_collect
             model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[Fails(call)])
         else:
             model.predict(x, batch_size=8, verbose=0, callbacks=[Fails(call)])
-    assert _live_data_iterators() == before
     _assert_the_programs_frame_kept_its_locals(info.value)
+    del info  # the program lets go of the error: only what keras_ring holds stays
+    _assert_held_not_garbage(before)
+    model.predict(x, batch_size=8, verbose=0)
+    assert RUNTIME.held_after_failure == []
+    assert _live_data_iterators() == before
