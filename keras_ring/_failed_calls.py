@@ -65,8 +65,12 @@ def release_held() -> None:
     """Frees what failed calls left (the ``tf.data`` iterators' teardown waits happen here)."""
     held = RUNTIME.held_after_failure
     if held:
-        _keras_private.reset_epoch_iterators(held)
-        held.clear()
+        try:
+            _keras_private.reset_epoch_iterators(held)
+        except Exception:  # noqa: BLE001  freeing is best effort, never the call's failure
+            pass
+        finally:
+            held.clear()
 
 
 def hold(error: BaseException, stop_at: FrameType) -> int:

@@ -262,7 +262,10 @@ def reset_epoch_iterators(values: Any) -> None:
 
     for value in values:
         if isinstance(value, EpochIterator):
-            value.reset()
+            if hasattr(value, "reset"):
+                value.reset()
+            else:  # Keras 3.5-3.x: no reset(); the epoch generator was fit's own local
+                value._current_iterator = None
 
 
 def first_batch(epoch_iterator: Any) -> Any:
