@@ -73,26 +73,23 @@ def release_held() -> None:
             held.clear()
 
 
-def hold(error: BaseException, stop_at: FrameType) -> int:
+def hold(error: BaseException, stop_at: FrameType) -> None:
     """Moves what the library frames of ``error`` hold into ``RUNTIME.held_after_failure``
-    (see the module's docstring); returns how many frames it cleared."""
+    (see the module's docstring)."""
     import keras
     import tensorflow as tf
 
     roots = (*(os.path.dirname(module.__file__) + os.sep for module in (keras, tf)),
              os.path.dirname(os.path.abspath(__file__)) + os.sep)  # keras_ring's own
-    cleared = 0
     for frame in _frames_of(error, stop_at):
         if not frame.f_code.co_filename.startswith(roots):
             continue
         RUNTIME.held_after_failure.extend(_keras_private.fit_leftovers(frame.f_locals.values()))
         try:
             frame.clear()
-            cleared += 1
         except RuntimeError:  # still running: not one of the failed call's
             pass
         frame.f_locals  # noqa: B018  read again: empties the snapshot the first read made
-    return cleared
 
 
 def _frames_of(error: BaseException, stop_at: FrameType) -> Iterator[FrameType]:
