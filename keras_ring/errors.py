@@ -134,6 +134,20 @@ _PLACE_HINT = (
     "same number of iterations (e.g. the ranks' largest count, keras_ring.allreduce with "
     "op=keras_ring.Max), and collectives outside branches that depend on a rank's data")
 
+# An unnamed collective built in a graph also says which of its function's unnamed
+# collectives it is (keras_ring.ops.wrappers._place): ranks in one place that met different
+# ones are out of step within a function.
+_UNNAMED_PLACE = re.compile(r"'\(in ([^']*), unnamed collective \d+\)'")
+_ORDER_HINT = (
+    ". The ranks met different unnamed collectives of one function (numbered in the order "
+    "the function builds them): a loop before this one ran more times on some ranks, or a "
+    "run of the function failed on some ranks after some of its collectives had run and "
+    "the program caught the error and went on (that rank's next run then meets the others' "
+    "later collectives). Run the same collectives in the same order on every rank; a step "
+    "that has run collectives cannot be skipped or retried on some ranks alone: let its "
+    "error end the job, or decide on every rank before the step (a bad batch: allreduce a "
+    "flag with op=keras_ring.Max and skip it everywhere)")
+
 
 class WeightMismatchError(KerasRingError, ValueError):
     """The ranks hold different weights of a model they train together (its initial weights
@@ -212,7 +226,8 @@ def _ours(cls: type, message: str, node_def=None, op=None) -> KerasRingError:
         hint = (_METRIC_AVERAGE_OPERATION_HINT if "operation mismatch" in message else
                 _METRIC_AVERAGE_NAME_HINT if "name mismatch" in message else "")
     if not hint and "name mismatch" in message and "(in tf." in message:
-        hint = _PLACE_HINT
+        places = _UNNAMED_PLACE.findall(message)
+        hint = _ORDER_HINT if len(places) > 1 and len(set(places)) == 1 else _PLACE_HINT
     err = cls(node_def, op, message + hint)
     info = error_info(message)
     if info is not None:

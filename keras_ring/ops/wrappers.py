@@ -11,6 +11,7 @@ import contextlib
 import functools
 import re
 import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -183,21 +184,44 @@ def _body_kind(graph: tf.Graph) -> str | None:
     return f"{kind} (gradient)" if _GRADIENT.search(graph.name) else kind
 
 
-def _place() -> str:
+# How many unnamed collectives of each process set each function's graph has built so far.
+# Not the graph's collections: a branch's or a body's graph starts with a copy of its outer
+# graph's.
+_UNNAMED_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _place(unnamed: bool, process_set_id: int) -> str:
     """`` (in tf.while_loop body > tf.cond true branch)`` for a collective being built in
     those bodies, else "". It joins the collective's name, so the signature check tells apart
     collectives that ranks reached in different places of a function: a loop that ran more
     times on one rank, a branch taken by data. Unnamed, such collectives were told apart by
     kind, dtype and shape alone, and one rank's loop collective paired silently with the
     other's next. A nested tf.function counts where it was traced (its graph's outer
-    graph), which is the same on every rank that runs the same program."""
-    graph, kinds = tf.compat.v1.get_default_graph(), []
+    graph), which is the same on every rank that runs the same program.
+
+    An unnamed collective's place also says which of its function's unnamed collectives (of
+    its process set, in the order the function built them, its bodies' included) it is:
+    `` (in tf.function, unnamed collective 2)``. A run of a function that failed on one rank
+    between two of them, caught there, left that rank one behind, and its next run's first
+    collective paired silently with the others' second; so did the first of two loops in a
+    row that ran more times on one rank."""
+    graph = tf.compat.v1.get_default_graph()
+    kinds, function = [], None
     while isinstance(graph, FuncGraph):
         kind = _body_kind(graph)
         if kind is not None:
             kinds.append(kind)
+        elif function is None:
+            function = graph  # the innermost function's own graph: where positions count
         graph = graph.outer_graph
-    return f" (in {' > '.join(reversed(kinds))})" if kinds else ""
+    where = " > ".join(reversed(kinds))
+    if not unnamed:
+        return f" (in {where})" if where else ""
+    function = graph if function is None else function  # else a TF1 tf.Graph's
+    counts = _UNNAMED_BUILT.setdefault(function, {})
+    counts[process_set_id] = position = counts.get(process_set_id, 0) + 1
+    default = "tf.function" if isinstance(function, FuncGraph) else "tf.Graph"
+    return f" (in {where or default}, unnamed collective {position})"
 
 
 def _common(kind: str, tensor_name: str, process_set_id: int) -> tuple:
@@ -209,7 +233,7 @@ def _common(kind: str, tensor_name: str, process_set_id: int) -> tuple:
     # across places (a custom step's weight check runs as one rank traces its step and, on
     # another, inside the traced step's If).
     placed = not eager and not tensor_name.startswith("keras_ring.")
-    name = (tensor_name + (_place() if placed else "")).strip()
+    name = (tensor_name + (_place(not tensor_name, process_set_id) if placed else "")).strip()
     return (_eager_name(name) if eager else name), _attrs(kind, tensor_name, process_set_id, eager)
 
 

@@ -160,7 +160,59 @@ def test_a_loop_that_runs_more_times_on_one_rank_fails_on_every_rank_saying_wher
     assert step(tf.ones([3]), tf.constant(2)).numpy().tolist() == [10.0 * size ** 3] * 3
     _expect_on_every_rank(lambda: step(tf.ones([3]), tf.constant(1 + (rank == 0))),
                           kr.CollectiveMismatchError, "name mismatch",
-                          "'(in tf.while_loop body)'", "no name", "ran more times")
+                          "'(in tf.while_loop body, unnamed collective 1)'",
+                          "'(in tf.function, unnamed collective 2)'", "ran more times")
+
+
+# Unnamed collectives of two loops in a row: where the first ran more times on one rank, its
+# collective met the others' second loop's and paired silently (the place was the same).
+def test_the_first_of_two_loops_running_more_times_on_one_rank_fails_on_every_rank(world):
+    rank, size = world
+
+    @tf.function
+    def step(x, iterations):
+        for _ in tf.range(iterations):
+            x = kr.allreduce(x, op=kr.Sum)
+        for _ in tf.range(2):
+            x = kr.allreduce(x * 10, op=kr.Sum)
+        return x
+
+    assert step(tf.ones([3]), tf.constant(1)).numpy().tolist() == [100.0 * size ** 3] * 3
+    _expect_on_every_rank(lambda: step(tf.ones([3]), tf.constant(1 + (rank == 0))),
+                          kr.CollectiveMismatchError, "name mismatch",
+                          "'(in tf.while_loop body, unnamed collective 1)'",
+                          "'(in tf.while_loop body, unnamed collective 2)'", "a loop before")
+
+
+# Unnamed collectives in a function's own graph were told apart by kind, dtype and shape
+# alone: where a run of the function failed on one rank between two of them and the program
+# caught the error (a bad batch skipped), that rank's next run paired its first collective
+# with the others' second, silently and for ever (a probe: wrong sums on every rank, ranks
+# disagreeing, until a PeerFailureError at exit).
+def test_a_run_that_failed_between_collectives_on_one_rank_is_a_mismatch_not_a_shift(world):
+    rank, size = world
+
+    @tf.function
+    def step(x, scale):
+        a = kr.allreduce(x, op=kr.Sum)
+        checked = tf.debugging.check_numerics(scale, "bad batch") + 0 * a[0]
+        return a, kr.allreduce(x * checked, op=kr.Sum)
+
+    x = tf.constant([float(rank + 1)])
+    assert [t.numpy().tolist() for t in step(x, tf.constant(10.0))] == [
+        [size * (size + 1) / 2], [10 * size * (size + 1) / 2]]
+
+    def skip_a_bad_batch_then_go_on():
+        try:
+            step(x, tf.constant(np.nan if rank == size - 1 else 10.0))
+        except tf.errors.InvalidArgumentError as error:
+            if isinstance(error, kr.KerasRingError):
+                raise
+        step(x, tf.constant(10.0))
+
+    _expect_on_every_rank(skip_a_bad_batch_then_go_on, kr.CollectiveMismatchError,
+                          "name mismatch", "'(in tf.function, unnamed collective 1)'",
+                          "'(in tf.function, unnamed collective 2)'", "caught the error")
 
 
 def _nested_function_in_a_loop(rank):
@@ -217,7 +269,8 @@ def _gradients_of_a_branch_taken_by_data(rank):
 def test_divergent_places_beyond_a_loop_body_fail_on_every_rank(world, program):
     rank, _ = world
     run, place = program(rank)
-    _expect_on_every_rank(run, kr.CollectiveMismatchError, "name mismatch", f"(in {place})")
+    _expect_on_every_rank(run, kr.CollectiveMismatchError, "name mismatch",
+                          f"(in {place}, unnamed collective ")
 
 
 def test_a_branch_taken_by_data_fails_on_every_rank_naming_both_branches(world):
@@ -233,7 +286,8 @@ def test_a_branch_taken_by_data_fails_on_every_rank_naming_both_branches(world):
     assert step(-tf.ones([2])).numpy().tolist() == [float(size)] * 2
     _expect_on_every_rank(lambda: step(tf.ones([2]) * (1 if rank == 0 else -1)),
                           kr.CollectiveMismatchError, "name mismatch",
-                          "'(in tf.cond true branch)'", "'(in tf.cond false branch)'")
+                          "'(in tf.cond true branch, unnamed collective 1)'",
+                          "'(in tf.cond false branch, unnamed collective 2)'")
 
 
 def test_tapes_in_branches_taken_by_data_fail_instead_of_averaging_different_variables(world):

@@ -53,6 +53,23 @@ def test_sets_know_their_ranks(world, sets):
         kr.size_op(ids[3])
 
 
+def test_a_functions_unnamed_collectives_are_counted_per_set(world, sets):
+    # An unnamed collective in a graph carries its position among the graph's unnamed ones;
+    # counted across sets, the odd ranks' extra collective in their set would put the global
+    # allreduce at another position there than on the even ranks: a false mismatch.
+    rank, size = world
+    mine = _mine(sets, rank)
+
+    @tf.function
+    def step(x):
+        for _ in range(1 + rank % 2):
+            x = kr.allreduce(x, op=kr.Sum, process_set=mine)
+        return kr.allreduce(x, op=kr.Sum)
+
+    expected = sum(_mine(sets, r).size() ** (1 + r % 2) for r in range(size))
+    assert step(tf.ones([2])).numpy().tolist() == [expected] * 2
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_allreduce_runs_among_the_set_only(world, sets, mode):
     rank, size = world
