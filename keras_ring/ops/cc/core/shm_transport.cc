@@ -380,17 +380,30 @@ Status ShmTransport::CheckPeers(const Job& job, bool starting) const {
   if (abort_.aborted()) return abort_.WaitError();
   KR_RETURN_IF_ERROR(InterruptStatus());
   const int waited_for[2] = {job.receiving() ? job.from : -1, job.sending() ? job.to : -1};
+  // A peer that shut down cleanly left its last data in our rings: only a wait that cannot
+  // progress is an error. Progress is looked at after the peer's flag is read (acquire): it
+  // wrote that data before its flag, which may have come after this wait last looked, so a
+  // correct job's final collective met "rank 1 has shut down" on a busy machine. A peer that
+  // failed must stop us even mid-collective.
+  auto left_cleanly = [&](const Peer& p) {
+    return p.region->aborted.load(std::memory_order_acquire) != 0 &&
+           static_cast<Code>(p.region->cause_code) == Code::kCancelled &&
+           (starting || job.CanProgress());
+  };
   for (int peer : waited_for) {
     if (peer < 0) continue;
     const Peer& p = peers_[static_cast<size_t>(peer)];
     if (p.region->aborted.load(std::memory_order_acquire) != 0) {
-      const Code code = static_cast<Code>(p.region->cause_code);
-      // A peer that shut down cleanly left its last data in our rings: only a wait that
-      // cannot progress is an error. A peer that failed must stop us even mid-collective.
-      if (starting && code == Code::kCancelled) continue;
-      return PeerGaveUp(peer, code, p.region->cause_peer, p.region->cause_message);
+      if (left_cleanly(p)) continue;
+      return PeerGaveUp(peer, static_cast<Code>(p.region->cause_code), p.region->cause_peer,
+                        p.region->cause_message);
     }
-    if (!starting && PeerSocketClosed(p.liveness_fd)) {
+    // Its flag is set before its process ends: read again, it may have left just now.
+    if (!starting && PeerSocketClosed(p.liveness_fd) && !left_cleanly(p)) {
+      if (p.region->aborted.load(std::memory_order_acquire) != 0) {
+        return PeerGaveUp(peer, static_cast<Code>(p.region->cause_code), p.region->cause_peer,
+                          p.region->cause_message);
+      }
       return Status(Code::kUnavailable,
                     "lost rank " + std::to_string(peer) +
                         ": its process exited, crashed or was killed",
