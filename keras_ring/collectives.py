@@ -16,7 +16,6 @@ import tensorflow as tf
 
 from keras_ring import _keras_private, errors
 from keras_ring.ops import wrappers
-from keras_ring.ops.wrappers import not_autograph as _not_autograph
 from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.process_sets import (ROOT_NOT_IN_SET, ProcessSet, global_process_set, resolve,
                                      root_in_set, set_rank, set_size)
@@ -199,7 +198,10 @@ def decompress(compression: Any, tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
     return tensor if compression is None else compression.decompress(tensor, ctx)
 
 
-@_not_autograph
+# The public collectives are not converted by autograph (do_not_convert): else the first
+# tf.function calling one converted them and all they call, seconds of tracing; they are
+# written for graphs as they are.
+@tf.autograph.experimental.do_not_convert
 def allreduce(
     tensor: Any,
     op: ReduceOp | None = None,
@@ -328,7 +330,7 @@ def _tensor_list(tensors: Any, what: str, items: str = "tensors") -> list:
     return list(tensors)
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def grouped_allreduce(
     tensors: Sequence[Any],
     op: ReduceOp | None = None,
@@ -383,7 +385,7 @@ def grouped_allreduce(
     return out
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
                       ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
@@ -405,7 +407,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
             for i, t in enumerate(tensors)]
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenates every rank's tensor along the first dimension, in rank order.
@@ -426,7 +428,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     return _run(wrappers.allgather, tensor, _check_name(name), set_id)
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
@@ -504,7 +506,7 @@ def _shared_variables(variables: Sequence[Any]) -> list[Any]:
     return [v for v in variables if not _own_to_each_rank(v)]
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def broadcast_variables(variables: Sequence[Any], root_rank: int,
                         process_set: ProcessSet = global_process_set,
                         inplace: bool = False) -> None:
@@ -534,7 +536,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     _assign_from_root(variables, root_rank, "broadcast_variables", process_set)
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Horovod's in-place broadcast: assigns the root's values to ``variables`` on every rank
@@ -555,7 +557,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     return [tf.convert_to_tensor(var) for var in variables]
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def broadcast_global_variables(root_rank: int) -> Any:
     """Horovod's TF1-style broadcast of ``tf.compat.v1.global_variables()``: an op that
     assigns the root's values to them, for graphs built with ``tf.compat.v1``.

@@ -22,7 +22,6 @@ import sys
 import tensorflow as tf
 
 from keras_ring import basics
-from keras_ring.ops.wrappers import not_autograph as _not_autograph
 from keras_ring.runtime import RUNTIME
 
 
@@ -33,14 +32,14 @@ def _graph_value(read, what: str) -> tf.Tensor:
     return value
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank, as an int32 op evaluated when the graph runs."""
     del name
     return _graph_value(basics.rank, "rank_op")
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """The number of processes (of process set ``process_set_id``; all by default), as an
     int32 op evaluated when the graph runs. Horovod's signature: an id passed first is a set's,
@@ -59,14 +58,14 @@ def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     return _graph_value(set_size, "size_op")
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def local_rank_op(name: str | None = None) -> tf.Tensor:
     """This process's index on its host, as an int32 op evaluated when the graph runs."""
     del name
     return _graph_value(basics.local_rank, "local_rank_op")
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def local_size_op(name: str | None = None) -> tf.Tensor:
     """The number of processes on this host, as an int32 op evaluated when the graph runs."""
     del name
@@ -78,7 +77,7 @@ PROCESS_SET_ERROR_INIT = -1
 PROCESS_SET_ERROR_UNKNOWN_SET = -3
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """1 if this process belongs to process set ``process_set_id``, 0 if not, read when the
     graph runs; Horovod's error codes -1 (not initialized) and -3 (unknown set)."""

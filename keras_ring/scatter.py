@@ -16,7 +16,6 @@ import tensorflow as tf
 from keras_ring import collectives as _c
 from keras_ring.compression import Compression, Compressor, check_compression
 from keras_ring.ops import wrappers
-from keras_ring.ops.wrappers import not_autograph as _not_autograph
 from keras_ring.ops.reduce_op import ReduceOp
 from keras_ring.process_sets import ProcessSet, global_process_set, resolve, set_rank, set_size
 
@@ -34,7 +33,7 @@ def reducescatter_rows(rows: int, size: int, rank: int) -> int:
     return rows // size + (1 if rank < rows % size else 0)
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def reducescatter(
     tensor: Any,
     device_dense: str = "",
@@ -93,7 +92,7 @@ def reducescatter(
     return _c.decompress(compression, out, ctx)
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def grouped_reducescatter(
     tensors: Sequence[Any],
     device_dense: str = "",
@@ -148,7 +147,7 @@ def _splits_tensor(splits: Any) -> tf.Tensor:
     return tf.constant([min(max(int(v), low), high) for v in array], tf.int32, shape=[array.size])
 
 
-@_not_autograph
+@tf.autograph.experimental.do_not_convert
 def alltoall(
     tensor: Any,
     splits: Any = None,

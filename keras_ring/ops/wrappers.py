@@ -28,11 +28,6 @@ from keras_ring.ops.loader import library
 from keras_ring.ops.xla import check_not_xla_compiled
 from keras_ring.ops.reduce_op import ReduceOp
 
-# For the public functions a tf.function may call: autograph would otherwise convert them and
-# everything they call (some thirty functions) the first time a user's function calls one,
-# seconds of tracing; they are written for graphs as they are.
-not_autograph = tf.autograph.experimental.do_not_convert
-
 _NODE_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
 
 

@@ -385,25 +385,17 @@ Status ShmTransport::CheckPeers(const Job& job, bool starting) const {
   // wrote that data before its flag, which may have come after this wait last looked, so a
   // correct job's final collective met "rank 1 has shut down" on a busy machine. A peer that
   // failed must stop us even mid-collective.
-  auto left_cleanly = [&](const Peer& p) {
-    return p.region->aborted.load(std::memory_order_acquire) != 0 &&
-           static_cast<Code>(p.region->cause_code) == Code::kCancelled &&
-           (starting || job.CanProgress());
-  };
   for (int peer : waited_for) {
     if (peer < 0) continue;
     const Peer& p = peers_[static_cast<size_t>(peer)];
+    // The socket before the flag: a clean shutdown sets the flag before its process ends.
+    const bool gone = !starting && PeerSocketClosed(p.liveness_fd);
     if (p.region->aborted.load(std::memory_order_acquire) != 0) {
-      if (left_cleanly(p)) continue;
-      return PeerGaveUp(peer, static_cast<Code>(p.region->cause_code), p.region->cause_peer,
-                        p.region->cause_message);
+      const Code code = static_cast<Code>(p.region->cause_code);
+      if (code == Code::kCancelled && (starting || job.CanProgress())) continue;
+      return PeerGaveUp(peer, code, p.region->cause_peer, p.region->cause_message);
     }
-    // Its flag is set before its process ends: read again, it may have left just now.
-    if (!starting && PeerSocketClosed(p.liveness_fd) && !left_cleanly(p)) {
-      if (p.region->aborted.load(std::memory_order_acquire) != 0) {
-        return PeerGaveUp(peer, static_cast<Code>(p.region->cause_code), p.region->cause_peer,
-                          p.region->cause_message);
-      }
+    if (gone) {
       return Status(Code::kUnavailable,
                     "lost rank " + std::to_string(peer) +
                         ": its process exited, crashed or was killed",
